@@ -1,0 +1,52 @@
+"""The status panel: what the engine is doing now and over the last minutes.
+
+Numbers come from `engine.stats()` (running, waiting, KV cache) and from the `RequestMetrics`
+recent window (tokens/s over the last minute, throughput and time to first token over time),
+which every route and the page feed.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+THROUGHPUT_BIN_S = 5.0  # one point of the throughput plot per this many seconds
+HISTORY_S = 300.0  # the plots show the last five minutes
+
+
+def status_markdown(engine, recent) -> str:
+    """The panel's numbers as a markdown table."""
+    stats = engine.stats()
+    alive = getattr(engine, "alive", True)
+    used_blocks = stats.num_kv_blocks - stats.num_free_kv_blocks
+    ttft = "–" if recent.mean_ttft_s is None else f"{recent.mean_ttft_s:.2f} s"
+    rows = [
+        ("Engine", "running" if alive else "**stopped** (the engine thread died)"),
+        ("Running requests", f"{stats.num_running}"),
+        ("Waiting requests", f"{stats.num_waiting}"),
+        ("KV cache", f"{stats.kv_usage * 100:.1f} % ({used_blocks} / {stats.num_kv_blocks} blocks)"),
+        ("Tokens/s (last minute)", f"{recent.tokens_per_s:.1f}"),
+        ("Tokens generated (last minute)", f"{recent.tokens}"),
+        ("Requests finished (last minute)", f"{recent.requests_finished}"),
+        ("Mean time to first token (last minute)", ttft),
+        ("Preemptions (since start)", f"{stats.num_preemptions}"),
+    ]
+    lines = ["| | |", "|---|---|"] + [f"| {name} | {value} |" for name, value in rows]
+    return "\n".join(lines)
+
+
+def throughput_frame(recent) -> pd.DataFrame:
+    """Tokens/s per bin over the last minutes (x: local time)."""
+    times = pd.to_datetime([at for at, _ in recent.throughput], unit="s")
+    return pd.DataFrame({"time": times, "tokens/s": [rate for _, rate in recent.throughput]})
+
+
+def ttft_frame(recent) -> pd.DataFrame:
+    """One point per request: when its first token came and how long it took."""
+    times = pd.to_datetime([at for at, _ in recent.ttft], unit="s")
+    return pd.DataFrame({"time": times, "TTFT (s)": [ttft for _, ttft in recent.ttft]})
+
+
+def snapshot(engine, metrics) -> tuple[str, pd.DataFrame, pd.DataFrame]:
+    """(markdown, throughput frame, TTFT frame): one refresh of the panel."""
+    recent = metrics.recent(window_s=60.0, bin_s=THROUGHPUT_BIN_S, history_s=HISTORY_S)
+    return status_markdown(engine, recent), throughput_frame(recent), ttft_frame(recent)
