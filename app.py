@@ -1,0 +1,323 @@
+"""rill: a streaming chat Space. Settings and wiring only.
+
+    python app.py [--model M] [--host H] [--port P] ...     (python app.py --help)
+
+Every flag can also come from an environment variable (a Space passes settings that way): the
+flag wins over the variable, the variable over the default. With no flags and no variables it
+serves the embedded SmolLM2-135M-Instruct on http://127.0.0.1:7860, as a Space needs.
+
+Wiring: load the model -> start the engine -> the FastAPI app with /chat, /v1, /health
+(server.create_app) -> the Gradio page mounted at "/" (ui.build_demo) -> uvicorn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import sys
+from dataclasses import dataclass
+
+# Before gradio or transformers are imported: nothing phones home unless asked.
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+from server.settings import Settings  # noqa: E402  (torch-free)
+
+log = logging.getLogger("rill")
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    """One setting: its flag, its environment variables (first found wins), type and help."""
+
+    flag: str
+    env: tuple[str, ...]
+    dest: str
+    kind: type | str  # int, float, str, "bool", "size", "auth", "list"
+    default: object
+    help: str
+    metavar: str | None = None
+    hidden: bool = False
+
+
+OPTIONS: tuple[Option, ...] = (
+    # model
+    Option("--model", ("MODEL_ID",), "model_id", str, None,
+           "hub id, local folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)", "M"),
+    Option("--dtype", ("DTYPE",), "dtype", str, "auto", "auto | float32 | bfloat16 | float16", "D"),
+    Option("--device", ("DEVICE",), "device", str, "auto", "auto | cpu | cuda | cuda:N", "D"),
+    Option("--trust-remote-code", ("TRUST_REMOTE_CODE",), "trust_remote_code", "bool", False,
+           "run Python code shipped with a hub model (off unless asked)"),
+    # server
+    Option("--host", ("GRADIO_SERVER_NAME", "HOST"), "host", str, "127.0.0.1",
+           "address to bind (a Space sets GRADIO_SERVER_NAME=0.0.0.0)", "H"),
+    Option("--port", ("GRADIO_SERVER_PORT", "PORT"), "port", int, 7860, "port to serve on", "P"),
+    Option("--api-key", ("API_KEY",), "api_key", str, None,
+           "require `Authorization: Bearer KEY` on /chat and /v1 (set it as a Space secret)", "KEY"),
+    Option("--ui-auth", ("UI_AUTH",), "ui_auth", "auth", None, "protect the page with Gradio's login", "USER:PASS"),
+    Option("--cors-origins", ("CORS_ORIGINS",), "cors_origins", "list", (),
+           "comma-separated origins allowed to call the API from a browser (CORS is off by default)", "O1,O2"),
+    Option("--max-body-bytes", ("MAX_BODY_BYTES",), "max_body_bytes", int, 1_000_000,
+           "larger request bodies get 413", "N"),
+    Option("--request-timeout", ("REQUEST_TIMEOUT",), "request_timeout", float, 0.0,
+           "seconds a request may wait plus generate before it is stopped with an error (0 = no limit)", "S"),
+    Option("--resume-window", ("RESUME_WINDOW",), "resume_window", float, 30.0,
+           "seconds a disconnected /chat stream keeps generating and stays resumable at GET /chat/{id} "
+           "(0 = abort at once)", "S"),
+    Option("--shutdown-timeout", ("SHUTDOWN_TIMEOUT",), "shutdown_timeout", float, 30.0,
+           "on SIGTERM, seconds running streams get to finish before the server exits", "S"),
+    Option("--max-new-tokens", ("MAX_NEW_TOKENS",), "default_max_new_tokens", int, 512,
+           "default reply length for /chat and the page", "N"),
+    Option("--log-level", ("LOG_LEVEL",), "log_level", str, "info", "debug | info | warning | error", "L"),
+    Option("--log-format", ("LOG_FORMAT",), "log_format", str, "text",
+           "text | json: the one log line per finished request", "F"),
+    # engine
+    Option("--max-num-seqs", ("MAX_NUM_SEQS",), "max_num_seqs", int, 64, "requests generating at once (one batch)", "N"),
+    Option("--max-queue", ("MAX_QUEUE",), "max_queue", int, 256,
+           "requests waiting for a slot; beyond it /chat and /v1 answer 429 with Retry-After", "N"),
+    Option("--max-num-batched-tokens", ("MAX_NUM_BATCHED_TOKENS",), "max_num_batched_tokens", int, 512,
+           "tokens per forward pass (long prompts are prefilled in chunks)", "N"),
+    Option("--block-size", ("BLOCK_SIZE",), "block_size", int, 16, "tokens per KV cache block", "N"),
+    Option("--num-kv-blocks", ("NUM_KV_BLOCKS",), "num_kv_blocks", int, None,
+           "KV cache blocks to allocate (overrides --kv-cache-memory)", "N"),
+    Option("--kv-cache-memory", ("KV_CACHE_MEMORY",), "kv_cache_memory", "size", None,
+           "KV cache size: bytes (e.g. 2GiB, 512MB) or a fraction of free memory (e.g. 0.5)", "SIZE"),
+    Option("--max-model-len", ("MAX_MODEL_LEN",), "max_model_len", int, None,
+           "context limit in tokens (default: the model's)", "N"),
+    Option("--seed", ("SEED",), "seed", int, 0, "seed for requests that bring none", "N"),
+    Option("--test-hooks", ("RILL_TEST_HOOKS",), "test_hooks", "bool", False, "test suite only", hidden=True),
+)
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "KIB": 2**10, "M": 1e6, "MB": 1e6, "MIB": 2**20,
+          "G": 1e9, "GB": 1e9, "GIB": 2**30, "T": 1e12, "TB": 1e12, "TIB": 2**40}
+
+
+def parse_size(text: str) -> float:
+    """"2GiB" -> 2147483648.0, "0.5" -> 0.5 (a fraction of free memory)."""
+    match = _SIZE.match(text)
+    if not match:
+        raise ValueError(f"expected bytes like 2GiB, 512MB, 1000000 or a fraction like 0.5, got {text!r}")
+    number, unit = float(match.group(1)), (match.group(2) or "").upper()
+    return number * _UNITS[unit]
+
+
+def parse_auth(text: str) -> tuple[str, str]:
+    user, sep, password = text.partition(":")
+    if not sep or not user or not password:
+        raise ValueError(f"expected USER:PASS, got {text!r}")
+    return user, password
+
+
+def parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected true/false (1/0, yes/no), got {text!r}")
+
+
+def _converter(kind):
+    return {"size": parse_size, "auth": parse_auth, "bool": parse_bool,
+            "list": lambda t: tuple(s.strip() for s in t.split(",") if s.strip())}.get(kind, kind)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="app.py",
+        description="rill: serve a Transformers chat model with a Gradio page, a /chat SSE endpoint and an "
+                    "OpenAI-compatible API, all on one continuous-batching engine.",
+        epilog="Each flag can be set by the environment variable in [brackets]; the flag wins.",
+        formatter_class=lambda prog: argparse.HelpFormatter(prog, max_help_position=34, width=100))
+    groups = {"model": parser.add_argument_group("model"), "server": parser.add_argument_group("server"),
+              "engine": parser.add_argument_group("engine")}
+    for opt in OPTIONS:
+        group = groups["model" if opt.dest in ("model_id", "dtype", "device", "trust_remote_code") else
+                       "engine" if opt.flag in ("--max-num-seqs", "--max-queue", "--max-num-batched-tokens",
+                                                "--block-size", "--num-kv-blocks", "--kv-cache-memory",
+                                                "--max-model-len", "--seed") else "server"]
+        help_text = argparse.SUPPRESS if opt.hidden else (
+            f"{opt.help} [{' or '.join(opt.env)}]" + (f" (default: {opt.default})" if opt.default not in (None, (), False) else ""))
+        if opt.kind == "bool":
+            group.add_argument(opt.flag, dest=opt.dest, action=argparse.BooleanOptionalAction, default=None,
+                               help=help_text)
+        else:
+            group.add_argument(opt.flag, dest=opt.dest, type=_converter(opt.kind), default=None,
+                               metavar=opt.metavar, help=help_text)
+    return parser
+
+
+def parse_settings(argv: list[str] | None = None, environ: dict[str, str] | None = None) -> Settings:
+    """Flags over environment variables over defaults. Exits 2 with one line on a bad value."""
+    environ = os.environ if environ is None else environ
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    values = {}
+    for opt in OPTIONS:
+        value = getattr(args, opt.dest)
+        if value is None:
+            for name in opt.env:
+                raw = environ.get(name)
+                if raw is not None and raw.strip() != "":
+                    try:
+                        value = _converter(opt.kind)(raw.strip())
+                    except ValueError as exc:
+                        parser.error(f"environment variable {name}: {exc}")
+                    break
+        values[opt.dest] = opt.default if value is None else value
+    try:
+        settings = Settings(**values)
+    except TypeError as exc:  # pragma: no cover - Settings and OPTIONS out of step
+        parser.error(str(exc))
+    for name, low in (("port", 0), ("max_num_seqs", 1), ("max_queue", 0), ("max_body_bytes", 1),
+                      ("default_max_new_tokens", 1), ("block_size", 1), ("max_num_batched_tokens", 1)):
+        if getattr(settings, name) < low:
+            parser.error(f"--{name.replace('_', '-')} must be >= {low}. Given: {getattr(settings, name)}")
+    if settings.log_format not in ("text", "json"):
+        parser.error(f"--log-format must be text or json. Given: {settings.log_format!r}")
+    if settings.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
+        parser.error(f"--log-level must be debug, info, warning or error. Given: {settings.log_level!r}")
+    for name in ("request_timeout", "resume_window", "shutdown_timeout"):
+        if getattr(settings, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be >= 0 seconds. Given: {getattr(settings, name)}")
+    if not 0 < settings.port < 65536:
+        parser.error(f"--port must be between 1 and 65535. Given: {settings.port}")
+    return settings
+
+
+def engine_config(settings: Settings):
+    from engine import EngineConfig
+
+    return EngineConfig(block_size=settings.block_size, num_kv_blocks=settings.num_kv_blocks,
+                        kv_cache_memory=settings.kv_cache_memory, max_num_seqs=settings.max_num_seqs,
+                        max_num_batched_tokens=settings.max_num_batched_tokens, max_queue=settings.max_queue,
+                        max_model_len=settings.max_model_len, seed=settings.seed)
+
+
+def fail(message: str) -> None:
+    print(f"app.py: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def build_demo(engine, settings: Settings, metrics=None):
+    """The page: ui.build_demo when the ui package is there, else a plain chat (same API name)."""
+    try:
+        import ui
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("ui",):
+            raise
+        ui = None
+    if ui is not None and hasattr(ui, "build_demo"):
+        return ui.build_demo(engine, settings, metrics=metrics)  # calls demo.queue(...) itself
+    return _fallback_demo(engine, settings)
+
+
+def _fallback_demo(engine, settings: Settings):
+    """A minimal chat page with the API the real ui/ keeps: api_name="/chat"."""
+    import gradio as gr
+
+    from engine import SamplingParams
+
+    async def chat(message: str, history: list, system_prompt: str, temperature: float, top_p: float,
+                   top_k: int, max_new_tokens: int, repetition_penalty: float):
+        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        for turn in history or []:
+            content = turn.get("content") if isinstance(turn, dict) else None
+            if isinstance(content, str):
+                messages.append({"role": turn["role"], "content": content})
+        messages.append({"role": "user", "content": message})
+        params = SamplingParams(max_tokens=int(max_new_tokens), temperature=float(temperature),
+                                top_p=float(top_p), top_k=int(top_k), repetition_penalty=float(repetition_penalty))
+        text = ""
+        async for out in engine.generate(engine.encode_chat(messages), params):
+            if out.finish_reason is not None and out.finish_reason.value == "error":
+                raise gr.Error(out.error or "generation failed")
+            text += out.text
+            yield text
+
+    with gr.Blocks(title="rill") as demo:
+        gr.ChatInterface(
+            chat, api_name="chat",
+            additional_inputs=[
+                gr.Textbox("", label="system_prompt"),
+                gr.Slider(0, 2, 0.7, step=0.05, label="temperature"),
+                gr.Slider(0.05, 1, 1.0, step=0.05, label="top_p"),
+                gr.Slider(0, 200, 0, step=1, label="top_k"),
+                gr.Slider(1, 4096, settings.default_max_new_tokens, step=1, label="max_new_tokens"),
+                gr.Slider(0.5, 2, 1.0, step=0.05, label="repetition_penalty"),
+            ],
+        )
+    demo.queue(default_concurrency_limit=settings.max_num_seqs, max_size=settings.max_num_seqs + settings.max_queue)
+    return demo
+
+
+def build_app(engine, settings: Settings):
+    """FastAPI app with the API routes first, then the Gradio page at "/" (so /chat, /v1, /health win)."""
+    import gradio as gr
+
+    from server import create_app
+
+    app = create_app(engine, settings)
+    demo = build_demo(engine, settings, metrics=getattr(app.state, "metrics", None))
+    mount_kwargs = {}
+    try:
+        import ui
+        mount_kwargs = dict(getattr(ui, "MOUNT_KWARGS", {}) or {})
+    except ImportError:
+        pass
+    return gr.mount_gradio_app(app, demo, path="/", auth=settings.ui_auth, server_name=settings.host,
+                               server_port=settings.port, footer_links=["api"], ssr_mode=False, **mount_kwargs)
+
+
+def serve(app, settings: Settings) -> None:
+    """uvicorn; on SIGTERM it stops accepting and lets streams finish up to --shutdown-timeout, exit 0."""
+    import uvicorn
+    from sse_starlette.sse import AppStatus
+
+    # sse-starlette would cut every stream at the first SIGTERM; rill lets them finish instead.
+    AppStatus.disable_automatic_graceful_drain()
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                            timeout_graceful_shutdown=settings.shutdown_timeout or None,
+                            access_log=settings.log_level == "debug")
+    server = uvicorn.Server(config)
+    original = server.handle_exit
+
+    def handle_exit(sig, frame):
+        app.state.shutting_down = True
+        original(sig, frame)
+
+    server.handle_exit = handle_exit
+    server.run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    settings = parse_settings(argv)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from engine import AsyncEngine
+    from engine.loading import ModelLoadError, load_model
+
+    try:
+        config = engine_config(settings)
+    except ValueError as exc:
+        fail(str(exc))
+    try:
+        loaded = load_model(settings.model_id, dtype=settings.dtype, device=settings.device,
+                            trust_remote_code=settings.trust_remote_code)
+    except ModelLoadError as exc:
+        fail(str(exc))
+    engine = AsyncEngine(loaded, config)
+    engine.start()
+    try:
+        app = build_app(engine, settings)
+        log.info("serving %s on http://%s:%d (engine: %s attention)", engine.model_name, settings.host,
+                 settings.port, getattr(engine, "attention_path", "?"))
+        serve(app, settings)
+    finally:
+        engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

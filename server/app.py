@@ -1,0 +1,96 @@
+"""The FastAPI application: routes, error shapes, API guard, health, and the engine's lifecycle hooks."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse
+
+from server import chat, openai_api
+from server.errors import ApiError, install_error_handlers
+from server.middleware import ApiGuard
+from server.resume import ResumeRegistry
+from server.settings import Settings
+
+log = logging.getLogger("rill.server")
+
+
+def _engine_stats(engine) -> dict:
+    try:
+        stats = engine.stats()
+    except Exception as exc:  # the engine may be dead; health still answers
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {
+        "num_running": stats.num_running,
+        "num_waiting": stats.num_waiting,
+        "kv_usage": stats.kv_usage,
+        "num_kv_blocks": stats.num_kv_blocks,
+        "num_free_kv_blocks": stats.num_free_kv_blocks,
+        "num_preemptions": stats.num_preemptions,
+        "finished_total": {getattr(k, "value", str(k)): v for k, v in dict(stats.finished_total).items()},
+    }
+
+
+def create_app(engine, settings: Settings) -> FastAPI:
+    """The app with every API route registered; app.py mounts the Gradio page at "/" afterwards."""
+    app = FastAPI(title="rill", summary="Streaming chat on a continuous-batching engine",
+                  docs_url="/docs", redoc_url=None)
+    state = app.state
+    state.engine = engine
+    state.settings = settings
+    state.started_at = int(time.time())
+    state.shutting_down = False
+    state.resume = ResumeRegistry(settings.resume_window, engine.abort)
+    state.tasks = set()  # background pump tasks, kept referenced until they finish
+
+    def spawn(coro) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        state.tasks.add(task)
+        task.add_done_callback(state.tasks.discard)
+        return task
+
+    state.spawn = spawn
+
+    install_error_handlers(app)
+    app.include_router(chat.router)
+    app.include_router(openai_api.router)
+
+    @app.get("/health", summary="200 while the engine runs, 503 once it died")
+    async def health():
+        alive = bool(engine.alive)
+        body = {"status": "ok" if alive else "engine stopped", "model": engine.model_name,
+                "max_model_len": engine.max_model_len, "engine": _engine_stats(engine),
+                "resumable_streams": len(state.resume)}
+        return JSONResponse(body, status_code=200 if alive else 503)
+
+    @app.get("/ready", summary="200 when the server accepts new requests")
+    async def ready():
+        if not engine.alive:
+            return JSONResponse({"ready": False, "reason": "the engine is not running"}, status_code=503)
+        if state.shutting_down:
+            return JSONResponse({"ready": False, "reason": "shutting down"}, status_code=503)
+        return {"ready": True}
+
+    try:  # another module owns the metrics; the app works without it
+        from server.metrics import install_metrics
+    except ImportError:
+        install_metrics = None
+    state.metrics = None
+    if install_metrics is not None:
+        try:
+            state.metrics = install_metrics(app, engine, log_format=settings.log_format)
+        except Exception:
+            log.exception("metrics could not be installed; serving without /metrics")
+
+    app.add_middleware(ApiGuard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
+    if settings.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["x-request-id"])
+    return app
+
+
+__all__ = ["create_app", "ApiError"]

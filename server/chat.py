@@ -1,0 +1,180 @@
+"""`POST /chat` (the seed's SSE protocol, extended) and `GET /chat/{request_id}` (resume).
+
+Wire format of a stream: one event per text piece (`id: k`, `data: <piece>`), then
+`event: usage` (JSON: prompt_tokens, completion_tokens, finish_reason), then `event: end` with
+`data: [DONE]`. A failure after the stream started is `event: error` (JSON `{"error": ...}`)
+followed by the end event. Every event has an increasing `id:`; a client that lost the
+connection reconnects to `GET /chat/{request_id}` with `Last-Event-ID` and gets the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+
+from fastapi import APIRouter, Header, Query, Request
+from fastapi.responses import JSONResponse
+from sse_starlette import EventSourceResponse
+
+from engine.request import FinishReason, SamplingParams
+from server.errors import ApiError
+from server.generation import Generation, RequestFailed, admission, request_id_from
+from server.resume import ResumableStream
+from server.schemas import ChatBody
+
+router = APIRouter()
+
+SSE_SEP = "\n"  # events end with a blank line: "\n\n" on the wire (sse-starlette defaults to "\r\n")
+PING_S = 15  # keep-alive comment every PING_S seconds while a request waits in the queue
+
+
+def event_stream_response(events, request_id: str) -> EventSourceResponse:
+    return EventSourceResponse(events, sep=SSE_SEP, ping=PING_S, headers={"x-request-id": request_id})
+
+
+def _prompt_token_ids(engine, body: ChatBody) -> list[int]:
+    if body.raw:
+        return engine.encode(body.prompt)
+    if body.messages is not None:
+        messages = [m.model_dump() for m in body.messages]
+    else:
+        messages = [{"role": "user", "content": body.prompt}]
+    if body.system is not None:
+        messages.insert(0, {"role": "system", "content": body.system})
+    return engine.encode_chat(messages)
+
+
+def _sampling_params(body: ChatBody, settings) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=body.max_new_tokens or settings.default_max_new_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        repetition_penalty=body.repetition_penalty,
+        stop=tuple(body.stop_list()),
+        seed=body.seed,
+    )
+
+
+def _usage(gen: Generation, completion_tokens: int, finish_reason) -> dict:
+    reason = finish_reason.value if isinstance(finish_reason, FinishReason) else finish_reason
+    return {"prompt_tokens": gen.num_prompt_tokens, "completion_tokens": completion_tokens,
+            "finish_reason": reason}
+
+
+async def _pump(gen: Generation, record: ResumableStream) -> None:
+    """Read the engine request into the resumable record, whatever the HTTP connection does."""
+    completion_tokens = 0
+    finish_reason = None
+    try:
+        async for out in gen.deltas():
+            if out.text:
+                record.append(None, out.text)
+            completion_tokens = out.num_output_tokens
+            if out.finished:
+                finish_reason = out.finish_reason
+        record.append("usage", json.dumps(_usage(gen, completion_tokens, finish_reason)))
+    except RequestFailed as exc:
+        record.append("error", json.dumps({"error": exc.message, "code": exc.code}))
+    except asyncio.CancelledError:
+        record.append("error", json.dumps({"error": "The server is shutting down; the request was stopped.",
+                                           "code": "shutdown"}))
+        record.append("end", "[DONE]")
+        record.finish()
+        raise
+    except Exception as exc:  # never a silently dropped stream
+        record.append("error", json.dumps({"error": f"Internal error: {type(exc).__name__}: {exc}",
+                                           "code": "internal"}))
+    record.append("end", "[DONE]")
+    record.finish()
+
+
+async def _collect(gen: Generation, request: Request) -> tuple[str, int, object]:
+    """All text of a non-streaming request; aborts it when the client goes away."""
+    pieces: list[str] = []
+    completion_tokens = 0
+    finish_reason = None
+
+    async def read():
+        nonlocal completion_tokens, finish_reason
+        async for out in gen.deltas():
+            pieces.append(out.text)
+            completion_tokens = out.num_output_tokens
+            if out.finished:
+                finish_reason = out.finish_reason
+
+    await run_while_connected(read(), request, gen)
+    return "".join(pieces), completion_tokens, finish_reason
+
+
+async def run_while_connected(coro, request: Request, gen: Generation):
+    """Await `coro` unless the client disconnects first; then abort the request."""
+    task = asyncio.ensure_future(coro)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if task in done:
+                try:
+                    return task.result()
+                except RequestFailed as exc:
+                    status = {"timeout": 504, "engine_dead": 503}.get(exc.code, 500)
+                    raise ApiError(status, exc.message, code=exc.code) from None
+            if await request.is_disconnected():
+                task.cancel()
+                gen.abort()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+                raise ApiError(499, "The client closed the connection.")
+    finally:
+        if not task.done():
+            task.cancel()
+            gen.abort()
+
+
+@router.post("/chat", summary="Generate a reply (SSE stream by default)")
+async def chat(body: ChatBody, request: Request, x_request_id: str | None = Header(None)):
+    state = request.app.state
+    engine, settings = state.engine, state.settings
+    request_id = request_id_from(x_request_id)
+    if request_id in state.resume:
+        raise ApiError(409, f"Request id {request_id!r} is already in use; send another `x-request-id`.",
+                       param="x-request-id")
+    prompt_ids = _prompt_token_ids(engine, body)
+    params = _sampling_params(body, settings)
+    gen = Generation(engine, prompt_ids, params, request_id, **admission(request, "chat"))
+    if not body.stream:
+        text, completion_tokens, finish_reason = await _collect(gen, request)
+        return JSONResponse({"response": text, "usage": _usage(gen, completion_tokens, finish_reason),
+                             "request_id": request_id}, headers={"x-request-id": request_id})
+    record = state.resume.create(request_id)
+    state.spawn(_pump(gen, record))
+    return event_stream_response(_follow(record, 0), request_id)
+
+
+async def _follow(record: ResumableStream, after: int):
+    async with contextlib.aclosing(record.follow(after)) as events:
+        async for event in events:
+            yield event
+
+
+@router.get("/chat/{request_id}", summary="Resume a /chat stream after `Last-Event-ID`")
+async def resume_chat(request_id: str, request: Request,
+                      last_event_id: str | None = Header(None),
+                      last_event_id_query: str | None = Query(None, alias="last_event_id")):
+    record = request.app.state.resume.get(request_id)
+    window = request.app.state.settings.resume_window
+    if record is None:
+        raise ApiError(404, f"No resumable stream {request_id!r}: it never existed, or nobody read it for longer "
+                            f"than the resume window ({window:g} s) and it was dropped.")
+    given = last_event_id if last_event_id is not None else last_event_id_query
+    after = 0
+    if given not in (None, ""):
+        try:
+            after = int(given)
+        except ValueError:
+            raise ApiError(400, f"`Last-Event-ID` must be an event id (an integer >= 0). Given: {given!r}",
+                           param="Last-Event-ID") from None
+        if after < 0:
+            raise ApiError(400, f"`Last-Event-ID` must be >= 0. Given: {after}", param="Last-Event-ID")
+    return event_stream_response(_follow(record, after), request_id)

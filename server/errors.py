@@ -1,0 +1,158 @@
+"""Errors a client can act on, in each route family's shape.
+
+`/v1/...` answers OpenAI's `{"error": {"message", "type", "param", "code"}}`; every other route
+answers `{"error": "<message>"}`. Messages say what was wrong, what is allowed, what was given.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse
+
+from engine.request import InvalidRequest, QueueFull
+
+_OPENAI_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+}
+
+
+class ApiError(Exception):
+    """An HTTP error with a message for the client; rendered in the route family's shape."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+
+def is_openai_path(path: str) -> bool:
+    return path == "/v1" or path.startswith("/v1/")
+
+
+def error_body(path: str, status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """The JSON body of an error for a request to `path`."""
+    if is_openai_path(path):
+        kind = _OPENAI_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return {"error": message}
+
+
+def error_response(path: str, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(path, status, message, param, code), status_code=status, headers=headers)
+
+
+def queue_full_error(exc: QueueFull, retry_after: int) -> ApiError:
+    detail = str(exc) or "the waiting queue is full"
+    return ApiError(429, f"Server busy: {detail}. Retry after {retry_after} s.", code="queue_full",
+                    headers={"Retry-After": str(retry_after)})
+
+
+def _describe_input(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """pydantic's errors as one readable line, and the first offending field."""
+    parts = []
+    first_param = None
+    for err in exc.errors()[:5]:
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        field = ".".join(loc)
+        kind = err.get("type", "")
+        if first_param is None and field:
+            first_param = field
+        if kind == "json_invalid":
+            parts.append(f"The body is not valid JSON ({err.get('ctx', {}).get('error', 'parse error')}).")
+            continue
+        if kind == "missing":
+            parts.append(f"`{field}` is required.")
+            continue
+        if kind == "extra_forbidden":
+            parts.append(f"`{field}` is not a known field.")
+            continue
+        if not field:
+            parts.append(f"The body must be a JSON object. Given: {_describe_input(err.get('input'))}")
+            continue
+        msg = err.get("msg", "is invalid")
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, "):]
+        msg = msg[0].lower() + msg[1:] if msg else msg
+        parts.append(f"`{field}`: {msg}. Given: {_describe_input(err.get('input'))}")
+    if len(exc.errors()) > 5:
+        parts.append(f"({len(exc.errors()) - 5} more errors)")
+    return " ".join(parts) or "Invalid request body.", first_param
+
+
+def route_label(path: str) -> str:
+    """The metrics label of an API path."""
+    if path == "/chat":
+        return "chat"
+    if path.startswith("/chat/"):
+        return "chat_resume"
+    if path.startswith("/v1/chat"):
+        return "v1_chat"
+    if path.startswith("/v1/completions"):
+        return "v1_completions"
+    if path.startswith("/v1"):
+        return "v1_other"
+    return "other"
+
+
+def count_error(app, path: str, status: int) -> None:
+    metrics = getattr(app.state, "metrics", None)
+    if metrics is not None:
+        metrics.error(route_label(path), status)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every failure through `error_response`: no traceback ever reaches a client."""
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError):
+        count_error(request.app, request.url.path, exc.status)
+        return error_response(request.url.path, exc.status, exc.message, param=exc.param, code=exc.code,
+                              headers=exc.headers)
+
+    @app.exception_handler(InvalidRequest)
+    async def _invalid(request: Request, exc: InvalidRequest):
+        count_error(request.app, request.url.path, 400)
+        return error_response(request.url.path, 400, str(exc), param=exc.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        message, param = validation_message(exc)
+        count_error(request.app, request.url.path, 400)
+        return error_response(request.url.path, 400, message, param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 404:
+            message = f"No route {request.method} {request.url.path}."
+        elif exc.status_code == 405:
+            message = f"Method {request.method} is not allowed on {request.url.path}."
+        return error_response(request.url.path, exc.status_code, message, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        import logging
+        logging.getLogger("rill.server").exception("unhandled error on %s", request.url.path)
+        count_error(request.app, request.url.path, 500)
+        return error_response(request.url.path, 500, f"Internal error: {type(exc).__name__}: {exc}")

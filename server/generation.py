@@ -1,0 +1,161 @@
+"""One engine request as a route sees it: admitted up front, deltas iterated with a deadline,
+aborted when nobody reads it any more.
+
+Routes call `admit` before they answer (so a full queue is a 429 and a bad prompt a 400, never a
+broken stream), then `deltas` to read the request's `RequestOutput`s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import AsyncIterator
+
+from engine.request import FinishReason, InvalidRequest, QueueFull, RequestOutput, SamplingParams, new_request_id
+from server.errors import ApiError, queue_full_error
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+_ALIVE_CHECK_S = 1.0  # how often a waiting reader checks that the engine thread still runs
+
+
+class RequestFailed(Exception):
+    """The request ended without a normal finish: engine error, timeout, engine death."""
+
+    def __init__(self, message: str, code: str = "engine_error"):
+        super().__init__(message)
+        self.message = message
+        self.code = code
+
+
+def request_id_from(header_value: str | None) -> str:
+    """The client's `x-request-id` when it is a usable id, else a fresh one."""
+    if header_value is None or header_value == "":
+        return new_request_id()
+    if not _REQUEST_ID.match(header_value):
+        raise ApiError(400, "`x-request-id` must be 1 to 128 characters of letters, digits, '.', '_', ':' or '-'. "
+                            f"Given: {header_value[:140]!r}", param="x-request-id")
+    return header_value
+
+
+def admission(request, route: str) -> dict:
+    """The keyword arguments every route passes to `Generation` (timeout, metrics, test hook)."""
+    state = request.app.state
+    return dict(timeout=state.settings.request_timeout, on_admit=fault_hook(request),
+                metrics=getattr(state, "metrics", None), route=route)
+
+
+def fault_hook(request):
+    """With --test-hooks, a request sent with `x-rill-inject-fault: 1` fails inside the engine
+    (engine.inject_fault): the test suite's way to prove one failure stays one failure."""
+    state = request.app.state
+    if not state.settings.test_hooks or request.headers.get("x-rill-inject-fault") != "1":
+        return None
+    return state.engine.inject_fault
+
+
+def retry_after_seconds(engine) -> int:
+    """A hint for clients told 429: about how long until a slot frees (at least 1 s)."""
+    return 1
+
+
+async def _next_or_none(iterator):
+    try:
+        return await iterator.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+class Generation:
+    """A request admitted into the engine, with its stream and deadline."""
+
+    def __init__(self, engine, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+                 timeout: float = 0.0, on_admit=None, metrics=None, route: str = "chat"):
+        self.engine = engine
+        self.metrics = metrics  # server.metrics.RequestMetrics, or None
+        self.route = route  # metrics label
+        self.request_id = request_id
+        self.params = params
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.started = time.monotonic()
+        self.deadline = self.started + timeout if timeout and timeout > 0 else None
+        self.timeout = timeout
+        self.finished = False  # every sample reached finished=True
+        self._admit(engine, prompt_token_ids, params, request_id, on_admit)  # errors are counted by the handlers
+        self._iter = self.stream.__aiter__()
+        self._remaining = set(range(params.n))
+
+    def _admit(self, engine, prompt_token_ids, params, request_id, on_admit) -> None:
+        if not engine.alive:
+            raise ApiError(503, "The engine is not running; the server cannot generate. Check /health.",
+                           code="engine_dead")
+        engine.check_prompt(prompt_token_ids, params)
+        if on_admit is not None:
+            on_admit(request_id)
+        try:
+            self.stream = engine.add_request(prompt_token_ids, params, request_id=request_id)
+        except QueueFull as exc:
+            raise queue_full_error(exc, retry_after_seconds(engine)) from None
+        except InvalidRequest:
+            raise
+        except ValueError as exc:  # e.g. a request id already in use
+            raise ApiError(409 if "already" in str(exc) else 400, str(exc)) from None
+
+    async def _next(self) -> RequestOutput:
+        while True:
+            wait = _ALIVE_CHECK_S
+            if self.deadline is not None:
+                left = self.deadline - time.monotonic()
+                if left <= 0:
+                    raise RequestFailed(f"The request exceeded the server's request timeout of {self.timeout:g} s "
+                                        "(waiting plus generating) and was stopped.", code="timeout")
+                wait = min(wait, left)
+            fut = self._pending()
+            done, _ = await asyncio.wait({fut}, timeout=wait)
+            if fut in done:
+                self._fut = None
+                return fut.result()
+            if not self.engine.alive:
+                raise RequestFailed("The engine stopped running; this request cannot finish.", code="engine_dead")
+
+    def _pending(self) -> asyncio.Future:
+        fut = getattr(self, "_fut", None)
+        if fut is None:
+            fut = asyncio.ensure_future(_next_or_none(self._iter))
+            self._fut = fut
+        return fut
+
+    def deltas(self) -> AsyncIterator[RequestOutput]:
+        """The request's outputs until every sample finished. Raises `RequestFailed` on an engine
+        error, a timeout or the engine's death; aborts the request if the reader stops early.
+        Recorded in the metrics (one log line per request) when the app has them."""
+        if self.metrics is None:
+            return self._deltas()
+        return self.metrics.track(self.route, self._deltas(), request_id=self.request_id,
+                                  num_prompt_tokens=self.num_prompt_tokens, arrival_time=self.started)
+
+    async def _deltas(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while self._remaining:
+                out = await self._next()
+                if out is None:  # the stream ended
+                    break
+                if out.finished:
+                    self._remaining.discard(out.index)
+                    if out.finish_reason == FinishReason.ERROR:
+                        raise RequestFailed(f"Generation failed inside the engine: {out.error or 'unknown error'}")
+                yield out
+            self.finished = not self._remaining
+        finally:
+            if not self.finished:
+                self.abort()
+
+    def abort(self) -> None:
+        fut = getattr(self, "_fut", None)
+        if fut is not None and not fut.done():
+            fut.cancel()
+        self._fut = None
+        try:
+            self.engine.abort(self.request_id)
+        except Exception:  # the engine may be gone; nothing left to free
+            pass

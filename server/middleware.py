@@ -1,0 +1,90 @@
+"""ASGI middleware for the API routes (`/chat...`, `/v1/...`): API key, then body size.
+
+Both answer before the body is parsed, so a refused request costs no model work.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+
+from server.errors import count_error, error_body
+
+_API_PREFIXES = ("/chat", "/v1")
+
+
+def is_api_path(path: str) -> bool:
+    return any(path == p or path.startswith(p + "/") for p in _API_PREFIXES)
+
+
+async def _send_json(send, path: str, status: int, message: str, *, code: str | None = None,
+                     headers: list[tuple[bytes, bytes]] | None = None, app=None) -> None:
+    if app is not None:
+        count_error(app, path, status)
+    body = json.dumps(error_body(path, status, message, code=code)).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *(headers or [])]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class ApiGuard:
+    """`Authorization: Bearer <key>` when a key is set (401), and `--max-body-bytes` (413)."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int):
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not is_api_path(scope["path"]):
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        headers = dict(scope["headers"])
+        if self.api_key is not None:
+            given = headers.get(b"authorization", b"")
+            scheme, _, token = given.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+                what = "no `Authorization` header was sent" if not given else "the key given is not the server's key"
+                message = f"This server needs an API key: send `Authorization: Bearer <key>` ({what})."
+                return await _send_json(send, path, 401, message, code="invalid_api_key", app=scope.get("app"),
+                                        headers=[(b"www-authenticate", b"Bearer")])
+        if scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
+            return await self.app(scope, receive, send)
+        declared = headers.get(b"content-length")
+        if declared is not None:
+            try:
+                size = int(declared)
+            except ValueError:
+                return await _send_json(send, path, 400, f"Bad Content-Length header: {declared.decode(errors='replace')!r}")
+            if size > self.max_body_bytes:
+                return await _send_json(send, path, 413, self._too_big(size), app=scope.get("app"))
+        # Read the whole body (bounded) so a chunked upload cannot exceed the limit either.
+        chunks: list[bytes] = []
+        total = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            total += len(chunk)
+            if total > self.max_body_bytes:
+                return await _send_json(send, path, 413, self._too_big(f"more than {total}"), app=scope.get("app"))
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
+
+    def _too_big(self, size) -> str:
+        return (f"The request body is too large: at most {self.max_body_bytes} bytes are allowed "
+                f"(--max-body-bytes). Given: {size} bytes.")

@@ -1,0 +1,393 @@
+"""The OpenAI-compatible API: `/v1/chat/completions`, `/v1/completions`, `/v1/models`.
+
+Streams are `data: {json}\n\n` chunks ending with `data: [DONE]`; the first chat chunk of each
+choice carries `role: assistant`, the last its `finish_reason`; `stream_options.include_usage`
+adds a final chunk with the usage. Errors use OpenAI's shape (see server/errors.py); an error
+after a stream started is an `event: error` chunk with that shape, then `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Header, Request
+from fastapi.responses import JSONResponse
+from sse_starlette import EventSourceResponse
+
+from engine.request import FinishReason, RequestOutput, SamplingParams
+from server.chat import PING_S, SSE_SEP, run_while_connected
+from server.errors import ApiError, error_body
+from server.generation import Generation, RequestFailed, admission, request_id_from
+from server.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
+
+router = APIRouter(prefix="/v1")
+
+_ROLE_MAP = {"developer": "system"}
+
+
+def served_names(state) -> set[str]:
+    names = {state.engine.model_name}
+    if state.settings.model_id:
+        names.add(state.settings.model_id)
+    return names
+
+
+def check_model(state, model: str | None) -> None:
+    if model in (None, ""):
+        return
+    if model not in served_names(state):
+        raise ApiError(404, f"The model `{model}` does not exist on this server. It serves "
+                            f"`{state.engine.model_name}` (see GET /v1/models).", param="model",
+                       code="model_not_found")
+
+
+def _finish(reason) -> str | None:
+    if reason is None:
+        return None
+    value = reason.value if isinstance(reason, FinishReason) else str(reason)
+    return value
+
+
+def _params(body: _SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=max_tokens,
+        min_tokens=min(body.min_tokens, max_tokens),
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=0 if body.top_k in (None, -1) else body.top_k,
+        min_p=body.min_p,
+        repetition_penalty=body.repetition_penalty,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        seed=body.seed,
+        stop=tuple(body.stop_list()),
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=body.ignore_eos,
+        logprobs=logprobs,
+        n=body.n,
+    )
+
+
+def _default_max_tokens(engine, num_prompt_tokens: int) -> int:
+    """OpenAI's default: whatever room the context leaves (at least 1, so check_prompt reports)."""
+    return max(1, engine.max_model_len - num_prompt_tokens)
+
+
+class _TokenText:
+    """Token id -> its text and bytes, cached (for logprobs)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self.cache.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self.cache[token_id] = text
+        return text
+
+
+def _chat_logprobs(out: RequestOutput, token_text: _TokenText, top_n: int) -> dict | None:
+    if out.logprobs is None:
+        return None
+    content = []
+    for lp in out.logprobs:
+        tok = token_text(lp.token_id)
+        content.append({
+            "token": tok, "logprob": lp.logprob, "bytes": list(tok.encode("utf-8")),
+            "top_logprobs": [{"token": token_text(t), "logprob": p, "bytes": list(token_text(t).encode("utf-8"))}
+                             for t, p in lp.top[:top_n]],
+        })
+    return {"content": content}
+
+
+def _completion_logprobs(out: RequestOutput, token_text: _TokenText, top_n: int, offset: int) -> dict | None:
+    if out.logprobs is None:
+        return None
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    for lp in out.logprobs:
+        tok = token_text(lp.token_id)
+        tokens.append(tok)
+        token_logprobs.append(lp.logprob)
+        tops.append({token_text(t): p for t, p in lp.top[:top_n]} if top_n else None)
+        offsets.append(offset)
+        offset += len(tok)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _merge_logprobs(acc: dict | None, new: dict | None, chat: bool) -> dict | None:
+    if new is None:
+        return acc
+    if acc is None:
+        return new
+    if chat:
+        acc["content"].extend(new["content"])
+    else:
+        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            acc[key].extend(new[key])
+    return acc
+
+
+async def _merged(gens: list[Generation]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Deltas of several generations as (generation index, delta), in arrival order."""
+    if len(gens) == 1:
+        async for out in gens[0].deltas():
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def read(i: int, gen: Generation):
+        try:
+            async for out in gen.deltas():
+                await queue.put((i, out))
+            await queue.put((i, done))
+        except BaseException as exc:  # hand failures to the reader
+            await queue.put((i, exc))
+
+    tasks = [asyncio.ensure_future(read(i, g)) for i, g in enumerate(gens)]
+    try:
+        remaining = len(gens)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for gen in gens:
+            if not gen.finished:
+                gen.abort()
+
+
+def _admit_all(request: Request, prompts: list[list[int]], params: SamplingParams, request_id: str,
+               route: str) -> list[Generation]:
+    state = request.app.state
+    gens: list[Generation] = []
+    try:
+        for i, ids in enumerate(prompts):
+            rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+            gens.append(Generation(state.engine, ids, params, rid, **admission(request, route)))
+    except BaseException:
+        for gen in gens:
+            gen.abort()
+        raise
+    return gens
+
+
+def _sse(events, request_id: str) -> EventSourceResponse:
+    return EventSourceResponse(events, sep=SSE_SEP, ping=PING_S, headers={"x-request-id": request_id})
+
+
+def _error_chunk(path: str, exc: Exception) -> dict:
+    if isinstance(exc, RequestFailed):
+        body = error_body(path, 500, exc.message, code=exc.code)
+        if exc.code == "timeout":
+            body["error"]["type"] = "timeout_error"
+    else:
+        body = error_body(path, 500, f"Internal error: {type(exc).__name__}: {exc}")
+    return {"event": "error", "data": json.dumps(body)}
+
+
+# --------------------------------------------------------------------------- routes
+
+
+@router.get("/models")
+async def list_models(request: Request):
+    engine = request.app.state.engine
+    return {"object": "list", "data": [_model_card(request.app.state)]}
+
+
+@router.get("/models/{model_id:path}")
+async def get_model(model_id: str, request: Request):
+    check_model(request.app.state, model_id)
+    return _model_card(request.app.state)
+
+
+def _model_card(state) -> dict:
+    engine = state.engine
+    return {"id": engine.model_name, "object": "model", "created": state.started_at, "owned_by": "rill",
+            "max_model_len": engine.max_model_len}
+
+
+@router.post("/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request, x_request_id: str | None = Header(None)):
+    state = request.app.state
+    engine = state.engine
+    check_model(state, body.model)
+    request_id = request_id_from(x_request_id)
+    messages = [{"role": _ROLE_MAP.get(m.role, m.role), "content": m.text()} for m in body.messages]
+    prompt_ids = engine.encode_chat(messages)
+    max_tokens = body.max_completion_tokens or body.max_tokens or _default_max_tokens(engine, len(prompt_ids))
+    top_n = body.top_logprobs or 0
+    params = _params(body, max_tokens, top_n if body.logprobs else None)
+    gen = _admit_all(request, [prompt_ids], params, request_id, "v1_chat")[0]
+    token_text = _TokenText(engine.tokenizer)
+    meta = {"id": f"chatcmpl-{request_id}", "created": int(time.time()), "model": engine.model_name}
+    headers = {"x-request-id": request_id}
+
+    if not body.stream:
+        texts = [[] for _ in range(body.n)]
+        logprobs: list[dict | None] = [None] * body.n
+        reasons: list[str | None] = [None] * body.n
+        counts = [0] * body.n
+
+        async def read():
+            async for out in gen.deltas():
+                texts[out.index].append(out.text)
+                logprobs[out.index] = _merge_logprobs(logprobs[out.index], _chat_logprobs(out, token_text, top_n), True)
+                counts[out.index] = out.num_output_tokens
+                if out.finished:
+                    reasons[out.index] = _finish(out.finish_reason)
+
+        await _run_or_500(read(), request, gen)
+        if body.logprobs:
+            logprobs = [lp if lp is not None else {"content": []} for lp in logprobs]
+        choices = [{"index": i, "message": {"role": "assistant", "content": "".join(texts[i])},
+                    "logprobs": logprobs[i] if body.logprobs else None, "finish_reason": reasons[i]}
+                   for i in range(body.n)]
+        completion = sum(counts)
+        return JSONResponse({**meta, "object": "chat.completion", "choices": choices, "system_fingerprint": None,
+                             "usage": _usage(gen.num_prompt_tokens, completion)}, headers=headers)
+
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    path = request.url.path
+
+    def chunk(choices: list[dict], usage=None) -> dict:
+        payload = {**meta, "object": "chat.completion.chunk", "system_fingerprint": None, "choices": choices}
+        if include_usage:
+            payload["usage"] = usage
+        return {"data": json.dumps(payload, ensure_ascii=False)}
+
+    async def events():
+        counts = [0] * body.n
+        try:
+            for i in range(body.n):
+                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}])
+            async for _, out in _merged([gen]):
+                counts[out.index] = out.num_output_tokens
+                lp = _chat_logprobs(out, token_text, top_n) if body.logprobs else None
+                if out.text or lp:
+                    yield chunk([{"index": out.index, "delta": {"content": out.text}, "logprobs": lp,
+                                  "finish_reason": None}])
+                if out.finished:
+                    yield chunk([{"index": out.index, "delta": {}, "logprobs": None,
+                                  "finish_reason": _finish(out.finish_reason)}])
+            if include_usage:
+                yield chunk([], _usage(gen.num_prompt_tokens, sum(counts)))
+        except (RequestFailed, Exception) as exc:
+            yield _error_chunk(path, exc)
+        yield {"data": "[DONE]"}
+
+    return _sse(events(), request_id)
+
+
+@router.post("/completions")
+async def completions(body: CompletionRequest, request: Request, x_request_id: str | None = Header(None)):
+    state = request.app.state
+    engine = state.engine
+    check_model(state, body.model)
+    request_id = request_id_from(x_request_id)
+    prompts = [engine.encode(p) if isinstance(p, str) else list(p) for p in body.prompts()]
+    vocab = len(engine.tokenizer)
+    for ids in prompts:
+        bad = [t for t in ids if t >= vocab]
+        if bad:
+            raise ApiError(400, f"`prompt` token ids must be below the vocabulary size {vocab}. Given: {bad[:5]}",
+                           param="prompt")
+    if body.max_tokens is not None:
+        max_tokens = body.max_tokens
+    else:
+        max_tokens = _default_max_tokens(engine, max(len(p) for p in prompts))
+    top_n = body.logprobs or 0
+    params = _params(body, max_tokens, body.logprobs)
+    gens = _admit_all(request, prompts, params, request_id, "v1_completions")
+    token_text = _TokenText(engine.tokenizer)
+    n = body.n
+    meta = {"id": f"cmpl-{request_id}", "created": int(time.time()), "model": engine.model_name}
+    headers = {"x-request-id": request_id}
+    num_choices = n * len(gens)
+    prompt_tokens = sum(g.num_prompt_tokens for g in gens)
+
+    if not body.stream:
+        texts = [[] for _ in range(num_choices)]
+        logprobs: list[dict | None] = [None] * num_choices
+        reasons: list[str | None] = [None] * num_choices
+        counts = [0] * num_choices
+        offsets = [0] * num_choices
+
+        async def read():
+            async for g, out in _merged(gens):
+                idx = g * n + out.index
+                lp = _completion_logprobs(out, token_text, top_n, offsets[idx]) if body.logprobs is not None else None
+                if lp:
+                    offsets[idx] = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp["tokens"] else offsets[idx]
+                texts[idx].append(out.text)
+                logprobs[idx] = _merge_logprobs(logprobs[idx], lp, False)
+                counts[idx] = out.num_output_tokens
+                if out.finished:
+                    reasons[idx] = _finish(out.finish_reason)
+
+        await _run_or_500(read(), request, *gens)
+        choices = [{"index": i, "text": "".join(texts[i]), "logprobs": logprobs[i], "finish_reason": reasons[i]}
+                   for i in range(num_choices)]
+        return JSONResponse({**meta, "object": "text_completion", "choices": choices, "system_fingerprint": None,
+                             "usage": _usage(prompt_tokens, sum(counts))}, headers=headers)
+
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    path = request.url.path
+
+    def chunk(choices: list[dict], usage=None) -> dict:
+        payload = {**meta, "object": "text_completion", "system_fingerprint": None, "choices": choices}
+        if include_usage:
+            payload["usage"] = usage
+        return {"data": json.dumps(payload, ensure_ascii=False)}
+
+    async def events():
+        counts = [0] * num_choices
+        offsets = [0] * num_choices
+        try:
+            async for g, out in _merged(gens):
+                idx = g * n + out.index
+                counts[idx] = out.num_output_tokens
+                lp = _completion_logprobs(out, token_text, top_n, offsets[idx]) if body.logprobs is not None else None
+                if lp and lp["tokens"]:
+                    offsets[idx] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+                if out.text or lp or out.finished:
+                    yield chunk([{"index": idx, "text": out.text, "logprobs": lp,
+                                  "finish_reason": _finish(out.finish_reason) if out.finished else None}])
+            if include_usage:
+                yield chunk([], _usage(prompt_tokens, sum(counts)))
+        except (RequestFailed, Exception) as exc:
+            yield _error_chunk(path, exc)
+        yield {"data": "[DONE]"}
+
+    return _sse(events(), request_id)
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+async def _run_or_500(coro, request: Request, *gens: Generation):
+    await run_while_connected(coro, request, gens[0] if len(gens) == 1 else _AbortAll(gens))
+
+
+class _AbortAll:
+    def __init__(self, gens):
+        self.gens = gens
+
+    def abort(self):
+        for gen in self.gens:
+            gen.abort()

@@ -1,0 +1,39 @@
+"""Everything a deployment can set: one frozen record built by app.py from flags and environment."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """The settings of one server process (flags and environment variables, see `app.py --help`)."""
+
+    # model
+    model_id: str | None = None  # None = the embedded SmolLM2-135M-Instruct
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    trust_remote_code: bool = False  # run code shipped with a hub model only when asked
+    # engine
+    max_num_seqs: int = 64  # requests running in one batch at most
+    max_queue: int = 256  # requests waiting for a slot at most; past it /chat and /v1 answer 429
+    max_num_batched_tokens: int = 512  # tokens in one forward at most (chunked prefill)
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int | None = None  # KV blocks to allocate; None = from kv_cache_memory
+    kv_cache_memory: str | None = None  # e.g. "2GiB"; None = the engine's default
+    max_model_len: int | None = None  # context limit; None = the model's
+    seed: int = 0  # engine seed (requests without their own seed)
+    # HTTP
+    host: str = "127.0.0.1"
+    port: int = 7860
+    api_key: str | None = None  # when set, /chat and /v1 need `Authorization: Bearer <key>`
+    ui_auth: tuple[str, str] | None = None  # user, password for the page (Gradio's auth)
+    cors_origins: tuple[str, ...] = ()  # CORS off unless origins are given
+    max_body_bytes: int = 1_000_000  # bigger request bodies get 413
+    request_timeout: float = 0.0  # seconds a request may wait and run in all; 0 = no limit
+    resume_window: float = 30.0  # seconds a disconnected /chat stream stays resumable; 0 = abort at once
+    shutdown_timeout: float = 30.0  # seconds running streams get to finish after SIGTERM
+    default_max_new_tokens: int = 512  # /chat's and the page's default
+    log_level: str = "info"
+    log_format: str = "text"  # "json": one JSON object per finished request in the log
+    test_hooks: bool = False  # enables fault injection for the test suite; never in production
