@@ -1,7 +1,5 @@
 """The Gradio Blocks page: a chat tab and a status tab, plus the `/chat` API for gradio_client."""
 
-from __future__ import annotations
-
 import gradio as gr
 
 from server.metrics import RequestMetrics
@@ -128,6 +126,7 @@ def build_demo(engine, settings=None, metrics: RequestMetrics | None = None) -> 
                 timer = gr.Timer(STATUS_REFRESH_S, active=False)
 
         settings_inputs = [system_prompt, temperature, top_p, top_k, max_new_tokens, repetition_penalty]
+        # (send, stop, textbox) while an answer streams and after
         generating = (gr.update(visible=False), gr.update(visible=True), gr.update(interactive=False))
         idle = (gr.update(visible=True), gr.update(visible=False), gr.update(interactive=True))
 
@@ -135,7 +134,7 @@ def build_demo(engine, settings=None, metrics: RequestMetrics | None = None) -> 
             if not message or not message.strip():
                 raise gr.Error("The message is empty: type something to send.")
             history = list(history or []) + [{"role": "user", "content": escape_html(message)}]
-            return ("", history) + generating
+            return (history,) + generating[:2] + (gr.update(value="", interactive=False),)
 
         def add_example(history, event: gr.SelectData):
             text = event.value.get("text", "") if isinstance(event.value, dict) else str(event.value)
@@ -166,7 +165,7 @@ def build_demo(engine, settings=None, metrics: RequestMetrics | None = None) -> 
         restore = dict(fn=lambda: idle, outputs=buttons, api_visibility="private", queue=False)
 
         submitted = gr.on([textbox.submit, send.click], add_user_message, [textbox, chatbot],
-                          [textbox, chatbot] + buttons, api_visibility="private", queue=False)
+                          [chatbot] + buttons, api_visibility="private", queue=False)
         submit_answer = submitted.success(**respond_kwargs)
         submit_answer.then(**restore)
         example_answer = chatbot.example_select(add_example, [chatbot], [chatbot] + buttons,
@@ -177,7 +176,10 @@ def build_demo(engine, settings=None, metrics: RequestMetrics | None = None) -> 
         retry_answer.then(**restore)
         chatbot.undo(undo, [chatbot], [chatbot, textbox, answer_stats], api_visibility="private", queue=False)
         chatbot.clear(lambda: "", None, [answer_stats], api_visibility="private", queue=False)
-        stop.click(lambda: idle, None, buttons, api_visibility="private", queue=False,
+        def stopped(stats_text):
+            return idle + ((stats_text or "").replace("Streaming:", "Stopped:", 1),)
+
+        stop.click(stopped, [answer_stats], buttons + [answer_stats], api_visibility="private", queue=False,
                    cancels=[submit_answer, example_answer, retry_answer])
 
         def refresh():

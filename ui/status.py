@@ -30,7 +30,7 @@ def status_markdown(engine, recent) -> str:
         ("Mean time to first token (last minute)", ttft),
         ("Preemptions (since start)", f"{stats.num_preemptions}"),
     ]
-    lines = ["| | |", "|---|---|"] + [f"| {name} | {value} |" for name, value in rows]
+    lines = ["| | now |", "|---|---|"] + [f"| {name} | {value} |" for name, value in rows]
     return "\n".join(lines)
 
 
