@@ -163,3 +163,41 @@ class GenerationResult:
     @property
     def finish_reason(self) -> FinishReason | None:
         return self.outputs[0].finish_reason
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One sample of one request inside the engine: its tokens and how far the KV cache has them.
+
+    The scheduler has no prefill or decode phase: `num_computed_tokens` catches up with
+    `len(token_ids)` (prompt, then recomputation after preemption, then one token per step).
+    """
+
+    seq_id: str  # unique inside the engine: "<request_id>#<index>"
+    request_id: str  # the client's request id (shared by the n samples)
+    index: int  # which of the request's n samples
+    token_ids: list[int]  # prompt + output so far
+    num_prompt_tokens: int
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    block_table: list[int] = field(default_factory=list)  # KV block ids, in order
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    scheduled_time: float | None = None  # first time the scheduler ran it (queue time ends)
+    fault: bool = False  # test hook: the next forward including this sequence raises
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

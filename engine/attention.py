@@ -1,0 +1,138 @@
+"""Paged attention for transformers models, through `transformers.AttentionInterface`.
+
+Every layer of a model loaded with `attn_implementation="rill_paged"` calls `paged_attention`
+with the query, key and value of all tokens of the step flattened into one row
+(`[1, heads, total_tokens, head_dim]`). It writes the new keys and values into the paged
+cache at their slots, then attends each sequence to its own cached tokens: all one-token
+(decode) sequences together in one batched call, each longer chunk (prefill) on its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+ATTN_NAME = "rill_paged"
+
+
+class PagedKVCache:
+    """Keys and values of every layer, `[num_blocks * block_size, kv_heads, head_dim]` each."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device):
+        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.block_size = block_size
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    """A chunk of `num_tokens` query tokens at positions [start, start + num_tokens)."""
+
+    token_offset: int  # where its tokens sit in the step's flat token row
+    num_tokens: int
+    start: int  # position of its first query token
+    slots: torch.Tensor  # [start + num_tokens] cache slots of positions 0..end
+
+
+@dataclass(slots=True)
+class StepMetadata:
+    """What the attention needs to know about one forward step (shared by all layers)."""
+
+    cache: PagedKVCache
+    slot_mapping: torch.Tensor  # [total_tokens] where each new token's K/V goes
+    decode_token_index: torch.Tensor | None  # [num_decodes] their rows in the flat token row
+    decode_slots: torch.Tensor | None  # [num_decodes, max_context] slots (0-padded)
+    decode_context_lens: torch.Tensor | None  # [num_decodes]
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    _masks: dict = field(default_factory=dict)  # (kind, key, window) -> bool mask, built once per step
+
+    def decode_mask(self, sliding_window: int | None) -> torch.Tensor:
+        """[num_decodes, 1, 1, max_context]: True where the key is visible."""
+        key = ("decode", None, sliding_window)
+        mask = self._masks.get(key)
+        if mask is None:
+            positions = torch.arange(self.decode_slots.shape[1], device=self.decode_slots.device)
+            lens = self.decode_context_lens[:, None]
+            mask = positions[None, :] < lens
+            if sliding_window:
+                mask &= positions[None, :] > lens - 1 - sliding_window
+            mask = mask[:, None, None, :]
+            self._masks[key] = mask
+        return mask
+
+    def prefill_mask(self, i: int, chunk: PrefillChunk, groups: int, sliding_window: int | None) -> torch.Tensor:
+        """[groups * num_tokens, context]: causal (and windowed) visibility, repeated per query group."""
+        key = ("prefill", i, sliding_window)
+        mask = self._masks.get(key)
+        if mask is None:
+            device = chunk.slots.device
+            q_pos = torch.arange(chunk.start, chunk.start + chunk.num_tokens, device=device)[:, None]
+            k_pos = torch.arange(chunk.start + chunk.num_tokens, device=device)[None, :]
+            mask = k_pos <= q_pos
+            if sliding_window:
+                mask &= k_pos > q_pos - sliding_window
+            mask = mask.repeat(groups, 1)
+            self._masks[key] = mask
+        return mask
+
+
+def _attend(q, k, v, mask, scaling, softcap):
+    # q: [B, kv_heads, Lq, D]  k, v: [B, kv_heads, Lk, D]  mask: broadcastable to [B, kv_heads, Lq, Lk]
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scaling
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                    rill_step: StepMetadata | None = None, sliding_window=None, softcap=None, **kwargs):
+    """The attention function transformers calls per layer (see module docstring).
+
+    query: [1, heads, T, D]; key, value: [1, kv_heads, T, D]; returns ([1, T, heads, D], None).
+    """
+    if rill_step is None:
+        raise RuntimeError("rill_paged attention needs the engine's step metadata (rill_step=...)")
+    step = rill_step
+    layer = module.layer_idx
+    _, num_heads, num_tokens, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    groups = num_heads // num_kv_heads
+    if scaling is None:
+        scaling = head_dim ** -0.5
+    k_cache, v_cache = step.cache.keys[layer], step.cache.values[layer]
+    k_cache.index_copy_(0, step.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))
+    v_cache.index_copy_(0, step.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
+
+    out = query.new_empty(num_tokens, num_heads, head_dim)
+    if step.decode_token_index is not None:
+        num_dec = step.decode_token_index.shape[0]
+        # q: [num_dec, kv_heads, groups, D]: the query group of a KV head acts as its query length
+        q = query[0, :, step.decode_token_index].transpose(0, 1).reshape(num_dec, num_kv_heads, groups, head_dim)
+        k = k_cache[step.decode_slots].transpose(1, 2)  # [num_dec, kv_heads, ctx, D]
+        v = v_cache[step.decode_slots].transpose(1, 2)
+        o = _attend(q, k, v, step.decode_mask(sliding_window), scaling, softcap)
+        out[step.decode_token_index] = o.reshape(num_dec, num_heads, head_dim)
+    for i, chunk in enumerate(step.prefills):
+        n, s = chunk.num_tokens, chunk.token_offset
+        # q: [1, kv_heads, groups * n, D]
+        q = query[:, :, s:s + n].reshape(1, num_kv_heads, groups * n, head_dim)
+        k = k_cache[chunk.slots].transpose(0, 1)[None]  # [1, kv_heads, ctx, D]
+        v = v_cache[chunk.slots].transpose(0, 1)[None]
+        o = _attend(q, k, v, step.prefill_mask(i, chunk, groups, sliding_window), scaling, softcap)
+        out[s:s + n] = o.reshape(num_heads, n, head_dim).transpose(0, 1)
+    return out[None], None
+
+
+AttentionInterface.register(ATTN_NAME, paged_attention)

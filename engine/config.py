@@ -1,0 +1,33 @@
+"""Engine tunables: one frozen dataclass, validated at construction with clear errors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Every knob of the engine. Sizes are in tokens unless said otherwise."""
+
+    block_size: int = 16  # tokens per KV cache block
+    num_kv_blocks: int | None = None  # exact pool size; overrides kv_cache_memory
+    kv_cache_memory: float | None = None  # bytes (> 1) or a fraction of free memory (0..1]
+    max_num_seqs: int = 64  # sequences running at once
+    max_num_batched_tokens: int = 512  # tokens per forward (prefill chunks + decodes)
+    max_queue: int = 256  # sequences waiting; beyond it add_request raises QueueFull
+    max_model_len: int | None = None  # None = the model's context length
+    seed: int = 0  # seeds the generator shared by unseeded sampling requests
+
+    def __post_init__(self):
+        def need(ok: bool, what: str, given) -> None:
+            if not ok:
+                raise ValueError(f"EngineConfig: {what}. Given: {given!r}")
+
+        need(self.block_size >= 1, "block_size must be >= 1", self.block_size)
+        need(self.num_kv_blocks is None or self.num_kv_blocks >= 2, "num_kv_blocks must be >= 2", self.num_kv_blocks)
+        need(self.kv_cache_memory is None or self.kv_cache_memory > 0,
+             "kv_cache_memory must be bytes (> 1) or a fraction of free memory in (0, 1]", self.kv_cache_memory)
+        need(self.max_num_seqs >= 1, "max_num_seqs must be >= 1", self.max_num_seqs)
+        need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1", self.max_num_batched_tokens)
+        need(self.max_queue >= 0, "max_queue must be >= 0", self.max_queue)
+        need(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2", self.max_model_len)

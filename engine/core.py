@@ -1,0 +1,278 @@
+"""The synchronous engine step: schedule -> run -> sample -> update. No threads, no asyncio.
+
+    plan = self.scheduler.schedule()
+    logits = self.runner.run(plan)
+    outputs = self._update(plan, self.sampler.sample(logits, sampling_seqs))
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.attention import PagedKVCache
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache import BlockAllocator
+from engine.request import (
+    FinishReason,
+    InvalidRequest,
+    RequestOutput,
+    RequestStatus,
+    SamplingParams,
+    Sequence,
+)
+from engine.runner import FallbackRunner, PagedRunner, RequestFault, kv_geometry, supports_paged_attention
+from engine.sampler import Sampler
+from engine.scheduler import ScheduledChunk, Scheduler
+
+log = logging.getLogger("rill.engine")
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """A snapshot for /metrics, the status panel and tests."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float  # fraction of KV blocks in use, 0..1
+    num_kv_blocks: int
+    num_free_kv_blocks: int
+    num_preemptions: int
+    prompt_tokens_total: int  # tokens computed for prompts (recomputation excluded)
+    generation_tokens_total: int
+    num_steps: int
+    finished_total: dict[str, int] = field(default_factory=dict)  # finish reason -> count
+
+
+def model_context_length(config) -> int:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for name in ("max_position_embeddings", "n_positions", "seq_length", "max_seq_len"):
+        value = getattr(text, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 2048
+
+
+def _free_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30
+
+
+def eos_token_ids(model, tokenizer) -> list[int]:
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if ids is None:
+        ids = tokenizer.eos_token_id
+    if ids is None:
+        return []
+    return [ids] if isinstance(ids, int) else list(ids)
+
+
+class EngineCore:
+    """Owns the model, the KV cache and the queues; `step()` advances every running sequence."""
+
+    def __init__(self, model, tokenizer, config: EngineConfig | None = None, context_length: int | None = None):
+        self.config = config = config or EngineConfig()
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_model_len = config.max_model_len or context_length or model_context_length(model.config)
+        self.eos_token_ids = eos_token_ids(model, tokenizer)
+        num_layers, num_kv_heads, head_dim = kv_geometry(model.config)
+        per_block = PagedKVCache.bytes_per_block(num_layers, config.block_size, num_kv_heads, head_dim, model.dtype)
+        self.num_kv_blocks = self._num_blocks(per_block, model.device)
+        self.kv_cache_bytes = self.num_kv_blocks * per_block
+        if supports_paged_attention(model):
+            self.runner = PagedRunner(model, self.num_kv_blocks, config.block_size)
+        else:
+            self.runner = FallbackRunner(model)
+        self.attention_path = self.runner.path
+        self.allocator = BlockAllocator(self.num_kv_blocks, config.block_size)
+        self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens)
+        vocab = model.get_output_embeddings().weight.shape[0] if model.get_output_embeddings() is not None else 0
+        self.sampler = Sampler(vocab, self.eos_token_ids, config.seed)
+        self.seqs: dict[str, Sequence] = {}  # seq_id -> live sequence
+        self.by_request: dict[str, list[Sequence]] = {}  # request_id -> its live sequences
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.num_steps = 0
+        self.finished_total: Counter[str] = Counter()
+        log.info("engine: %s attention path, %d KV blocks of %d tokens (%.1f MiB), max_model_len %d",
+                 self.attention_path, self.num_kv_blocks, config.block_size,
+                 self.kv_cache_bytes / 2**20, self.max_model_len)
+
+    def _num_blocks(self, per_block: int, device: torch.device) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks:
+            return cfg.num_kv_blocks
+        if cfg.kv_cache_memory:
+            budget = cfg.kv_cache_memory if cfg.kv_cache_memory > 1 else cfg.kv_cache_memory * _free_memory_bytes(device)
+            return max(2, int(budget // per_block))
+        # Enough for every running sequence at full context, capped at a quarter of free memory.
+        wanted = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
+        return max(2, min(wanted, int(_free_memory_bytes(device) * 0.25 // per_block)))
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequest for a prompt the engine cannot serve, with the numbers."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidRequest("The prompt is empty: it must contain at least 1 token. Given: 0 tokens", "prompt")
+        if n + params.max_tokens > self.max_model_len:
+            raise InvalidRequest(
+                f"The prompt ({n} tokens) plus max_tokens ({params.max_tokens}) is {n + params.max_tokens} "
+                f"tokens, beyond this model's context of {self.max_model_len} tokens. Shorten the prompt "
+                f"or lower max_tokens to at most {max(self.max_model_len - n, 0)}.", "max_tokens")
+        capacity = self.num_kv_blocks * self.config.block_size
+        if n + params.max_tokens > capacity:
+            raise InvalidRequest(
+                f"The prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds the KV cache "
+                f"({capacity} tokens in all). Lower max_tokens or start the server with a larger --kv-cache-memory.",
+                "max_tokens")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[Sequence]:
+        self.check_prompt(prompt_token_ids, params)
+        if request_id in self.by_request:
+            raise InvalidRequest(f"Request id {request_id!r} is already running; ids must be unique.", "request_id")
+        seqs = []
+        for index in range(params.n):
+            seq = Sequence(seq_id=f"{request_id}#{index}", request_id=request_id, index=index,
+                           token_ids=list(prompt_token_ids), num_prompt_tokens=len(prompt_token_ids), params=params)
+            self.seqs[seq.seq_id] = seq
+            self.detokenizers[seq.seq_id] = IncrementalDetokenizer(
+                self.tokenizer, prompt_token_ids, params.stop, params.skip_special_tokens)
+            self.scheduler.add(seq)
+            seqs.append(seq)
+        self.by_request[request_id] = seqs
+        return seqs
+
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT, error: str | None = None) -> list[RequestOutput]:
+        """End every sequence of a request now; its KV blocks are free when this returns."""
+        return [self._finish(seq, reason, error, []) for seq in list(self.by_request.get(request_id, ()))]
+
+    def inject_fault(self, request_id: str) -> bool:
+        for seq in self.by_request.get(request_id, ()):
+            seq.fault = True
+        return request_id in self.by_request
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if not plan:
+            return []
+        self.num_steps += 1
+        try:
+            logits = self.runner.run(plan)
+        except RequestFault as fault:
+            log.warning("%s", fault)
+            seq = self.seqs[fault.seq_id]
+            return [self._finish(seq, FinishReason.ERROR, "The engine failed while running this request.", [])]
+        except Exception as exc:  # a forward that fails takes only its batch down, not the engine
+            log.exception("forward failed; failing the %d sequences of this batch", len(plan))
+            message = f"The engine failed while running this request: {type(exc).__name__}: {exc}"
+            return [self._finish(c.seq, FinishReason.ERROR, message, []) for c in plan]
+        sampling: list[ScheduledChunk] = []
+        for chunk in plan:
+            seq = chunk.seq
+            if seq.num_computed_tokens < seq.num_prompt_tokens:  # first computation, not recomputation
+                self.prompt_tokens_total += min(chunk.num_tokens, seq.num_prompt_tokens - chunk.start)
+            seq.num_computed_tokens += chunk.num_tokens
+            if chunk.samples:
+                sampling.append(chunk)
+        seqs = [c.seq for c in sampling]
+        result = self.sampler.sample(logits, seqs)
+        bad = set(result.bad_rows)
+        outputs = []
+        now = time.monotonic()
+        for row, seq in enumerate(seqs):
+            if row in bad:
+                outputs.append(self._finish(seq, FinishReason.ERROR,
+                                            "The model produced non-finite (NaN or inf) logits for this request.", []))
+                continue
+            try:
+                outputs.append(self._append_token(seq, result.token_ids[row], result.logprobs[row], now))
+            except Exception as exc:  # e.g. a tokenizer error: this request fails alone
+                log.exception("output processing failed for %s", seq.seq_id)
+                outputs.append(self._finish(seq, FinishReason.ERROR,
+                                            f"Detokenizing the output failed: {type(exc).__name__}: {exc}", []))
+        return outputs
+
+    def _append_token(self, seq: Sequence, token_id: int, logprob, now: float) -> RequestOutput:
+        params = seq.params
+        seq.token_ids.append(token_id)
+        self.generation_tokens_total += 1
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        logprobs = [logprob] if logprob is not None else None
+        num_out = seq.num_output_tokens
+        reason = None
+        if ((token_id in self.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids) \
+                and num_out >= params.min_tokens:
+            reason = FinishReason.STOP  # the EOS / stop token is kept in token_ids, not in the text
+            text = ""
+        else:
+            detok = self.detokenizers[seq.seq_id]
+            text = detok.add(token_id)
+            if detok.stopped:
+                reason = FinishReason.STOP
+        if reason is None and (num_out >= params.max_tokens or len(seq.token_ids) >= self.max_model_len):
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            return self._finish(seq, reason, None, [token_id], text, logprobs)
+        return RequestOutput(seq.request_id, seq.index, [token_id], text, logprobs=logprobs,
+                             num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=num_out,
+                             first_token_time=seq.first_token_time, arrival_time=seq.arrival_time)
+
+    def _finish(self, seq: Sequence, reason: FinishReason, error: str | None, token_ids: list[int],
+                text: str = "", logprobs=None) -> RequestOutput:
+        if seq.status is not RequestStatus.FINISHED:
+            self.scheduler.finish(seq)
+        self.runner.free(seq.seq_id)
+        self.sampler.forget(seq.seq_id)
+        detok = self.detokenizers.pop(seq.seq_id, None)
+        if detok is not None and reason is not FinishReason.ERROR:
+            text += detok.flush()
+        seq.finish_reason = reason
+        seq.error = error
+        self.seqs.pop(seq.seq_id, None)
+        siblings = self.by_request.get(seq.request_id)
+        if siblings is not None:
+            siblings.remove(seq)
+            if not siblings:
+                del self.by_request[seq.request_id]
+        self.finished_total[reason.value] += 1
+        return RequestOutput(seq.request_id, seq.index, token_ids, text, finished=True, finish_reason=reason,
+                             logprobs=logprobs, num_prompt_tokens=seq.num_prompt_tokens,
+                             num_output_tokens=seq.num_output_tokens, error=error,
+                             first_token_time=seq.first_token_time, arrival_time=seq.arrival_time)
+
+    def stats(self, num_pending: int = 0) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting) + num_pending,
+            kv_usage=self.allocator.usage,
+            num_kv_blocks=self.num_kv_blocks,
+            num_free_kv_blocks=self.allocator.num_free,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+            num_steps=self.num_steps,
+            finished_total=dict(self.finished_total),
+        )

@@ -1,0 +1,73 @@
+"""Incremental detokenization and stop strings, per sequence.
+
+Text is decoded over a short window of recent tokens; a piece ending in U+FFFD (a UTF-8
+character whose bytes are split over tokens) is held back until the next token completes it.
+Text that could be the beginning of a stop string is also held back, so a stop string spread
+over several tokens is never half-emitted.
+"""
+
+from __future__ import annotations
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas."""
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...] = (),
+                 skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids: list[int] = []  # output tokens only
+        self.prefix_offset = 0  # window start: decoding restarts here for context
+        self.read_offset = 0  # tokens before this are already emitted as text
+        self.text = ""  # all text decoded so far (stop string excluded once found)
+        self.emitted = 0  # characters of `text` handed out
+        self.stop = stop
+        self.stopped = False  # a stop string was found; `text` ends right before it
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_id: int) -> str:
+        """Add one token; returns the new text that is safe to show (maybe "")."""
+        self.token_ids.append(token_id)
+        window_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+        new_text = self._decode(self.token_ids[self.prefix_offset:])
+        if len(new_text) > len(window_text) and not new_text.endswith("\ufffd"):
+            self.text += new_text[len(window_text):]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.token_ids)
+        return self._release(final=False)
+
+    def flush(self) -> str:
+        """At the end: whatever was held back (never a broken stop string: it is removed)."""
+        if not self.stopped and self.read_offset < len(self.token_ids):
+            window_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+            new_text = self._decode(self.token_ids[self.prefix_offset:])
+            self.text += new_text[len(window_text):]
+            self.read_offset = len(self.token_ids)
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        if self.stop and not self.stopped:
+            longest = max(len(s) for s in self.stop)
+            search_from = max(0, self.emitted - longest)
+            hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
+            if hits:
+                self.text = self.text[:min(hits)]
+                self.stopped = True
+        end = len(self.text)
+        if self.stop and not self.stopped and not final:
+            end -= self._partial_stop_len()
+        delta = self.text[self.emitted:end] if end > self.emitted else ""
+        self.emitted = max(self.emitted, end)
+        return delta
+
+    def _partial_stop_len(self) -> int:
+        """Length of the longest tail of `text` that is a proper prefix of a stop string."""
+        best = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(self.text)), best, -1):
+                if self.text.endswith(s[:k]):
+                    best = k
+                    break
+        return best

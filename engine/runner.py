@@ -1,0 +1,187 @@
+"""A batch plan -> tensors -> one model forward -> the logits of the sequences that sample.
+
+`PagedRunner` is the fast path: all scheduled tokens in one flat row, attention through
+`attention.paged_attention` on the paged cache. `FallbackRunner` serves models whose layers do
+not call transformers' attention interface (Bloom, Falcon, remote code): one forward per
+sequence with its own `DynamicCache`, correct but unbatched.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.attention import ATTN_NAME, PagedKVCache, PrefillChunk, StepMetadata
+from engine.scheduler import ScheduledChunk
+
+log = logging.getLogger("rill.engine")
+
+
+class RequestFault(RuntimeError):
+    """Raised by the test hook inside a forward; names the one sequence that must fail."""
+
+    def __init__(self, seq_id: str):
+        super().__init__(f"injected fault in the forward of {seq_id}")
+        self.seq_id = seq_id
+
+
+def _raise_injected_faults(plan: list[ScheduledChunk]) -> None:
+    for chunk in plan:
+        if chunk.seq.fault:
+            raise RequestFault(chunk.seq.seq_id)
+
+
+def kv_geometry(config) -> tuple[int, int, int]:
+    """(num_layers, num_kv_heads, head_dim) of a transformers config."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    num_layers = text.num_hidden_layers
+    num_heads = text.num_attention_heads
+    num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+    return num_layers, num_kv_heads, head_dim
+
+
+def supports_paged_attention(model) -> bool:
+    """Switch the model to the paged attention and check, with a 3-token probe, that every layer calls it."""
+    try:
+        model.set_attn_implementation(ATTN_NAME)
+    except Exception as exc:  # the model refuses custom attention
+        log.info("attention interface refused (%s)", exc)
+        return False
+    num_layers = kv_geometry(model.config)[0]
+    seen: set[int] = set()
+
+    def probe(module, query, key, value, attention_mask, **kwargs):
+        seen.add(module.layer_idx)
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        return sdpa_attention_forward(module, query, key, value, None, is_causal=True, **{
+            k: v for k, v in kwargs.items() if k in ("scaling", "dropout")})
+
+    from transformers import AttentionInterface
+    AttentionInterface.register("rill_probe", probe)
+    try:
+        model.set_attn_implementation("rill_probe")
+        with torch.inference_mode():
+            model(input_ids=torch.tensor([[1, 2, 3]], device=model.device),
+                  position_ids=torch.arange(3, device=model.device)[None], use_cache=False)
+    except Exception as exc:
+        log.info("attention probe failed (%s)", exc)
+        seen.clear()
+    finally:
+        try:
+            model.set_attn_implementation(ATTN_NAME if len(seen) == num_layers else "eager")
+        except Exception:
+            pass
+    return len(seen) == num_layers
+
+
+class PagedRunner:
+    """Runs a plan on the paged KV cache in one forward."""
+
+    path = "paged"
+
+    def __init__(self, model, num_blocks: int, block_size: int):
+        self.model = model
+        self.device = model.device
+        num_layers, num_kv_heads, head_dim = kv_geometry(model.config)
+        self.cache = PagedKVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim,
+                                  model.dtype, self.device)
+        self.block_size = block_size
+
+    def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
+        bs = self.block_size
+        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    @torch.inference_mode()
+    def run(self, plan: list[ScheduledChunk]) -> torch.Tensor:
+        """Returns float32 logits [num_sampling_chunks, vocab], in plan order."""
+        _raise_injected_faults(plan)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        dec_index: list[int] = []
+        dec_slots: list[list[int]] = []
+        prefills: list[tuple[int, int, int, list[int]]] = []
+        sample_rows: list[int] = []
+        for chunk in plan:
+            seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
+            offset = len(input_ids)
+            end = start + n
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            all_slots = self._slots(seq.block_table, 0, end)
+            slot_mapping.extend(all_slots[start:])
+            if n == 1:
+                dec_index.append(offset)
+                dec_slots.append(all_slots)
+            else:
+                prefills.append((offset, n, start, all_slots))
+            if chunk.samples:
+                sample_rows.append(offset + n - 1)
+        dev = self.device
+        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
+        decode_slots = decode_lens = decode_index = None
+        if dec_index:
+            lens = [len(s) for s in dec_slots]
+            width = max(lens)
+            decode_slots = as_tensor([s + [0] * (width - len(s)) for s in dec_slots])
+            decode_lens = as_tensor(lens)
+            decode_index = as_tensor(dec_index)
+        step = StepMetadata(
+            cache=self.cache,
+            slot_mapping=as_tensor(slot_mapping),
+            decode_token_index=decode_index,
+            decode_slots=decode_slots,
+            decode_context_lens=decode_lens,
+            prefills=[PrefillChunk(o, n, s, as_tensor(sl)) for o, n, s, sl in prefills],
+        )
+        out = self.model(
+            input_ids=as_tensor(input_ids)[None],  # [1, total_tokens]
+            position_ids=as_tensor(positions)[None],  # [1, total_tokens]
+            use_cache=False,
+            logits_to_keep=as_tensor(sample_rows),
+            rill_step=step,
+        )
+        return out.logits[0].float()  # [num_sampling_chunks, vocab]
+
+    def free(self, seq_id: str) -> None:  # the paged cache needs nothing beyond the allocator
+        pass
+
+
+class FallbackRunner:
+    """One forward per sequence with a `DynamicCache` kept per sequence (models without the interface)."""
+
+    path = "fallback"
+
+    def __init__(self, model):
+        self.model = model
+        self.caches: dict[str, object] = {}
+
+    @torch.inference_mode()
+    def run(self, plan: list[ScheduledChunk]) -> torch.Tensor:
+        from transformers import DynamicCache
+
+        _raise_injected_faults(plan)
+        rows = []
+        for chunk in plan:
+            seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
+            if start == 0:
+                self.caches[seq.seq_id] = DynamicCache(config=self.model.config)
+            cache = self.caches[seq.seq_id]
+            end = start + n
+            out = self.model(
+                input_ids=torch.tensor([seq.token_ids[start:end]], device=self.model.device),
+                attention_mask=torch.ones(1, end, dtype=torch.long, device=self.model.device),
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            if chunk.samples:
+                rows.append(out.logits[0, -1].float())
+        if not rows:
+            return torch.empty(0, 0)
+        return torch.stack(rows)
+
+    def free(self, seq_id: str) -> None:
+        self.caches.pop(seq_id, None)

@@ -1,0 +1,108 @@
+"""Iteration-level scheduling under a token budget, with chunked prefill and preemption.
+
+Plain Python. Each step, running sequences go first (FIFO), each asking for the tokens it
+has not computed yet (one for a decode, a chunk of its prompt otherwise); then waiting
+sequences are admitted while the budget, `max_num_seqs` and free KV blocks allow. When a
+running sequence cannot get a block, the most recently admitted one is preempted: its blocks
+are freed and it goes back to the front of the queue to be recomputed later.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from engine.kv_cache import BlockAllocator
+from engine.request import RequestStatus, Sequence
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """`num_tokens` tokens of `seq`, starting at position `start`, go through this forward."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """This chunk reaches the end of the sequence's tokens, so a new token is sampled."""
+        return self.start + self.num_tokens == len(self.seq.token_ids)
+
+
+class Scheduler:
+    """Waiting and running queues over one BlockAllocator."""
+
+    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int):
+        self.allocator = allocator
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = RequestStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledChunk]:
+        budget = self.max_num_batched_tokens
+        plan: list[ScheduledChunk] = []
+        scheduled: set[int] = set()
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            # Make room, preempting from the back; the sequence itself may be the victim.
+            while not self.allocator.allocate(seq.block_table, seq.num_computed_tokens + num_new):
+                victim = self.running[-1]
+                if id(victim) in scheduled:  # never preempt what this step already runs
+                    victim = seq
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                plan.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new))
+                scheduled.add(id(seq))
+                budget -= num_new
+                i += 1
+                continue
+            # seq was preempted: running shrank, the same index now holds the next one
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            if not self.allocator.allocate(seq.block_table, seq.num_computed_tokens + num_new):
+                break  # FIFO: nobody jumps the queue
+            self.waiting.popleft()
+            seq.status = RequestStatus.RUNNING
+            if seq.scheduled_time is None:
+                seq.scheduled_time = time.monotonic()
+            self.running.append(seq)
+            plan.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new))
+            budget -= num_new
+        return plan
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.allocator.free(seq.block_table)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = RequestStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence from either queue and free its blocks."""
+        if seq.status is RequestStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is RequestStatus.WAITING:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        self.allocator.free(seq.block_table)
+        seq.status = RequestStatus.FINISHED
