@@ -309,14 +309,12 @@ def stream_answer(engine, metrics, route: str, history: list[dict], message: str
             now = time.monotonic()
             produced = int(getattr(streamer, "num_output_tokens", 0) or 0)
             if first_time is None and (piece or produced):
-                first_time = now
-                stats.ttft_s = now - arrival
+                first_time = getattr(streamer, "first_token_time", None) or now
+                stats.ttft_s = max(0.0, first_time - arrival)
             if tracker is not None:
                 new = produced - tracker.num_output_tokens
-                if new <= 0 and piece and tracker.num_output_tokens == 0:
-                    new = 1  # the streamer counts at the end only: the first text is a token
                 if new > 0:
-                    tracker.tokens(new, now=now)
+                    tracker.tokens(new, now=now, first_token_time=getattr(streamer, "first_token_time", None))
             stats.num_output_tokens = max(produced, tracker.num_output_tokens if tracker else 0, stats.num_output_tokens)
             stats.elapsed_s = now - arrival
             if first_time is not None and stats.num_output_tokens > 1 and now > first_time:
