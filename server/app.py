@@ -31,6 +31,8 @@ def _engine_stats(engine) -> dict:
         "num_kv_blocks": stats.num_kv_blocks,
         "num_free_kv_blocks": stats.num_free_kv_blocks,
         "num_preemptions": stats.num_preemptions,
+        "prompt_tokens_total": stats.prompt_tokens_total,
+        "generation_tokens_total": stats.generation_tokens_total,
         "finished_total": {getattr(k, "value", str(k)): v for k, v in dict(stats.finished_total).items()},
     }
 
@@ -75,6 +77,9 @@ def create_app(engine, settings: Settings) -> FastAPI:
             return JSONResponse({"ready": False, "reason": "shutting down"}, status_code=503)
         return {"ready": True}
 
+    if settings.test_hooks:
+        _install_test_hooks(app, engine)
+
     try:  # another module owns the metrics; the app works without it
         from server.metrics import install_metrics
     except ImportError:
@@ -91,6 +96,24 @@ def create_app(engine, settings: Settings) -> FastAPI:
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["x-request-id"])
     return app
+
+
+class EngineKilled(RuntimeError):
+    """Raised inside the engine thread by the test hook that kills the engine loop."""
+
+
+def _install_test_hooks(app: FastAPI, engine) -> None:
+    """--test-hooks only: `POST /_test/kill-engine` makes the engine loop die at its next step,
+    so the suite can check /health's 503 and the error events of in-flight streams."""
+
+    @app.post("/_test/kill-engine", include_in_schema=False)
+    async def kill_engine():
+        def die():
+            raise EngineKilled("killed by the test hook /_test/kill-engine")
+
+        engine.core.step = die
+        engine.core.has_work = lambda: True
+        return {"killed": True}
 
 
 __all__ = ["create_app", "ApiError"]

@@ -17,13 +17,14 @@ from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 
-from engine.request import FinishReason, SamplingParams
-from server.errors import ApiError
+from engine.request import FinishReason, InvalidRequest, SamplingParams
+from server.errors import BODY_FIELDS, ApiError
 from server.generation import Generation, RequestFailed, admission, request_id_from
 from server.resume import ResumableStream
 from server.schemas import ChatBody
 
 router = APIRouter()
+BODY_FIELDS["/chat"] = list(ChatBody.model_fields)
 
 SSE_SEP = "\n"  # events end with a blank line: "\n\n" on the wire (sse-starlette defaults to "\r\n")
 PING_S = 15  # keep-alive comment every PING_S seconds while a request waits in the queue
@@ -142,7 +143,12 @@ async def chat(body: ChatBody, request: Request, x_request_id: str | None = Head
                        param="x-request-id")
     prompt_ids = _prompt_token_ids(engine, body)
     params = _sampling_params(body, settings)
-    gen = Generation(engine, prompt_ids, params, request_id, **admission(request, "chat"))
+    try:
+        gen = Generation(engine, prompt_ids, params, request_id, **admission(request, "chat"))
+    except InvalidRequest as exc:  # the engine names OpenAI's `max_tokens`; /chat calls it max_new_tokens
+        if exc.param == "max_tokens":
+            raise InvalidRequest(str(exc).replace("max_tokens", "max_new_tokens"), "max_new_tokens") from None
+        raise
     if not body.stream:
         text, completion_tokens, finish_reason = await _collect(gen, request)
         return JSONResponse({"response": text, "usage": _usage(gen, completion_tokens, finish_reason),
@@ -156,6 +162,13 @@ async def _follow(record: ResumableStream, after: int):
     async with contextlib.aclosing(record.follow(after)) as events:
         async for event in events:
             yield event
+
+
+@router.api_route("/chat", methods=["GET", "PUT", "PATCH", "DELETE"], include_in_schema=False)
+async def chat_wrong_method(request: Request):
+    """Without this the Gradio app mounted at "/" would answer other methods on /chat."""
+    raise ApiError(405, f"Method {request.method} is not allowed on /chat: use POST (or GET /chat/{{request_id}} "
+                        "to resume a stream).", headers={"Allow": "POST"})
 
 
 @router.get("/chat/{request_id}", summary="Resume a /chat stream after `Last-Event-ID`")

@@ -68,7 +68,10 @@ def _describe_input(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+BODY_FIELDS: dict[str, list[str]] = {}  # path -> the body fields its route knows (for "unknown field" errors)
+
+
+def validation_message(exc: RequestValidationError, path: str = "") -> tuple[str, str | None]:
     """pydantic's errors as one readable line, and the first offending field."""
     parts = []
     first_param = None
@@ -85,19 +88,24 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
             parts.append(f"`{field}` is required.")
             continue
         if kind == "extra_forbidden":
-            parts.append(f"`{field}` is not a known field.")
-            continue
-        if not field:
-            parts.append(f"The body must be a JSON object. Given: {_describe_input(err.get('input'))}")
+            known = BODY_FIELDS.get(path) if len(loc) == 1 else None
+            allowed = f" Allowed: {', '.join(known)}." if known else ""
+            parts.append(f"`{field}` is not a known field.{allowed}")
             continue
         msg = err.get("msg", "is invalid")
         if msg.startswith("Value error, "):
             msg = msg[len("Value error, "):]
+        if not field:
+            if kind in ("model_type", "dict_type", "model_attributes_type"):
+                parts.append(f"The body must be a JSON object. Given: {_describe_input(err.get('input'))}")
+            else:  # a rule about several fields
+                parts.append(msg[0].upper() + msg[1:] if msg else "Invalid request body")
+            continue
         msg = msg[0].lower() + msg[1:] if msg else msg
         parts.append(f"`{field}`: {msg}. Given: {_describe_input(err.get('input'))}")
     if len(exc.errors()) > 5:
         parts.append(f"({len(exc.errors()) - 5} more errors)")
-    return " ".join(parts) or "Invalid request body.", first_param
+    return "; ".join(p.rstrip(".") for p in parts) + "." if parts else "Invalid request body.", first_param
 
 
 def route_label(path: str) -> str:
@@ -137,7 +145,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
-        message, param = validation_message(exc)
+        message, param = validation_message(exc, request.url.path)
         count_error(request.app, request.url.path, 400)
         return error_response(request.url.path, 400, message, param=param)
 

@@ -90,16 +90,18 @@ class Generation:
             raise ApiError(503, "The engine is not running; the server cannot generate. Check /health.",
                            code="engine_dead")
         engine.check_prompt(prompt_token_ids, params)
-        if on_admit is not None:
-            on_admit(request_id)
         try:
             self.stream = engine.add_request(prompt_token_ids, params, request_id=request_id)
         except QueueFull as exc:
             raise queue_full_error(exc, retry_after_seconds(engine)) from None
-        except InvalidRequest:
+        except InvalidRequest as exc:
+            if exc.param == "request_id":  # a live request already has this id
+                raise ApiError(409, f"{exc} Send another `x-request-id`.", param="x-request-id") from None
             raise
-        except ValueError as exc:  # e.g. a request id already in use
-            raise ApiError(409 if "already" in str(exc) else 400, str(exc)) from None
+        except RuntimeError as exc:  # the engine stopped between the check above and now
+            raise ApiError(503, f"{exc} Check /health.", code="engine_dead") from None
+        if on_admit is not None:
+            on_admit(request_id)  # test hook: acts before the engine's next step
 
     async def _next(self) -> RequestOutput:
         while True:

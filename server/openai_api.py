@@ -73,8 +73,13 @@ def _params(body: _SamplingFields, max_tokens: int, logprobs: int | None) -> Sam
 
 
 def _default_max_tokens(engine, num_prompt_tokens: int) -> int:
-    """OpenAI's default: whatever room the context leaves (at least 1, so check_prompt reports)."""
-    return max(1, engine.max_model_len - num_prompt_tokens)
+    """OpenAI's default: whatever room the context (and the KV cache) leaves; at least 1, so that
+    a prompt that fills the context gets check_prompt's message."""
+    room = engine.max_model_len
+    core = getattr(engine, "core", None)
+    if core is not None and hasattr(core, "num_kv_blocks"):
+        room = min(room, core.num_kv_blocks * engine.config.block_size)
+    return max(1, room - num_prompt_tokens)
 
 
 class _TokenText:

@@ -1,0 +1,233 @@
+"""`POST /chat` over real HTTP against a real app.py process: the seed's wire format, the
+extensions, the usage event, request ids, errors; the embedded model's answers."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from transformers import AutoTokenizer
+
+from tests.servers import SSEReader, chat_text, parse_sse, usage_of
+
+CAPITAL = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama_path):
+    return AutoTokenizer.from_pretrained(tiny_llama_path)
+
+
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+def post_chat(url: str, body: dict, **kwargs) -> httpx.Response:
+    return httpx.post(f"{url}/chat", json=body, timeout=120, **kwargs)
+
+
+def stream_chat(url: str, body: dict, headers: dict | None = None) -> tuple[httpx.Response, bytes]:
+    with httpx.stream("POST", f"{url}/chat", json=body, headers=headers, timeout=120) as response:
+        raw = response.read()
+    return response, raw
+
+
+def greedy(url: str, prompt: str, max_new_tokens: int = 24, **extra) -> str:
+    response = post_chat(url, {"prompt": prompt, "stream": False, "temperature": 0,
+                               "max_new_tokens": max_new_tokens, **extra})
+    assert response.status_code == 200, response.text
+    return response.json()["response"]
+
+
+# --------------------------------------------------------------------------- the seed's protocol
+
+
+def test_seed_body_streams_pieces_framed_by_blank_lines_then_usage_then_end(tiny_server):
+    response, raw = stream_chat(tiny_server.url, {"prompt": "Tell me a story.", "stream": True,
+                                                  "max_new_tokens": 12, "temperature": 0.7})
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    assert b"\r" not in raw  # events end with "\n\n", not sse-starlette's default "\r\n"
+    assert raw.endswith(b"\n\n")
+    events = parse_sse(raw)
+    pieces = [e for e in events if e.event == "message"]
+    assert len(pieces) >= 2 and all(p.data for p in pieces)
+    assert [e.event for e in events[-2:]] == ["usage", "end"]
+    assert events[-1].data == "[DONE]"
+    assert [int(e.id) for e in events] == list(range(1, len(events) + 1))  # every event has an id
+    usage = usage_of(events)
+    assert usage["completion_tokens"] == 12 and usage["finish_reason"] == "length"
+
+
+def test_seed_defaults_apply_without_optional_fields(tiny_server):
+    """Only `prompt`: streams (stream defaults to true) and stops at 512 tokens at most."""
+    response, raw = stream_chat(tiny_server.url, {"prompt": "Hi"})
+    events = parse_sse(raw)
+    assert response.status_code == 200 and events[-1].event == "end"
+    assert usage_of(events)["completion_tokens"] <= 512
+
+
+def test_first_piece_arrives_while_the_request_still_runs(tiny_server):
+    url = tiny_server.url
+    body = {"prompt": "Count to one hundred.", "max_new_tokens": 400, "temperature": 0}
+    with httpx.stream("POST", f"{url}/chat", json=body, timeout=120) as response:
+        events = iter(SSEReader(response))
+        first = next(events)
+        assert first.event == "message" and first.data
+        running = httpx.get(f"{url}/health", timeout=10).json()["engine"]["num_running"]
+        rest = list(events)
+    assert running >= 1  # the request was still generating when its first piece had arrived
+    assert rest[-1].event == "end"
+    assert usage_of(rest)["completion_tokens"] > 1
+
+
+def test_streamed_text_equals_non_streaming_answer(tiny_server):
+    body = {"prompt": "Describe the sea at night.", "max_new_tokens": 40, "temperature": 0}
+    _, raw = stream_chat(tiny_server.url, body)
+    streamed = chat_text(parse_sse(raw))
+    plain = post_chat(tiny_server.url, {**body, "stream": False})
+    assert plain.status_code == 200
+    assert plain.json()["response"] == streamed
+    assert plain.json()["usage"] == usage_of(parse_sse(raw))
+
+
+def test_usage_counts_match_the_prompt_and_the_generated_tokens(tiny_server, tokenizer):
+    body = {"prompt": "What is a paged KV cache?", "max_new_tokens": 9, "temperature": 0, "stream": False}
+    usage = post_chat(tiny_server.url, body).json()["usage"]
+    expected_prompt = len(chat_ids(tokenizer, [{"role": "user", "content": body["prompt"]}]))
+    assert usage == {"prompt_tokens": expected_prompt, "completion_tokens": 9, "finish_reason": "length"}
+
+
+# --------------------------------------------------------------------------- extensions
+
+
+def test_messages_equal_the_same_prompt_and_system_adds_its_tokens(tiny_server, tokenizer):
+    url = tiny_server.url
+    prompt = "Name three colours."
+    by_prompt = greedy(url, prompt)
+    by_messages = post_chat(url, {"messages": [{"role": "user", "content": prompt}], "temperature": 0,
+                                  "max_new_tokens": 24, "stream": False}).json()["response"]
+    assert by_messages == by_prompt
+    history = [{"role": "user", "content": "Hello!"}, {"role": "assistant", "content": "Hi, how can I help?"},
+               {"role": "user", "content": prompt}]
+    with_system = post_chat(url, {"messages": history, "system": "You are terse.", "temperature": 0,
+                                  "max_new_tokens": 4, "stream": False}).json()
+    expected = chat_ids(tokenizer, [{"role": "system", "content": "You are terse."}, *history])
+    assert with_system["usage"]["prompt_tokens"] == len(expected)
+
+
+def test_raw_prompt_skips_the_chat_template(tiny_server, tokenizer):
+    prompt = "The capital of France is"
+    usage = post_chat(tiny_server.url, {"prompt": prompt, "raw": True, "temperature": 0, "max_new_tokens": 3,
+                                        "stream": False}).json()["usage"]
+    templated = len(chat_ids(tokenizer, [{"role": "user", "content": prompt}]))
+    assert usage["prompt_tokens"] < templated
+    assert usage["prompt_tokens"] in (len(tokenizer.encode(prompt, add_special_tokens=False)),
+                                      len(tokenizer.encode(prompt)))
+
+
+def test_stop_string_ends_the_answer_before_it(tiny_server):
+    url = tiny_server.url
+    full = greedy(url, "Write a long sentence.", max_new_tokens=40)
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    assert stop.strip(), f"answer too uniform to pick a stop string: {full!r}"
+    cut = post_chat(url, {"prompt": "Write a long sentence.", "temperature": 0, "max_new_tokens": 40,
+                          "stop": [stop], "stream": False}).json()
+    assert cut["response"] == full[: full.index(stop)]
+    assert cut["usage"]["finish_reason"] == "stop"
+
+
+def test_seed_makes_sampling_repeatable_and_top_k_1_is_greedy(tiny_server):
+    url = tiny_server.url
+    body = {"prompt": "Invent a word.", "temperature": 1.0, "max_new_tokens": 24, "stream": False}
+    first = post_chat(url, {**body, "seed": 1234}).json()["response"]
+    again = post_chat(url, {**body, "seed": 1234}).json()["response"]
+    assert first == again
+    others = {post_chat(url, {**body, "seed": s}).json()["response"] for s in (1, 2, 3)}
+    assert len(others | {first}) > 1  # different seeds, different samples
+    top1 = post_chat(url, {**body, "top_k": 1, "top_p": 0.9, "repetition_penalty": 1.0}).json()["response"]
+    assert top1 == greedy(url, body["prompt"])
+
+
+def test_request_id_is_honoured_and_echoed(tiny_server):
+    response, raw = stream_chat(tiny_server.url, {"prompt": "Hi", "max_new_tokens": 2},
+                                headers={"x-request-id": "my-request.42"})
+    assert response.headers["x-request-id"] == "my-request.42"
+    plain = post_chat(tiny_server.url, {"prompt": "Hi", "max_new_tokens": 2, "stream": False},
+                      headers={"x-request-id": "plain-7"})
+    assert plain.headers["x-request-id"] == "plain-7" and plain.json()["request_id"] == "plain-7"
+    generated = post_chat(tiny_server.url, {"prompt": "Hi", "max_new_tokens": 2, "stream": False})
+    assert generated.headers["x-request-id"]
+    bad = post_chat(tiny_server.url, {"prompt": "Hi"}, headers={"x-request-id": "has spaces/and slashes"})
+    assert bad.status_code == 400 and "x-request-id" in bad.json()["error"]
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("body, words", [
+    ({"prompt": "Hi", "temperature": -1}, ["temperature", "-1"]),
+    ({"prompt": "Hi", "top_p": 0}, ["top_p", "0"]),
+    ({"prompt": "Hi", "top_p": 1.5}, ["top_p", "1.5"]),
+    ({"prompt": "Hi", "max_new_tokens": 0}, ["max_new_tokens", "0"]),
+    ({"prompt": "Hi", "top_k": -3}, ["top_k", "-3"]),
+    ({"prompt": "Hi", "max_new_tokens": "many"}, ["max_new_tokens", "many"]),
+    ({"temperature": 0}, ["prompt", "messages"]),
+    ({"prompt": "Hi", "messages": [{"role": "user", "content": "Hi"}]}, ["prompt", "messages"]),
+    ({"prompt": "Hi", "max_tokens": 5}, ["max_tokens", "max_new_tokens"]),
+    ({"messages": [{"role": "robot", "content": "Hi"}]}, ["role", "robot"]),
+    ({"prompt": "Hi", "stop": [""]}, ["stop"]),
+])
+def test_bad_values_get_400_naming_the_field_and_the_value(tiny_server, body, words):
+    response = post_chat(tiny_server.url, body)
+    assert response.status_code == 400
+    message = response.json()["error"]
+    assert isinstance(message, str)
+    for word in words:
+        assert word in message, message
+    assert "Traceback" not in message
+
+
+def test_prompt_plus_max_tokens_beyond_the_context_says_the_numbers(tiny_server):
+    response = post_chat(tiny_server.url, {"prompt": "Hi", "max_new_tokens": 5000})
+    assert response.status_code == 400
+    message = response.json()["error"]
+    assert "5000" in message and "1024" in message, message
+
+
+def test_body_that_is_not_json_gets_400(tiny_server):
+    response = httpx.post(f"{tiny_server.url}/chat", content=b"{not json", timeout=30,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    assert "JSON" in response.json()["error"]
+
+
+def test_unknown_route_method_is_a_clear_error(tiny_server):
+    response = httpx.put(f"{tiny_server.url}/chat", json={"prompt": "Hi"}, timeout=30)
+    assert response.status_code == 405
+    assert "PUT" in response.json()["error"]
+
+
+# --------------------------------------------------------------------------- the embedded model
+
+
+def test_embedded_model_answers_paris_streaming_and_not(embedded_server):
+    url = embedded_server.url
+    _, raw = stream_chat(url, {"prompt": CAPITAL, "stream": True, "temperature": 0, "max_new_tokens": 48})
+    events = parse_sse(raw)
+    assert events[-1].event == "end"
+    streamed = chat_text(events)
+    assert "Paris" in streamed
+    assert greedy(url, CAPITAL, max_new_tokens=48) == streamed
+
+
+def test_chinese_prompt_streams_without_replacement_characters(embedded_server):
+    body = {"prompt": "法国的首都是哪里？请用中文回答。", "temperature": 0, "max_new_tokens": 48}
+    with httpx.stream("POST", f"{embedded_server.url}/chat", json=body, timeout=120) as response:
+        events = list(SSEReader(response))
+    text = chat_text(events)
+    assert "\ufffd" not in text
+    assert all("\ufffd" not in e.data for e in events)
+    assert any("\u4e00" <= ch <= "\u9fff" for ch in text), text  # the answer has Chinese characters
