@@ -122,8 +122,12 @@ def run_server(*flags: str, env: dict[str, str] | None = None, test_hooks: bool 
 # --------------------------------------------------------------------------- fixtures
 
 @pytest.fixture(scope="session")
-def tiny_llama_path(tiny_model) -> Path:
-    return tiny_model("llama")
+def tiny_llama_path(request) -> Path:
+    """The tiny Llama folder (RILL_TEST_TINY_LLAMA reuses one built before, for quick reruns)."""
+    prebuilt = os.environ.get("RILL_TEST_TINY_LLAMA")
+    if prebuilt:
+        return Path(prebuilt)
+    return request.getfixturevalue("tiny_model")("llama")
 
 
 @pytest.fixture(scope="session")
@@ -150,10 +154,19 @@ def server_with(_server_pool, tiny_llama_path):
     return get
 
 
+TINY_SERVER_FLAGS = ("--resume-window", "5")
+
+
 @pytest.fixture(scope="session")
 def tiny_server(server_with) -> ServerProcess:
-    """The shared tiny-Llama server (default settings, short resume window, test hooks)."""
-    return server_with("--resume-window", "5")
+    """The shared tiny-Llama server (default settings, short resume window, test hooks).
+
+    RILL_TEST_TINY_URL points the tests at a server already running with the same flags
+    (`app.py --model $RILL_TEST_TINY_LLAMA --test-hooks --resume-window 5`), for quick reruns."""
+    url = os.environ.get("RILL_TEST_TINY_URL")
+    if url:
+        return ServerProcess(url.rstrip("/"), int(url.rsplit(":", 1)[1].strip("/")), None, Path(os.devnull))
+    return server_with(*TINY_SERVER_FLAGS)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,81 @@
+"""The Gradio API through `gradio_client` against a real app.py process: api_name="/chat" with
+`predict` and streaming `submit`, its documented inputs, and agreement with `POST /chat`."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from gradio_client import Client
+
+CAPITAL = "What is the capital of France?"
+INPUTS = ["message", "history", "system_prompt", "temperature", "top_p", "top_k", "max_new_tokens",
+          "repetition_penalty"]
+
+
+@pytest.fixture(scope="module")
+def client(tiny_server) -> Client:
+    return Client(tiny_server.url + "/", verbose=False)
+
+
+def chat_greedy(url: str, messages: list[dict], max_new_tokens: int) -> str:
+    response = httpx.post(f"{url}/chat", timeout=120, json={"messages": messages, "temperature": 0,
+                                                             "max_new_tokens": max_new_tokens, "stream": False})
+    assert response.status_code == 200, response.text
+    return response.json()["response"]
+
+
+def test_view_api_shows_the_chat_endpoint_with_named_inputs_and_defaults(client):
+    api = client.view_api(return_format="dict", print_info=False)
+    assert "/chat" in api["named_endpoints"]
+    parameters = api["named_endpoints"]["/chat"]["parameters"]
+    names = [p["parameter_name"] for p in parameters]
+    assert names == INPUTS
+    defaults = {p["parameter_name"]: p.get("parameter_default") for p in parameters}
+    assert defaults["max_new_tokens"] >= 1 and 0 <= defaults["temperature"] <= 2
+    assert all(p["parameter_has_default"] for p in parameters if p["parameter_name"] != "message")
+
+
+def test_predict_equals_the_chat_endpoint_for_the_same_greedy_conversation(client, tiny_server):
+    answer = client.predict("Tell me a joke.", [], "", 0.0, 1.0, 0, 20, 1.0, api_name="/chat")
+    assert isinstance(answer, str) and answer
+    assert answer == chat_greedy(tiny_server.url, [{"role": "user", "content": "Tell me a joke."}], 20)
+    history = [{"role": "user", "content": "Hello!"}, {"role": "assistant", "content": "Hi there."}]
+    with_history = client.predict(message="And now?", history=history, system_prompt="", temperature=0.0,
+                                  max_new_tokens=12, api_name="/chat")
+    assert with_history == chat_greedy(tiny_server.url, history + [{"role": "user", "content": "And now?"}], 12)
+
+
+def test_submit_streams_updates_that_grow_to_the_final_text(client):
+    job = client.submit(message="Describe a robot.", history=[], system_prompt="", temperature=0.0,
+                        max_new_tokens=40, api_name="/chat")
+    final = job.result(timeout=120)
+    updates = [u for u in job.outputs() if isinstance(u, str)]
+    assert len(updates) >= 3  # streamed, not one answer at the end
+    for earlier, later in zip(updates, updates[1:]):
+        assert later.startswith(earlier)
+    assert updates[-1] == final
+    assert final == client.predict(message="Describe a robot.", history=[], system_prompt="", temperature=0.0,
+                                   max_new_tokens=40, api_name="/chat")
+
+
+def test_bad_settings_are_a_clear_error(client):
+    with pytest.raises(Exception) as caught:
+        client.predict(message="Hi", temperature=-1.0, api_name="/chat")
+    assert "temperature" in str(caught.value)
+
+
+def test_embedded_model_answers_paris_and_agrees_with_chat(embedded_server):
+    client = Client(embedded_server.url + "/", verbose=False)
+    answer = client.predict(message=CAPITAL, history=[], system_prompt="", temperature=0.0, max_new_tokens=48,
+                            api_name="/chat")
+    assert "Paris" in answer
+    assert answer == chat_greedy(embedded_server.url, [{"role": "user", "content": CAPITAL}], 48)
+
+
+def test_embedded_chinese_streams_without_replacement_characters(embedded_server):
+    client = Client(embedded_server.url + "/", verbose=False)
+    job = client.submit(message="法国的首都是哪里？请用中文回答。", history=[], system_prompt="", temperature=0.0,
+                        max_new_tokens=48, api_name="/chat")
+    final = job.result(timeout=120)
+    assert all("\ufffd" not in u for u in job.outputs() if isinstance(u, str))
+    assert any("\u4e00" <= ch <= "\u9fff" for ch in final), final
