@@ -283,7 +283,12 @@ class AsyncEngine:
             sink = self._sinks.get(out.request_id)
             if sink is None:
                 continue
-            sink._on_output(out)
+            try:
+                sink._on_output(out)
+            except Exception:  # the consumer is gone (its event loop closed): stop its request
+                if not out.finished:
+                    self._dispatch(self.core.abort(out.request_id))
+                    continue
             if out.finished:
                 sink.num_unfinished -= 1
                 with self._lock:

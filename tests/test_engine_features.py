@@ -1,0 +1,237 @@
+"""Sampling features, detokenization, abort and fault isolation on a tiny random Llama."""
+
+import asyncio
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine import LLM, AsyncEngine, EngineConfig, FinishReason, SamplingParams
+from engine.detokenizer import IncrementalDetokenizer
+from engine.loading import load_model
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model):
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def llm(llama):
+    return LLM(load_model(str(llama)))
+
+
+def greedy(llm, prompt, **kw):
+    return llm.generate([prompt], SamplingParams(temperature=0, **{"max_tokens": 20, **kw}))[0]
+
+
+def test_detokenizer_never_emits_broken_characters(llm):
+    tok = llm.tokenizer
+    text = "你好，世界！😀 法国的首都是巴黎。🚀👨‍👩‍👧‍👦 done"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert len(ids) > len(text) // 2  # multi-byte characters really span several tokens
+    detok = IncrementalDetokenizer(tok, [])
+    deltas = [detok.add(t) for t in ids] + [detok.flush()]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == tok.decode(ids) == text
+
+
+def test_stop_string_spanning_tokens_is_never_emitted(llm):
+    tok = llm.tokenizer
+    text = "The capital of France is Paris. Streaming chat sends text."
+    ids = tok.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, [], stop=("is Paris",))
+    deltas = []
+    for t in ids:
+        deltas.append(detok.add(t))
+        if detok.stopped:
+            break
+    joined = "".join(deltas) + detok.flush()
+    assert joined == "The capital of France "
+    assert all("is P" not in "".join(deltas[: i + 1]) for i in range(len(deltas)))
+
+
+def test_stop_string_in_engine_output(llm):
+    full = greedy(llm, "Hello, world! How are you")
+    text = full.text
+    stop = text[5:9]
+    assert stop and text.find(stop) == 5
+    out = greedy(llm, "Hello, world! How are you", stop=[stop])
+    assert out.text == text[:5]
+    assert out.finish_reason is FinishReason.STOP
+
+
+def test_stop_token_ids_and_min_tokens(llm):
+    full = greedy(llm, "Once upon a time")
+    stop_id = full.token_ids[3]
+    first = full.token_ids.index(stop_id)
+    out = greedy(llm, "Once upon a time", stop_token_ids=[stop_id])
+    assert out.token_ids == full.token_ids[: first + 1] and out.finish_reason is FinishReason.STOP
+    out = greedy(llm, "Once upon a time", stop_token_ids=[stop_id], min_tokens=8)
+    assert len(out.token_ids) >= 8 and stop_id not in out.token_ids[:7]
+
+
+def test_ignore_eos(llama):
+    loaded = load_model(str(llama))
+    llm = LLM(loaded)
+    full = greedy(llm, "Numbers: 0 1 2")
+    eos = full.token_ids[4]
+    loaded.model.generation_config.eos_token_id = eos  # pretend the model's EOS is that token
+    llm = LLM(loaded)
+    stopped = greedy(llm, "Numbers: 0 1 2")
+    assert stopped.finish_reason is FinishReason.STOP and stopped.token_ids[-1] == eos
+    assert len(stopped.token_ids) <= 5
+    going = greedy(llm, "Numbers: 0 1 2", ignore_eos=True)
+    assert going.finish_reason is FinishReason.LENGTH and len(going.token_ids) == 20
+    assert going.token_ids == full.token_ids
+
+
+def test_n_samples(llm):
+    result = llm.generate(["Tell me a story"], SamplingParams(max_tokens=12, temperature=1.0, seed=5, n=3))[0]
+    assert len(result.outputs) == 3
+    assert len({tuple(o.token_ids) for o in result.outputs}) == 3  # independent samples
+    assert all(len(o.token_ids) == 12 for o in result.outputs)
+    greedy2 = llm.generate(["Tell me a story"], SamplingParams(max_tokens=12, temperature=0, n=2))[0]
+    assert greedy2.outputs[0].token_ids == greedy2.outputs[1].token_ids
+
+
+def test_seeded_sampling_same_alone_and_in_a_batch(llm):
+    params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, top_k=50, seed=1234)
+    alone = llm.generate(["What is the capital of France?"], params)[0].token_ids
+    others = [f"Other prompt number {i} about robots" for i in range(15)]
+    batch = llm.generate(others[:7] + ["What is the capital of France?"] + others[7:],
+                         [SamplingParams(max_tokens=16, temperature=1.0, seed=i) for i in range(7)] + [params] +
+                         [SamplingParams(max_tokens=16, temperature=0.7) for _ in range(8)])
+    assert batch[7].token_ids == alone
+    other_seed = llm.generate(["What is the capital of France?"], SamplingParams(
+        max_tokens=16, temperature=0.9, top_p=0.95, top_k=50, seed=99))[0].token_ids
+    assert other_seed != alone
+
+
+def test_logprobs_match_reference_log_softmax(llm, llama):
+    prompt = llm.tokenizer.encode("The quick brown fox", add_special_tokens=False)
+    out = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, logprobs=3))[0]
+    lps = out.outputs[0].logprobs
+    assert len(lps) == 6
+    ref = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = ref(torch.tensor([prompt + out.token_ids])).logits[0]
+    for i, lp in enumerate(lps):
+        expected = torch.log_softmax(logits[len(prompt) - 1 + i], dim=-1)
+        assert lp.token_id == out.token_ids[i]
+        assert abs(lp.logprob - expected[lp.token_id].item()) < 1e-4
+        top_vals, top_ids = expected.topk(3)
+        assert [t for t, _ in lp.top] == top_ids.tolist()
+        assert max(abs(v - e) for (_, v), e in zip(lp.top, top_vals.tolist())) < 1e-4
+
+
+def test_penalties_change_greedy_output(llm):
+    plain = greedy(llm, "Hello hello hello", max_tokens=30)
+    penalized = greedy(llm, "Hello hello hello", max_tokens=30, repetition_penalty=5.0)
+    assert penalized.token_ids != plain.token_ids
+    # a strong repetition penalty makes repeats of already-seen tokens rarer
+    assert len(set(penalized.token_ids)) >= len(set(plain.token_ids))
+
+
+@pytest.fixture
+def engine(llama):
+    eng = AsyncEngine(load_model(str(llama)), EngineConfig(max_num_seqs=8)).start()
+    yield eng
+    eng.shutdown()
+
+
+def wait_until(pred, timeout=10.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_abort_frees_blocks_and_ends_the_stream(engine):
+    streamer = engine.text_streamer(engine.encode("Tell me a long story"),
+                                    SamplingParams(max_tokens=5000 if engine.max_model_len > 5100 else 900,
+                                                   temperature=0, ignore_eos=True))
+    pieces = []
+    for piece in streamer:
+        pieces.append(piece)
+        if len(pieces) == 5:
+            assert engine.stats().num_running == 1 and engine.stats().kv_usage > 0
+            assert streamer.abort()
+    assert streamer.finish_reason is FinishReason.ABORT
+    assert wait_until(lambda: engine.stats().num_running == 0 and engine.stats().kv_usage == 0.0, 1.0)
+
+
+def test_async_generate_aborts_when_the_consumer_leaves(engine):
+    async def consume_three():
+        gen = engine.generate(engine.encode("abc"), SamplingParams(max_tokens=900, temperature=0, ignore_eos=True))
+        n = 0
+        async for _ in gen:
+            n += 1
+            if n == 3:
+                break
+        await gen.aclose()
+
+    asyncio.run(consume_three())
+    assert wait_until(lambda: engine.stats().num_running == 0 and engine.stats().kv_usage == 0.0, 1.0)
+
+
+def test_fault_in_one_request_leaves_the_others_intact(engine, llm):
+    prompts = [f"Request {i}: say something" for i in range(4)]
+    params = SamplingParams(max_tokens=16, temperature=0)
+    expected = [r.text for r in llm.generate(prompts, params)]
+    streamers = [engine.text_streamer(engine.encode(p), params) for p in prompts]
+    engine.inject_fault(streamers[1].request_id)
+    texts = ["".join(s) for s in streamers]
+    assert streamers[1].finish_reason is FinishReason.ERROR and "failed" in streamers[1].error
+    for i in (0, 2, 3):
+        assert texts[i] == expected[i] and streamers[i].finish_reason is FinishReason.LENGTH
+    assert engine.alive
+
+
+def test_nan_logits_fail_only_that_request(engine, llm):
+    params = SamplingParams(max_tokens=8, temperature=0)
+    expected = llm.generate(["good one"], params)[0].text
+    run = engine.core.runner.run
+
+    def poisoned(plan):
+        logits = run(plan).clone()
+        for row, chunk in enumerate(c for c in plan if c.samples):
+            if chunk.seq.request_id == "poison":
+                logits[row] = float("nan")
+        return logits
+
+    engine.core.runner.run = poisoned
+    bad = engine.text_streamer(engine.encode("bad one"), params, request_id="poison")
+    good = engine.text_streamer(engine.encode("good one"), params)
+    assert list(bad) == [] and bad.finish_reason is FinishReason.ERROR and "NaN" in bad.error
+    assert "".join(good) == expected
+
+
+def test_queue_full_and_invalid_prompt(llama):
+    from engine import InvalidRequest, QueueFull
+
+    eng = AsyncEngine(load_model(str(llama)), EngineConfig(max_num_seqs=1, max_queue=1))  # not started
+    p = SamplingParams(max_tokens=4)
+    eng.add_request([5, 6], p)
+    eng.add_request([5, 6], p)
+    with pytest.raises(QueueFull, match="capacity"):
+        eng.add_request([5, 6], p)
+    with pytest.raises(InvalidRequest, match=r"beyond this model's context of 1024 tokens"):
+        eng.check_prompt([5] * 1000, SamplingParams(max_tokens=100))
+    with pytest.raises(InvalidRequest, match="empty"):
+        eng.check_prompt([], p)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"temperature": -1}, "`temperature` must be >= 0. Given: -1"),
+    ({"top_p": 0}, "`top_p` must be in (0, 1]. Given: 0"),
+    ({"max_tokens": 0}, "`max_tokens` must be an integer >= 1. Given: 0"),
+    ({"n": 50}, "`n` must be an integer between 1 and 16. Given: 50"),
+])
+def test_sampling_params_validation(kwargs, message):
+    with pytest.raises(ValueError) as err:
+        SamplingParams(**kwargs)
+    assert str(err.value) == message
