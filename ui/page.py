@@ -101,21 +101,24 @@ def build_demo(engine, settings=None, metrics: RequestMetrics | None = None) -> 
                     stop = gr.Button("Stop", variant="stop", scale=1, min_width=80, visible=False,
                                      elem_id="rill-stop")
                 answer_stats = gr.Markdown("", elem_id="rill-answer-stats")
-                with gr.Accordion("System prompt and sampling", open=False):
+                with gr.Accordion("System prompt and sampling", open=False, elem_id="rill-settings"):
                     system_prompt = gr.Textbox(label="System prompt", value=DEFAULTS.system_prompt, lines=2,
                                                placeholder="Empty = the model's default system prompt")
                     with gr.Row():
                         temperature = gr.Slider(0.0, 2.0, value=DEFAULTS.temperature, step=0.05,
-                                                label="Temperature", info="0 = greedy (deterministic)")
+                                                label="Temperature", info="0 = greedy (deterministic)",
+                                                elem_id="rill-temperature")
                         top_p = gr.Slider(0.05, 1.0, value=DEFAULTS.top_p, step=0.05, label="Top-p",
                                           info="nucleus: keep the smallest set with this probability mass")
                     with gr.Row():
                         top_k = gr.Slider(0, 200, value=DEFAULTS.top_k, step=1, label="Top-k",
                                           info="keep the k most likely tokens; 0 = off")
                         max_new_tokens = gr.Slider(1, max(1, min(context, 4096)), value=default_max_new, step=1,
-                                                   label="Max new tokens", info=f"context: {context} tokens")
+                                                   label="Max new tokens", info=f"context: {context} tokens",
+                                                   elem_id="rill-max-new-tokens")
                         repetition_penalty = gr.Slider(1.0, 2.0, value=DEFAULTS.repetition_penalty, step=0.05,
-                                                       label="Repetition penalty", info="1 = off")
+                                                       label="Repetition penalty", info="1 = off",
+                                                       elem_id="rill-repetition-penalty")
             with gr.Tab("Status", id="status") as status_tab:
                 status_md = gr.Markdown(elem_id="rill-status")
                 with gr.Row():

@@ -1,0 +1,226 @@
+"""The page in a real headless Chromium (Debian's `chromium`, driven by Playwright; no browser
+download), on the real server with the embedded SmolLM2-135M-Instruct.
+
+Screenshots (the page mid-answer, the status tab under load) go to $RILL_SCREENSHOTS when set
+(`RILL_SCREENSHOTS=docs pytest tests/test_browser.py` refreshes docs/chat.png and docs/status.png),
+else to a temporary folder.
+"""
+
+import os
+import re
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.servers import wait_idle
+
+pytestmark = [pytest.mark.browser, pytest.mark.embedded]
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
+XSS = "<img src=x onerror=alert(1)>"
+WAIT_S = 180.0  # generous: CI machines are slow and busy; no test asserts a duration
+
+
+def until(condition, timeout: float = WAIT_S, interval: float = 0.1, message: str = "condition"):
+    """Polls `condition()` until it returns something truthy; returns that, or fails with `message`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = condition()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {message}")
+        time.sleep(interval)
+
+
+def metric(url: str, name: str, **labels) -> float:
+    """One sample of the server's /metrics (0 when absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return sample.value
+    return 0.0
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not os.path.exists(CHROMIUM):
+        pytest.skip(f"Debian's chromium is not installed at {CHROMIUM} (`make setup` installs it with apt where "
+                    "it can); the browser tests need it and never download a browser")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            yield chromium
+        finally:
+            chromium.close()
+
+
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory) -> Path:
+    folder = os.environ.get("RILL_SCREENSHOTS")
+    path = Path(folder) if folder else tmp_path_factory.mktemp("screenshots")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+class Page:
+    """One visitor: a fresh browser context on the server's page, with what it saw recorded."""
+
+    def __init__(self, browser, url: str):
+        self.url = url
+        self.context = browser.new_context(viewport={"width": 1180, "height": 980})
+        self.page = self.context.new_page()
+        self.dialogs: list[str] = []  # alert()/confirm() a script opened: there must be none
+        self.foreign_requests: list[str] = []  # anything fetched from another host (CDN, fonts)
+        self.page.on("dialog", lambda dialog: (self.dialogs.append(dialog.message), dialog.dismiss()))
+        host = url.split("//", 1)[1]
+        self.page.on("request", lambda request: None if f"//{host}" in request.url or request.url.startswith(
+            ("data:", "blob:")) else self.foreign_requests.append(request.url))
+        self.page.goto(url + "/")
+        self.page.wait_for_selector("#rill-input textarea", timeout=WAIT_S * 1000)
+
+    def close(self):
+        self.context.close()
+
+    def send(self, text: str):
+        self.page.fill("#rill-input textarea", text)
+        self.page.press("#rill-input textarea", "Enter")
+
+    def bot_text(self) -> str:
+        bots = self.page.locator("#rill-chatbot [data-testid='bot']")
+        return bots.last.inner_text() if bots.count() else ""
+
+    def user_text(self) -> str:
+        users = self.page.locator("#rill-chatbot [data-testid='user']")
+        return users.last.inner_text() if users.count() else ""
+
+    def set_slider(self, elem_id: str, value: str):
+        box = self.page.locator(f"#{elem_id} input[type=number]")
+        box.fill(value)
+        box.press("Enter")
+
+    def idle(self) -> bool:
+        """The answer ended: Send is back and Stop hidden."""
+        return self.page.locator("#rill-send").is_visible() and not self.page.locator("#rill-stop").is_visible()
+
+
+@pytest.fixture
+def visitor(browser, embedded_server):
+    wait_idle(embedded_server.url, timeout=WAIT_S)
+    page = Page(browser, embedded_server.url)
+    try:
+        yield page
+    finally:
+        page.close()
+
+
+def test_answer_grows_and_stop_aborts_it(visitor, embedded_server, shots):
+    url = embedded_server.url
+    health = embedded_server.health()
+    header = visitor.page.locator("#rill-header").inner_text()
+    assert health["model"] in header and f"{health['max_model_len']} tokens" in header
+    aborted_before = metric(url, "rill_requests_finished_total", route="gradio", finish_reason="abort")
+
+    visitor.send("Count from 1 to 300, one number per line.")
+    lengths: list[int] = []
+
+    def grown_three_times():
+        text = visitor.bot_text()
+        if text and (not lengths or len(text) > lengths[-1]):
+            lengths.append(len(text))
+        return len(lengths) >= 3
+
+    until(grown_three_times, message="the answer to grow three times")
+    until(lambda: grown_three_times() and lengths[-1] >= 40, message="a few lines of answer for the screenshot")
+    visitor.page.screenshot(path=str(shots / "chat.png"))
+    assert visitor.page.locator("#rill-stop").is_visible()
+    assert metric(url, "rill_requests_running") >= 1
+
+    visitor.page.click("#rill-stop")
+    until(lambda: metric(url, "rill_requests_running") == 0, message="the engine to have no running request")
+    until(lambda: metric(url, "rill_requests_finished_total", route="gradio", finish_reason="abort")
+          == aborted_before + 1, message="the page's request to be counted as aborted")
+    until(visitor.idle, message="Send to come back after Stop")
+    stopped_text = visitor.bot_text()
+    assert stopped_text, "the partial answer must stay on the page"
+    assert re.match(r"Stopped: \*?\*?\d+ tokens", visitor.page.locator("#rill-answer-stats").inner_text()) or \
+        visitor.page.locator("#rill-answer-stats").inner_text().startswith("Stopped:")
+    wait_idle(url, timeout=WAIT_S)  # KV blocks freed
+    assert visitor.bot_text() == stopped_text  # nothing arrives after Stop
+    assert visitor.dialogs == [] and visitor.foreign_requests == []
+
+
+def test_html_in_messages_and_answers_is_shown_as_text(visitor, embedded_server):
+    visitor.page.click("#rill-settings .label-wrap")
+    visitor.set_slider("rill-temperature", "0")
+    visitor.set_slider("rill-repetition-penalty", "1")
+    visitor.set_slider("rill-max-new-tokens", "60")
+    # greedy SmolLM2-135M-Instruct answers this with the tag itself: `<img src="x" onerror="alert(1)" />`
+    visitor.send(f"Write this HTML tag as-is: {XSS}")
+    until(lambda: visitor.bot_text() and visitor.idle(), message="the answer to finish")
+
+    assert XSS in visitor.user_text()  # the user's message, as typed
+    answer = visitor.bot_text()
+    assert "<img" in answer and "onerror" in answer, f"expected the model to write the tag, it wrote {answer!r}"
+    chat = visitor.page.locator("#rill-chatbot")
+    assert chat.locator("img").count() == 0
+    assert visitor.page.evaluate("document.querySelectorAll('[onerror]').length") == 0
+    assert visitor.dialogs == []
+
+    # Retry asks again (greedy: the same answer), Undo gives the message back, Clear empties the chat
+    visitor.page.click("#rill-chatbot button[aria-label='Retry']")
+    until(lambda: visitor.page.locator("#rill-stop").is_visible() or visitor.bot_text() == answer,
+          message="the retried answer to start")
+    until(lambda: visitor.idle() and visitor.bot_text(), message="the retried answer to finish")
+    assert visitor.bot_text() == answer
+    assert visitor.page.locator("#rill-chatbot [data-testid='user']").count() == 1
+    visitor.page.click("#rill-chatbot button[aria-label='Undo']")
+    until(lambda: visitor.page.locator("#rill-chatbot [data-testid='user']").count() == 0,
+          message="Undo to remove the message")
+    assert visitor.page.locator("#rill-input textarea").input_value() == f"Write this HTML tag as-is: {XSS}"
+    visitor.page.press("#rill-input textarea", "Enter")
+    until(lambda: visitor.bot_text() and visitor.idle(), message="the answer to the re-sent message")
+    visitor.page.click("#rill-chatbot button[aria-label='Clear']")
+    until(lambda: visitor.page.locator("#rill-chatbot [data-testid='bot']").count() == 0,
+          message="Clear to empty the chat")
+    assert visitor.page.locator("#rill-chatbot [data-testid='user']").count() == 0
+
+
+def test_status_tab_shows_the_load(visitor, embedded_server, shots):
+    from gradio_client import Client
+
+    url = embedded_server.url
+    client = Client(f"{url}/", verbose=False)
+    jobs = [client.submit(f"Tell me a story about robot number {i}.", None, "", 0.7, 0.9, 50, 120, 1.1,
+                          api_name="/chat") for i in range(4)]
+    try:
+        visitor.page.click("button[role=tab]:has-text('Status')")
+        status = visitor.page.locator("#rill-status")
+
+        def cell(name: str) -> str:
+            match = re.search(rf"{re.escape(name)}\s+(\S+)", status.inner_text())
+            return match.group(1) if match else ""
+
+        until(lambda: cell("Running requests").isdigit() and int(cell("Running requests")) >= 2,
+              message="the status tab to show running requests")
+        until(lambda: cell("Tokens generated (last minute)").isdigit()
+              and int(cell("Tokens generated (last minute)")) >= 60, message="tokens to be counted")
+        until(lambda: visitor.page.locator("#rill-throughput canvas, #rill-throughput svg").count() > 0,
+              message="the throughput plot")
+        time.sleep(2 * 2.0)  # two refreshes more, so the plots carry a few points in the screenshot
+        visitor.page.screenshot(path=str(shots / "status.png"), full_page=True)
+        assert "%" in cell("KV cache") or "KV cache" in status.inner_text()
+    finally:
+        answers = [job.result(timeout=WAIT_S) for job in jobs]
+    assert all(answer for answer in answers)
+    until(lambda: cell("Running requests") == "0", message="the status tab to show the engine idle again")
+    assert visitor.dialogs == [] and visitor.foreign_requests == []
