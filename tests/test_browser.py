@@ -159,6 +159,21 @@ def test_answer_grows_and_stop_aborts_it(visitor, embedded_server, shots):
     assert visitor.dialogs == [] and visitor.foreign_requests == []
 
 
+def test_closing_the_tab_aborts_its_answer(browser, embedded_server):
+    url = embedded_server.url
+    wait_idle(url, timeout=WAIT_S)
+    aborted_before = metric(url, "rill_requests_finished_total", route="gradio", finish_reason="abort")
+    visitor = Page(browser, url)
+    try:
+        visitor.send("Write a very long essay about the history of bread.")
+        until(lambda: len(visitor.bot_text()) > 0, message="the answer to start")
+    finally:
+        visitor.close()
+    until(lambda: metric(url, "rill_requests_finished_total", route="gradio", finish_reason="abort")
+          == aborted_before + 1, message="the closed tab's request to be aborted")
+    wait_idle(url, timeout=WAIT_S)
+
+
 def test_html_in_messages_and_answers_is_shown_as_text(visitor, embedded_server):
     visitor.page.click("#rill-settings .label-wrap")
     visitor.set_slider("rill-temperature", "0")

@@ -253,11 +253,14 @@ class AnswerStats:
 
 
 def stream_answer(engine, metrics, route: str, history: list[dict], message: str, settings: ChatSettings,
-                  warn: Callable[[str], None] | None = None) -> Iterator[tuple[str, AnswerStats]]:
+                  warn: Callable[[str], None] | None = None,
+                  watch: Callable[[object], Callable[[], None]] | None = None) -> Iterator[tuple[str, AnswerStats]]:
     """Yields (text so far, stats) as the engine streams the answer to `message` after `history`.
 
     The engine request is aborted when the generator is closed before the end (Stop, a cancelled
     client job, a dropped connection). Raises `ChatError` for requests the engine refuses.
+    `watch(streamer)` is called once the request is admitted (e.g. to abort it when the visitor's
+    tab closes); what it returns is called when the request ends.
     """
     if not isinstance(message, str) or not message.strip():
         raise ChatError("The message is empty: type something to send.")
@@ -288,6 +291,7 @@ def stream_answer(engine, metrics, route: str, history: list[dict], message: str
             metrics.error(route, 400)
         raise ChatError(str(exc)) from exc
     streamer.timeout = WAIT_POLL_S  # TextIteratorStreamer raises queue.Empty past it; we wait again
+    unwatch = watch(streamer) if watch is not None else None
     tracker = metrics.start(route, num_prompt_tokens=len(fitted.prompt_token_ids),
                             request_id=getattr(streamer, "request_id", None), arrival_time=arrival) \
         if metrics is not None else None
@@ -327,6 +331,8 @@ def stream_answer(engine, metrics, route: str, history: list[dict], message: str
         now = time.monotonic()
         if not finished:
             streamer.abort()
+        if unwatch is not None:
+            unwatch()
         reason = getattr(streamer, "finish_reason", None)
         reason = str(getattr(reason, "value", reason)) if reason is not None and finished else "abort"
         produced = int(getattr(streamer, "num_output_tokens", 0) or 0)

@@ -1,5 +1,7 @@
 """The Gradio Blocks page: a chat tab and a status tab, plus the `/chat` API for gradio_client."""
 
+import threading
+
 import gradio as gr
 
 from server.metrics import RequestMetrics
@@ -14,6 +16,43 @@ EXAMPLES = [
     "What is the capital of France, and why is it famous?",
 ]
 STATUS_REFRESH_S = 2.0
+
+
+class VisitorStreams:
+    """The engine requests each browser session is streaming, so a closed tab aborts its answers."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._by_session: dict[str, set] = {}  # session hash -> streamers in flight
+
+    def watcher(self, request: gr.Request | None):
+        session = getattr(request, "session_hash", None)
+        if session is None:
+            return None
+
+        def watch(streamer):
+            with self._lock:
+                self._by_session.setdefault(session, set()).add(streamer)
+
+            def unwatch():
+                with self._lock:
+                    streams = self._by_session.get(session)
+                    if streams is not None:
+                        streams.discard(streamer)
+                        if not streams:
+                            del self._by_session[session]
+            return unwatch
+
+        return watch
+
+    def abort_session(self, request: gr.Request) -> int:
+        """Aborts every answer the session still streams (the tab was closed); returns how many."""
+        session = getattr(request, "session_hash", None)
+        with self._lock:
+            streams = self._by_session.pop(session, set())
+        for streamer in streams:
+            streamer.abort()
+        return len(streams)
 
 
 def _header(engine, model_name: str) -> str:
@@ -42,7 +81,10 @@ def build_demo(engine, settings=None, metrics: RequestMetrics | None = None) -> 
     default_max_new = max(1, min(default_max_new, context // 2))
     model_name = getattr(engine, "model_name", None) or getattr(settings, "model_id", None) or "model"
 
-    def respond(history, system_prompt, temperature, top_p, top_k, max_new_tokens, repetition_penalty):
+    visitors = VisitorStreams()
+
+    def respond(history, system_prompt, temperature, top_p, top_k, max_new_tokens, repetition_penalty,
+                request: gr.Request):
         """The page's generator: answers the last user message of `history`, streaming."""
         history = list(history or [])
         if not history or history[-1].get("role") != "user":
@@ -56,7 +98,7 @@ def build_demo(engine, settings=None, metrics: RequestMetrics | None = None) -> 
         answer = {"role": "assistant", "content": ""}
         try:
             for text, stats in stream_answer(engine, metrics, "gradio", messages, message, chat_settings,
-                                             warn=gr.Warning):
+                                             warn=gr.Warning, watch=visitors.watcher(request)):
                 answer["content"] = escape_html(text)
                 yield history + [answer], stats.markdown()
         except ChatError as exc:
@@ -197,6 +239,7 @@ def build_demo(engine, settings=None, metrics: RequestMetrics | None = None) -> 
         chat_tab.select(lambda: gr.Timer(active=False), None, [timer], api_visibility="private", queue=False)
 
         gr.api(chat, api_name="chat", concurrency_limit=concurrency, concurrency_id="chat")
+        demo.unload(visitors.abort_session)  # a closed tab stops generating what nobody will read
 
     demo.max_threads = max(40, concurrency + 16)  # each streaming answer holds a worker thread
     demo.queue(max_size=concurrency + max_queue, default_concurrency_limit=concurrency)
