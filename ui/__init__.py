@@ -1,5 +1,11 @@
-"""rill's page: the Gradio Blocks chat and the status panel (`build_demo`)."""
+"""rill's page: the Gradio Blocks chat and the status panel (`build_demo`).
 
-from ui.page import build_demo
+app.py mounts it with `gr.mount_gradio_app(app, demo, path="/", **ui.MOUNT_KWARGS)`: since
+Gradio 6, page CSS is given at mount time, not to `gr.Blocks`.
+"""
 
-__all__ = ["build_demo"]
+from ui.page import CSS, build_demo
+
+MOUNT_KWARGS = {"css": CSS}
+
+__all__ = ["CSS", "MOUNT_KWARGS", "build_demo"]

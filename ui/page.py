@@ -16,6 +16,10 @@ EXAMPLES = [
     "What is the capital of France, and why is it famous?",
 ]
 STATUS_REFRESH_S = 2.0
+CSS = """
+#rill-answer-stats { color: var(--body-text-color-subdued); font-size: var(--text-sm); min-height: 1.5em; }
+#rill-header p { color: var(--body-text-color-subdued); }
+"""
 
 
 class VisitorStreams:
@@ -45,14 +49,13 @@ class VisitorStreams:
 
         return watch
 
-    def abort_session(self, request: gr.Request) -> int:
-        """Aborts every answer the session still streams (the tab was closed); returns how many."""
+    def abort_session(self, request: gr.Request) -> None:
+        """Aborts every answer the session still streams (its tab was closed)."""
         session = getattr(request, "session_hash", None)
         with self._lock:
             streams = self._by_session.pop(session, set())
         for streamer in streams:
             streamer.abort()
-        return len(streams)
 
 
 def _header(engine, model_name: str) -> str:
