@@ -1,0 +1,81 @@
+"""The benchmark model: a random-weight Llama (hidden 512, 8 layers, 8 heads, 4 KV heads,
+intermediate 2048, vocab 4096, fp32, about 36M parameters), built once into a folder.
+
+The weights are random, so greedy text is gibberish; what matters is that every server runs
+the same folder. `tests.tiny_models.bench_llama` (the test fixtures' builder: a byte-level BPE
+tokenizer of 4,096 tokens trained locally, then the model) builds it.
+
+One change makes runs comparable across servers that cannot be told to ignore EOS (the seed
+recipe, the usual Space): the output-embedding row of every special token is zeroed, so its
+logit is exactly 0 while the max over 4,000 random logits is far above 0. Greedy decoding then
+never stops early, and every server produces exactly `max_tokens` tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+BENCH_SHAPE = dict(
+    hidden_size=512,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    intermediate_size=2048,
+    vocab_size=4096,
+    max_position_embeddings=4096,
+)
+
+
+def default_model_dir() -> Path:
+    cache = Path(os.environ.get("RILL_CACHE", Path.home() / ".cache" / "rill"))
+    return cache / "bench-llama-h512-l8"
+
+
+def _is_built(path: Path) -> bool:
+    return (path / "config.json").exists() and (path / ".bench-ready").exists()
+
+
+def _silence_special_tokens(out_dir: Path) -> None:
+    """Zero the output rows of the special tokens (see the module docstring)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(out_dir)
+    model = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32)
+    if model.config.tie_word_embeddings:
+        return  # zeroing would also change the inputs; leave such a model as built
+    special = sorted({i for i in tok.all_special_ids if i is not None and i < model.config.vocab_size})
+    eos = model.generation_config.eos_token_id
+    special += [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None and e not in special]
+    with torch.no_grad():
+        head = model.get_output_embeddings()
+        head.weight[special] = 0.0
+        if getattr(head, "bias", None) is not None:
+            head.bias[special] = 0.0
+    model.save_pretrained(out_dir)
+
+
+def ensure_bench_model(out_dir: str | Path | None = None, *, log=print) -> Path:
+    """Build the benchmark model into `out_dir` (default under $RILL_CACHE) unless it is there."""
+    path = Path(out_dir) if out_dir else default_model_dir()
+    if _is_built(path):
+        return path
+    log(f"building the benchmark model into {path} ...")
+    from tests.tiny_models import bench_llama  # the test fixtures' builder: same tokenizer recipe
+
+    path = Path(bench_llama(path))
+    _silence_special_tokens(path)
+    config = json.loads((path / "config.json").read_text())
+    for key, want in BENCH_SHAPE.items():
+        if key != "max_position_embeddings" and config.get(key) != want:
+            raise RuntimeError(f"benchmark model at {path}: {key} is {config.get(key)}, expected {want}")
+    (path / ".bench-ready").write_text("ok\n")
+    return path
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(ensure_bench_model(sys.argv[1] if len(sys.argv) > 1 else None))
