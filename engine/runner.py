@@ -89,58 +89,62 @@ class PagedRunner:
                                   model.dtype, self.device)
         self.block_size = block_size
 
-    def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
-        bs = self.block_size
-        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
-
     @torch.inference_mode()
     def run(self, plan: list[ScheduledChunk]) -> torch.Tensor:
         """Returns float32 logits [num_sampling_chunks, vocab], in plan order."""
         _raise_injected_faults(plan)
+        bs, dev = self.block_size, self.device
         input_ids: list[int] = []
         positions: list[int] = []
-        slot_mapping: list[int] = []
-        dec_index: list[int] = []
-        dec_slots: list[list[int]] = []
-        prefills: list[tuple[int, int, int, list[int]]] = []
+        token_rows: list[int] = []  # which plan row each token belongs to
+        dec_index: list[int] = []  # flat token index of each one-token chunk
+        dec_rows: list[int] = []
+        dec_lens: list[int] = []
+        prefills: list[tuple[int, int, int, int]] = []  # (token offset, tokens, start, row)
         sample_rows: list[int] = []
-        for chunk in plan:
+        for row, chunk in enumerate(plan):
             seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
             offset = len(input_ids)
-            end = start + n
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            all_slots = self._slots(seq.block_table, 0, end)
-            slot_mapping.extend(all_slots[start:])
+            input_ids.extend(seq.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            token_rows.extend([row] * n)
             if n == 1:
                 dec_index.append(offset)
-                dec_slots.append(all_slots)
+                dec_rows.append(row)
+                dec_lens.append(start + 1)
             else:
-                prefills.append((offset, n, start, all_slots))
+                prefills.append((offset, n, start, row))
             if chunk.samples:
                 sample_rows.append(offset + n - 1)
-        dev = self.device
-        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
+        width = max(len(c.seq.block_table) for c in plan)
+        # block_tables: [rows, width]; slot of position p of row r = table[r, p // bs] * bs + p % bs
+        block_tables = torch.tensor([c.seq.block_table + [0] * (width - len(c.seq.block_table)) for c in plan],
+                                    dtype=torch.long)
+        pos = torch.tensor(positions, dtype=torch.long)
+        slot_mapping = block_tables[torch.tensor(token_rows), pos // bs] * bs + pos % bs
         decode_slots = decode_lens = decode_index = None
         if dec_index:
-            lens = [len(s) for s in dec_slots]
-            width = max(lens)
-            decode_slots = as_tensor([s + [0] * (width - len(s)) for s in dec_slots])
-            decode_lens = as_tensor(lens)
-            decode_index = as_tensor(dec_index)
+            ctx = torch.arange(max(dec_lens))
+            decode_slots = (block_tables[torch.tensor(dec_rows)][:, ctx // bs] * bs + ctx % bs).to(dev)
+            decode_lens = torch.tensor(dec_lens, device=dev)
+            decode_index = torch.tensor(dec_index, device=dev)
+        chunks = []
+        for offset, n, start, row in prefills:
+            ctx = torch.arange(start + n)
+            chunks.append(PrefillChunk(offset, n, start, (block_tables[row, ctx // bs] * bs + ctx % bs).to(dev)))
         step = StepMetadata(
             cache=self.cache,
-            slot_mapping=as_tensor(slot_mapping),
+            slot_mapping=slot_mapping.to(dev),
             decode_token_index=decode_index,
             decode_slots=decode_slots,
             decode_context_lens=decode_lens,
-            prefills=[PrefillChunk(o, n, s, as_tensor(sl)) for o, n, s, sl in prefills],
+            prefills=chunks,
         )
         out = self.model(
-            input_ids=as_tensor(input_ids)[None],  # [1, total_tokens]
-            position_ids=as_tensor(positions)[None],  # [1, total_tokens]
+            input_ids=torch.tensor([input_ids], device=dev),  # [1, total_tokens]
+            position_ids=pos.to(dev)[None],  # [1, total_tokens]
             use_cache=False,
-            logits_to_keep=as_tensor(sample_rows),
+            logits_to_keep=torch.tensor(sample_rows, device=dev),
             rill_step=step,
         )
         return out.logits[0].float()  # [num_sampling_chunks, vocab]

@@ -60,7 +60,8 @@ class RequestStream(_Sink):
     def __init__(self, engine: "AsyncEngine", request_id: str, n: int):
         self.engine = engine
         self.request_id = request_id
-        self.num_unfinished = n
+        self.n = n  # samples; the iterators count finishes against this
+        self.num_unfinished = n  # samples still running (lowered by the engine thread)
         try:
             self._loop = asyncio.get_running_loop()
             self._queue: asyncio.Queue | queue.Queue = asyncio.Queue()
@@ -75,14 +76,14 @@ class RequestStream(_Sink):
             self._queue.put(out)
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        remaining = self.num_unfinished
+        remaining = self.n
         while remaining:
             out = await self._queue.get()
             remaining -= out.finished
             yield out
 
     def iter_sync(self, timeout: float | None = None) -> Iterator[RequestOutput]:
-        remaining = self.num_unfinished
+        remaining = self.n
         while remaining:
             out = self._queue.get(timeout=timeout)
             remaining -= out.finished
