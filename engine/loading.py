@@ -9,6 +9,8 @@ tried and what to do; `app.py` prints it and exits with code 2.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.metadata
 import importlib.util
 import json
@@ -202,7 +204,9 @@ def _load_hub(model_id: str, **kwargs) -> tuple:
             f"({_first_line(error)}); check the id, your network, or log in (HF_TOKEN) for a gated model, "
             f"or give a local folder or .gguf file") from error
     except ValueError as error:
-        raise ModelLoadError(f"could not read the config of {model_id!r}: {_first_line(error)}") from error
+        hint = ("; pass trust_remote_code (--trust-remote-code) if you trust its code"
+                if "trust_remote_code" in str(error) else "")
+        raise ModelLoadError(f"could not read the config of {model_id!r}: {_first_line(error)}{hint}") from error
     return _load_pretrained(model_id, what="hub model", **kwargs)
 
 
@@ -212,10 +216,61 @@ def _gguf_cache_key(gguf: Path) -> str:
     return f"{stem}-{stat.st_size}-{int(stat.st_mtime)}-v{CACHE_FORMAT}"
 
 
+@contextlib.contextmanager
+def _parse_gguf_once():
+    """Within one conversion, parse the GGUF once and build gguf's tensor-name map once per shape.
+
+    transformers parses the file three times (tokenizer, config, weights) and rebuilds the
+    name map for every module of the model: together about two thirds of a conversion. Both are
+    pure functions of their arguments; the patch lasts only while converting (at startup).
+    """
+    try:
+        import gguf as gguf_lib
+    except ImportError:  # transformers raises its own clear error below
+        yield
+        return
+    original_reader, original_name_map = gguf_lib.GGUFReader, gguf_lib.get_tensor_name_map
+    readers: dict[tuple[str, str], object] = {}
+
+    def shared_reader(path, mode="r"):
+        key = (os.path.realpath(os.fspath(path)), mode)
+        if key not in readers:
+            readers[key] = original_reader(path, mode)
+        return readers[key]
+
+    gguf_lib.GGUFReader = shared_reader
+    gguf_lib.get_tensor_name_map = functools.lru_cache(maxsize=None)(original_name_map)
+    try:
+        yield
+    finally:
+        gguf_lib.GGUFReader, gguf_lib.get_tensor_name_map = original_reader, original_name_map
+        readers.clear()
+
+
+def _write_converted(gguf: Path, folder: Path, steps) -> None:
+    """De-quantize `gguf` and save model + tokenizer into `folder` (3 of the 4 progress steps)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with _parse_gguf_once():
+        steps.set_postfix_str("reading tokenizer")
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        steps.update()
+        steps.set_postfix_str("de-quantizing weights")
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        steps.update()
+    # the de-quantized weights are plain tensors: drop the GGUF marker so that they can be saved
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    steps.set_postfix_str("saving")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    steps.update()
+
+
 def _convert_gguf(gguf: Path, target: Path) -> None:
     """De-quantize `gguf` once into `target` (safetensors fp32 + tokenizer), written atomically."""
     from tqdm.auto import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
@@ -223,20 +278,7 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     logger.info("converting %s once into %s (later starts load the converted copy)", gguf, target)
     steps = tqdm(total=4, desc=f"rill: converting {gguf.name} (one time)", unit="step")
     try:
-        steps.set_postfix_str("reading tokenizer")
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        steps.update()
-        steps.set_postfix_str("de-quantizing weights")
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-        steps.update()
-        # the de-quantized weights are plain tensors: drop the GGUF marker so that they can be saved
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        steps.set_postfix_str("saving")
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        steps.update()
+        _write_converted(gguf, tmp, steps)
         (tmp / "rill-source.json").write_text(json.dumps({
             "gguf": str(gguf), "size": gguf.stat().st_size, "mtime": gguf.stat().st_mtime,
             "format": CACHE_FORMAT, "seconds": round(time.monotonic() - started, 1)}, indent=1))

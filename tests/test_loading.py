@@ -212,6 +212,10 @@ def test_broken_gguf_is_a_clear_error(tmp_path):
         load_model(broken, cache_dir=tmp_path / "cache")
     assert_one_line(error, "could not convert the GGUF file", str(broken))
     assert not any((tmp_path / "cache").rglob("config.json"))  # nothing half-written is left as a cache
+    assert not any((tmp_path / "cache").rglob("*.tmp"))
+    import gguf  # the parse-once shortcut used while converting is undone, also after a failure
+
+    assert isinstance(gguf.GGUFReader, type) and not hasattr(gguf.get_tensor_name_map, "cache_info")
 
 
 def test_hub_id_while_offline(monkeypatch):
