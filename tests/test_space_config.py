@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -11,8 +12,10 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "spaces_config"))
-import deploy  # noqa: E402  (spaces_config/deploy.py)
+_spec = importlib.util.spec_from_file_location("rill_spaces_deploy", ROOT / "spaces_config" / "deploy.py")
+deploy = importlib.util.module_from_spec(_spec)  # spaces_config/deploy.py, not importable as a package
+sys.modules[_spec.name] = deploy  # dataclasses look their module up there
+_spec.loader.exec_module(deploy)
 
 SPACE_COLORS = {"red", "yellow", "green", "blue", "indigo", "purple", "pink", "gray"}
 VARIANTS = deploy.variant_names()
