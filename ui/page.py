@@ -210,7 +210,12 @@ def build_demo(engine, settings=None, metrics: RequestMetrics | None = None) -> 
         respond_kwargs = dict(fn=respond, inputs=[chatbot] + settings_inputs, outputs=[chatbot, answer_stats],
                               api_visibility="private", concurrency_limit=concurrency, concurrency_id="chat",
                               show_progress="hidden")
-        restore = dict(fn=lambda: idle, outputs=buttons, api_visibility="private", queue=False)
+        def after_answer(stats_text):
+            """Send is back; an answer cut by Stop says so (its generator never yielded the end)."""
+            return idle + ((stats_text or "").replace("Streaming:", "Stopped:", 1),)
+
+        restore = dict(fn=after_answer, inputs=[answer_stats], outputs=buttons + [answer_stats],
+                       api_visibility="private", queue=False)
 
         submitted = gr.on([textbox.submit, send.click], add_user_message, [textbox, chatbot],
                           [chatbot] + buttons, api_visibility="private", queue=False)
@@ -224,10 +229,7 @@ def build_demo(engine, settings=None, metrics: RequestMetrics | None = None) -> 
         retry_answer.then(**restore)
         chatbot.undo(undo, [chatbot], [chatbot, textbox, answer_stats], api_visibility="private", queue=False)
         chatbot.clear(lambda: "", None, [answer_stats], api_visibility="private", queue=False)
-        def stopped(stats_text):
-            return idle + ((stats_text or "").replace("Streaming:", "Stopped:", 1),)
-
-        stop.click(stopped, [answer_stats], buttons + [answer_stats], api_visibility="private", queue=False,
+        stop.click(lambda: idle, None, buttons, api_visibility="private", queue=False,
                    cancels=[submit_answer, example_answer, retry_answer])
 
         def refresh():
