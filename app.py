@@ -16,6 +16,7 @@ import argparse
 import logging
 import os
 import re
+import signal
 import sys
 from dataclasses import dataclass
 
@@ -289,7 +290,13 @@ def serve(app, settings: Settings) -> None:
         original(sig, frame)
 
     server.handle_exit = handle_exit
-    server.run()
+    # uvicorn re-raises the signal it caught once it has shut down, after restoring the handler it
+    # found: with Python's default handler a SIGTERM would end the process with -15, not 0.
+    previous = signal.signal(signal.SIGTERM, lambda sig, frame: None)
+    try:
+        server.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -25,6 +26,7 @@ from server.generation import Generation, RequestFailed, admission, request_id_f
 from server.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
 
 router = APIRouter(prefix="/v1")
+log = logging.getLogger("rill.server")
 
 _ROLE_MAP = {"developer": "system"}
 
@@ -290,7 +292,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, x_requ
                                   "finish_reason": _finish(out.finish_reason)}])
             if include_usage:
                 yield chunk([], _usage(gen.num_prompt_tokens, sum(counts)))
-        except (RequestFailed, Exception) as exc:
+        except Exception as exc:  # RequestFailed, or a bug: the client is told, never left hanging
+            if not isinstance(exc, RequestFailed):
+                log.exception("stream %s failed", request_id)
             yield _error_chunk(path, exc)
         yield {"data": "[DONE]"}
 
@@ -373,7 +377,9 @@ async def completions(body: CompletionRequest, request: Request, x_request_id: s
                                   "finish_reason": _finish(out.finish_reason) if out.finished else None}])
             if include_usage:
                 yield chunk([], _usage(prompt_tokens, sum(counts)))
-        except (RequestFailed, Exception) as exc:
+        except Exception as exc:  # RequestFailed, or a bug: the client is told, never left hanging
+            if not isinstance(exc, RequestFailed):
+                log.exception("stream %s failed", request_id)
             yield _error_chunk(path, exc)
         yield {"data": "[DONE]"}
 

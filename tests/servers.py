@@ -103,10 +103,18 @@ def _wait_ready(server: ServerProcess, timeout: float) -> None:
 
 @contextlib.contextmanager
 def run_server(*flags: str, env: dict[str, str] | None = None, test_hooks: bool = True,
-               timeout: float = START_TIMEOUT_S) -> Iterator[ServerProcess]:
-    """A fresh `app.py` process with `flags`; stopped (SIGTERM, then kill) on exit."""
+               timeout: float = START_TIMEOUT_S, port_from_env: bool = False) -> Iterator[ServerProcess]:
+    """A fresh `app.py` process with `flags`; stopped (SIGTERM, then kill) on exit.
+
+    `port_from_env`: the port goes through GRADIO_SERVER_PORT instead of --port (as on a Space)."""
     port = free_port()
-    args = ("--host", "127.0.0.1", "--port", str(port), *(("--test-hooks",) if test_hooks else ()), *flags)
+    env = dict(env or {})
+    if port_from_env:
+        env["GRADIO_SERVER_PORT"] = str(port)
+        where = ()
+    else:
+        where = ("--host", "127.0.0.1", "--port", str(port))
+    args = (*where, *(("--test-hooks",) if test_hooks else ()), *flags)
     log_file = tempfile.NamedTemporaryFile(prefix="rill-server-", suffix=".log", delete=False)
     process = subprocess.Popen([python(), "app.py", *args], cwd=ROOT, env=clean_env(env),
                                stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)

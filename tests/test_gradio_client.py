@@ -8,6 +8,9 @@ import pytest
 from gradio_client import Client
 
 CAPITAL = "What is the capital of France?"
+# The page's defaults sample (temperature 0.7, top-p 0.9, top-k 50, repetition penalty 1.1);
+# these settings make a gradio_client call greedy like `/chat` with temperature 0.
+GREEDY = dict(system_prompt="", temperature=0.0, top_p=1.0, top_k=0, repetition_penalty=1.0)
 INPUTS = ["message", "history", "system_prompt", "temperature", "top_p", "top_k", "max_new_tokens",
           "repetition_penalty"]
 
@@ -40,13 +43,13 @@ def test_predict_equals_the_chat_endpoint_for_the_same_greedy_conversation(clien
     assert isinstance(answer, str) and answer
     assert answer == chat_greedy(tiny_server.url, [{"role": "user", "content": "Tell me a joke."}], 20)
     history = [{"role": "user", "content": "Hello!"}, {"role": "assistant", "content": "Hi there."}]
-    with_history = client.predict(message="And now?", history=history, system_prompt="", temperature=0.0,
+    with_history = client.predict(message="And now?", history=history, **GREEDY,
                                   max_new_tokens=12, api_name="/chat")
     assert with_history == chat_greedy(tiny_server.url, history + [{"role": "user", "content": "And now?"}], 12)
 
 
 def test_submit_streams_updates_that_grow_to_the_final_text(client):
-    job = client.submit(message="Describe a robot.", history=[], system_prompt="", temperature=0.0,
+    job = client.submit(message="Describe a robot.", history=[], **GREEDY,
                         max_new_tokens=40, api_name="/chat")
     final = job.result(timeout=120)
     updates = [u for u in job.outputs() if isinstance(u, str)]
@@ -54,7 +57,7 @@ def test_submit_streams_updates_that_grow_to_the_final_text(client):
     for earlier, later in zip(updates, updates[1:]):
         assert later.startswith(earlier)
     assert updates[-1] == final
-    assert final == client.predict(message="Describe a robot.", history=[], system_prompt="", temperature=0.0,
+    assert final == client.predict(message="Describe a robot.", history=[], **GREEDY,
                                    max_new_tokens=40, api_name="/chat")
 
 
@@ -66,7 +69,7 @@ def test_bad_settings_are_a_clear_error(client):
 
 def test_embedded_model_answers_paris_and_agrees_with_chat(embedded_server):
     client = Client(embedded_server.url + "/", verbose=False)
-    answer = client.predict(message=CAPITAL, history=[], system_prompt="", temperature=0.0, max_new_tokens=48,
+    answer = client.predict(message=CAPITAL, history=[], **GREEDY, max_new_tokens=48,
                             api_name="/chat")
     assert "Paris" in answer
     assert answer == chat_greedy(embedded_server.url, [{"role": "user", "content": CAPITAL}], 48)
@@ -74,7 +77,7 @@ def test_embedded_model_answers_paris_and_agrees_with_chat(embedded_server):
 
 def test_embedded_chinese_streams_without_replacement_characters(embedded_server):
     client = Client(embedded_server.url + "/", verbose=False)
-    job = client.submit(message="法国的首都是哪里？请用中文回答。", history=[], system_prompt="", temperature=0.0,
+    job = client.submit(message="法国的首都是哪里？请用中文回答。", history=[], **GREEDY,
                         max_new_tokens=48, api_name="/chat")
     final = job.result(timeout=120)
     assert all("\ufffd" not in u for u in job.outputs() if isinstance(u, str))

@@ -1,0 +1,368 @@
+"""Reliability over real HTTP against real app.py processes: concurrent conversations on three
+routes, disconnects, overload, resumable streams, API key, body limit, timeouts, faults, engine
+death, SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+from gradio_client import Client
+
+from tests.servers import SSEReader, chat_text, parse_sse, run_server, usage_of, wait_idle
+
+# The page's defaults sample (temperature 0.7, top-p 0.9, top-k 50, repetition penalty 1.1);
+# these settings make a gradio_client call greedy like `/chat` with temperature 0.
+GREEDY = dict(system_prompt="", temperature=0.0, top_p=1.0, top_k=0, repetition_penalty=1.0)
+PROMPTS = [f"Question {i}: tell me something about the number {i * 7}." for i in range(16)]
+
+
+def chat_greedy(url: str, prompt: str, max_new_tokens: int, headers: dict | None = None) -> str:
+    response = httpx.post(f"{url}/chat", timeout=120, headers=headers,
+                          json={"prompt": prompt, "temperature": 0, "max_new_tokens": max_new_tokens, "stream": False})
+    assert response.status_code == 200, response.text
+    return response.json()["response"]
+
+
+def stream_chat_events(url: str, body: dict, headers: dict | None = None) -> list:
+    with httpx.stream("POST", f"{url}/chat", json=body, headers=headers, timeout=120) as response:
+        assert response.status_code == 200, response.read()
+        return list(SSEReader(response))
+
+
+@pytest.fixture(scope="module")
+def abort_server(server_with):
+    """Resuming off: a client that leaves aborts its request at once."""
+    return server_with("--resume-window", "0")
+
+
+# --------------------------------------------------------------------------- isolation
+
+
+def test_16_concurrent_conversations_over_three_routes_each_get_their_own_text(tiny_server):
+    url = tiny_server.url
+    max_new = 24
+    reference = [chat_greedy(url, p, max_new) for p in PROMPTS]
+    openai_client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    gradio = Client(url + "/", verbose=False)
+    model = openai_client.models.list().data[0].id
+
+    def via_chat(prompt):
+        return chat_text(stream_chat_events(url, {"prompt": prompt, "temperature": 0, "max_new_tokens": max_new}))
+
+    def via_openai(prompt):
+        stream = openai_client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
+                                                       max_tokens=max_new, temperature=0, stream=True)
+        return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+    def via_gradio(prompt):
+        return gradio.submit(message=prompt, history=[], **GREEDY,
+                             max_new_tokens=max_new, api_name="/chat").result(timeout=120)
+
+    routes = [via_chat, via_openai, via_gradio]
+    start = threading.Barrier(len(PROMPTS))
+
+    def run(i):
+        start.wait()
+        return routes[i % 3](PROMPTS[i])
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        answers = list(pool.map(run, range(len(PROMPTS))))
+    for i, (answer, expected) in enumerate(zip(answers, reference)):
+        assert answer == expected, f"conversation {i} via {routes[i % 3].__name__}"
+
+
+# --------------------------------------------------------------------------- disconnects
+
+
+def test_closed_chat_stream_is_aborted_and_its_kv_blocks_freed(abort_server):
+    url = abort_server.url
+    wait_idle(url)
+    with httpx.stream("POST", f"{url}/chat", json={"prompt": "Talk for a long time.", "max_new_tokens": 900,
+                                                    "temperature": 0}, timeout=120) as response:
+        events = iter(SSEReader(response))
+        pieces = [next(events) for _ in range(5)]
+        assert all(p.event == "message" for p in pieces)
+        assert httpx.get(f"{url}/health").json()["engine"]["num_running"] == 1
+        events.close()  # the client goes away after 5 pieces
+    closed = time.monotonic()
+    engine = wait_idle(url, timeout=10)
+    print(f"idle {time.monotonic() - closed:.3f} s after the client closed")
+    assert engine["finished_total"].get("abort", 0) >= 1
+
+
+def test_closed_openai_stream_and_abandoned_plain_request_are_aborted(abort_server):
+    url = abort_server.url
+    body = {"messages": [{"role": "user", "content": "Talk."}], "max_tokens": 900, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as response:
+        for i, _ in enumerate(response.iter_lines()):
+            if i == 8:
+                break
+    wait_idle(url, timeout=10)
+    with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up
+        httpx.post(f"{url}/chat", json={"prompt": "Talk.", "max_new_tokens": 900, "stream": False}, timeout=1.0)
+    wait_idle(url, timeout=10)
+
+
+def test_cancelled_gradio_job_is_aborted(abort_server):
+    url = abort_server.url
+    client = Client(url + "/", verbose=False)
+    job = client.submit(message="Talk for a long time.", history=[], **GREEDY,
+                        max_new_tokens=900, api_name="/chat")
+    deadline = time.monotonic() + 60
+    while not job.outputs() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert job.outputs(), "no streamed update arrived"
+    job.cancel()
+    wait_idle(url, timeout=10)
+
+
+# --------------------------------------------------------------------------- overload
+
+
+def test_past_the_queue_chat_answers_429_at_once_with_retry_after(server_with):
+    server = server_with("--max-num-seqs", "4", "--max-queue", "4")
+    url = server.url
+    wait_idle(url)
+
+    async def one(client: httpx.AsyncClient, i: int):
+        sent = time.monotonic()
+        body = {"prompt": PROMPTS[i % len(PROMPTS)], "max_new_tokens": 400, "temperature": 0}
+        async with client.stream("POST", f"{url}/chat", json=body) as response:
+            answered = time.monotonic()
+            raw = await response.aread()
+            return response.status_code, answered - sent, time.monotonic(), response.headers, raw
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=32)) as client:
+            await client.get(f"{url}/health")
+            return await asyncio.gather(*(one(client, i) for i in range(20)))
+
+    results = asyncio.run(burst())
+    ok = [r for r in results if r[0] == 200]
+    busy = [r for r in results if r[0] == 429]
+    assert (len(ok), len(busy)) == (8, 12), [r[0] for r in results]
+    for status, latency, _, headers, raw in busy:
+        assert int(headers["retry-after"]) >= 1
+        assert "capacity" in json.loads(raw)["error"]
+    first_success_done = min(done for _, _, done, _, _ in ok)
+    assert all(sent_latency_done <= first_success_done for _, _, sent_latency_done, _, _ in busy)
+    for *_, raw in ok:
+        assert parse_sse(raw)[-1].event == "end"
+    print("429 latencies (ms):", sorted(round(r[1] * 1000) for r in busy))
+    wait_idle(url)
+
+
+def test_openai_route_answers_429_in_its_shape_when_full(server_with):
+    url = server_with("--max-num-seqs", "4", "--max-queue", "4").url
+    wait_idle(url)
+    body = {"prompt": "Talk.", "max_new_tokens": 900, "temperature": 0}
+    with httpx.Client(timeout=120) as client:
+        streams = [client.stream("POST", f"{url}/chat", json=body) for _ in range(8)]
+        responses = [s.__enter__() for s in streams]
+        try:
+            assert all(r.status_code == 200 for r in responses)
+            full = client.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+            assert full.status_code == 429
+            assert full.json()["error"]["type"] == "rate_limit_error"
+            assert int(full.headers["retry-after"]) >= 1
+        finally:
+            for s in streams:
+                s.__exit__(None, None, None)
+    wait_idle(url)
+
+
+# --------------------------------------------------------------------------- resumable streams
+
+
+def test_stream_cut_after_event_k_resumes_with_exactly_the_rest(tiny_server):
+    url = tiny_server.url
+    body = {"prompt": "Tell me a long story about a robot.", "max_new_tokens": 300, "temperature": 0}
+    expected = chat_greedy(url, body["prompt"], 300)
+    k = 7
+    with httpx.stream("POST", f"{url}/chat", json=body, timeout=120) as response:
+        request_id = response.headers["x-request-id"]
+        first = []
+        for event in SSEReader(response):
+            first.append(event)
+            if len(first) == k:
+                break
+    assert [e.id for e in first] == [str(i) for i in range(1, k + 1)]
+    with httpx.stream("GET", f"{url}/chat/{request_id}", headers={"Last-Event-ID": str(k)}, timeout=120) as response:
+        assert response.status_code == 200
+        rest = list(SSEReader(response))
+    assert rest[0].id == str(k + 1) and rest[-1].event == "end"
+    assert chat_text(first) + chat_text(rest) == expected
+    assert usage_of(rest)["completion_tokens"] == 300
+    # EventSource sends Last-Event-ID itself on reconnects; a first GET can pass it in the query
+    again = parse_sse(httpx.get(f"{url}/chat/{request_id}", params={"last_event_id": 0}, timeout=120).content)
+    assert chat_text(again) == expected
+    bad = httpx.get(f"{url}/chat/{request_id}", headers={"Last-Event-ID": "seven"}, timeout=30)
+    assert bad.status_code == 400 and "Last-Event-ID" in bad.json()["error"]
+
+
+def test_resuming_after_the_window_is_404_and_the_request_is_freed(tiny_server):
+    url = tiny_server.url  # --resume-window 5
+    with httpx.stream("POST", f"{url}/chat", json={"prompt": "Talk.", "max_new_tokens": 900, "temperature": 0},
+                      timeout=120) as response:
+        request_id = response.headers["x-request-id"]
+        for i, _ in enumerate(SSEReader(response)):
+            if i == 2:
+                break
+    deadline = time.monotonic() + 60  # the window is 5 s; wait until the server dropped the stream
+    while time.monotonic() < deadline and httpx.get(f"{url}/health", timeout=10).json()["resumable_streams"]:
+        time.sleep(0.2)
+    late = httpx.get(f"{url}/chat/{request_id}", headers={"Last-Event-ID": "3"}, timeout=30)
+    assert late.status_code == 404
+    assert request_id in late.json()["error"] and "resume window" in late.json()["error"]
+    wait_idle(url, timeout=30)
+    missing = httpx.get(f"{url}/chat/never-existed", timeout=30)
+    assert missing.status_code == 404
+
+
+# --------------------------------------------------------------------------- API key, body limit, timeout
+
+
+@pytest.fixture(scope="module")
+def guarded(server_with):
+    return server_with("--api-key", "sekret-key", "--max-body-bytes", "4096", "--request-timeout", "1")
+
+
+def test_api_key_is_required_on_chat_and_v1_but_not_on_the_page(guarded):
+    url = guarded.url
+    before = httpx.get(f"{url}/health", timeout=10).json()["engine"]["prompt_tokens_total"]
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret-key"}):
+        chat = httpx.post(f"{url}/chat", json={"prompt": "Hi", "max_new_tokens": 2}, headers=headers, timeout=30)
+        assert chat.status_code == 401 and "Authorization: Bearer" in chat.json()["error"]
+        v1 = httpx.post(f"{url}/v1/chat/completions", headers=headers, timeout=30,
+                        json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+        assert v1.status_code == 401
+        assert v1.json()["error"]["type"] == "authentication_error" and v1.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{url}/v1/models", timeout=30).status_code == 401
+    assert httpx.get(f"{url}/health", timeout=10).json()["engine"]["prompt_tokens_total"] == before  # no model work
+    assert httpx.get(f"{url}/", timeout=30).status_code == 200  # the page stays public
+    good = httpx.post(f"{url}/chat", json={"prompt": "Hi", "max_new_tokens": 2, "stream": False}, timeout=60,
+                      headers={"Authorization": "Bearer sekret-key"})
+    assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 2
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="sekret-key", max_retries=0, timeout=60)
+    assert client.completions.create(model=client.models.list().data[0].id, prompt="Hi", max_tokens=2,
+                                     temperature=0).usage.completion_tokens == 2
+
+
+def test_bodies_over_the_limit_get_413(guarded):
+    url = guarded.url
+    auth = {"Authorization": "Bearer sekret-key"}
+    big = {"prompt": "x" * 5000, "max_new_tokens": 2}
+    response = httpx.post(f"{url}/chat", json=big, headers=auth, timeout=30)
+    assert response.status_code == 413 and "4096" in response.json()["error"]
+
+    def chunks():  # no Content-Length: the limit still holds
+        for _ in range(10):
+            yield b"x" * 1000
+
+    chunked = httpx.post(f"{url}/v1/completions", content=chunks(), timeout=30,
+                         headers={**auth, "content-type": "application/json"})
+    assert chunked.status_code == 413 and chunked.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_request_timeout_ends_a_long_request_with_a_clear_error(guarded):
+    url = guarded.url
+    auth = {"Authorization": "Bearer sekret-key"}
+    events = stream_chat_events(url, {"prompt": "Talk.", "max_new_tokens": 1000, "temperature": 0}, headers=auth)
+    assert [e.event for e in events[-2:]] == ["error", "end"]
+    assert "timeout" in json.loads(events[-2].data)["error"] and "1 s" in json.loads(events[-2].data)["error"]
+    plain = httpx.post(f"{url}/v1/completions", json={"prompt": "Talk.", "max_tokens": 1000, "ignore_eos": True},
+                       headers=auth, timeout=60)
+    assert plain.status_code == 504 and "timeout" in plain.json()["error"]["message"]
+    wait_idle(url)
+
+
+# --------------------------------------------------------------------------- faults
+
+
+def test_a_request_failing_inside_the_engine_fails_alone(tiny_server):
+    url = tiny_server.url
+    prompts = PROMPTS[:3]
+    expected = [chat_greedy(url, p, 40) for p in prompts]
+    results = {}
+
+    def normal(i):
+        results[i] = chat_text(stream_chat_events(url, {"prompt": prompts[i], "temperature": 0, "max_new_tokens": 40}))
+
+    def faulty():
+        results["fault"] = stream_chat_events(url, {"prompt": "This one breaks.", "max_new_tokens": 40},
+                                              headers={"x-rill-inject-fault": "1"})
+
+    threads = [threading.Thread(target=normal, args=(i,)) for i in range(3)] + [threading.Thread(target=faulty)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [results[i] for i in range(3)] == expected
+    fault = results["fault"]
+    assert [e.event for e in fault[-2:]] == ["error", "end"]
+    assert "engine" in json.loads(fault[-2].data)["error"]
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+    model = client.models.list().data[0].id
+    with pytest.raises(openai.APIError):
+        list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=8,
+                                            stream=True, extra_headers={"x-rill-inject-fault": "1"}))
+    with pytest.raises(openai.InternalServerError):
+        client.completions.create(model=model, prompt="x", max_tokens=8, extra_headers={"x-rill-inject-fault": "1"})
+    assert chat_greedy(url, prompts[0], 40) == expected[0]  # the server goes on
+    wait_idle(url)
+
+
+def test_engine_death_gives_error_events_and_health_503(tiny_llama_path):
+    # The port comes from GRADIO_SERVER_PORT here, as on a Space.
+    with run_server("--model", str(tiny_llama_path), port_from_env=True) as server:
+        url = server.url
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+        with httpx.stream("POST", f"{url}/chat", json={"prompt": "Talk.", "max_new_tokens": 900},
+                          timeout=60) as response:
+            events = SSEReader(response)
+            seen = []
+            for event in events:
+                seen.append(event)
+                if len(seen) == 1:
+                    assert httpx.post(f"{url}/_test/kill-engine", timeout=10).status_code == 200
+        assert [e.event for e in seen[-2:]] == ["error", "end"]
+        assert "engine" in json.loads(seen[-2].data)["error"]
+        health = httpx.get(f"{url}/health", timeout=10)
+        assert health.status_code == 503 and health.json()["status"] == "engine stopped"
+        assert httpx.get(f"{url}/ready", timeout=10).status_code == 503
+        refused = httpx.post(f"{url}/chat", json={"prompt": "Hi"}, timeout=10)
+        assert refused.status_code == 503 and "/health" in refused.json()["error"]
+        v1 = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi"}, timeout=10)
+        assert v1.status_code == 503 and v1.json()["error"]["code"] == "engine_dead"
+
+
+def test_sigterm_lets_running_streams_finish_then_exits_0(tiny_llama_path):
+    with run_server("--model", str(tiny_llama_path), "--shutdown-timeout", "60") as server:
+        url = server.url
+        with httpx.stream("POST", f"{url}/chat", json={"prompt": "Talk.", "max_new_tokens": 600, "temperature": 0},
+                          timeout=120) as response:
+            events = iter(SSEReader(response))
+            first = next(events)
+            server.process.send_signal(signal.SIGTERM)
+            refused = False
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and not refused:
+                try:
+                    httpx.get(f"{url}/health", timeout=2)
+                    time.sleep(0.05)
+                except httpx.TransportError:
+                    refused = True
+            rest = list(events)
+        assert first.event == "message"
+        assert refused, "the server still accepted connections after SIGTERM"
+        assert [e.event for e in rest[-2:]] == ["usage", "end"]
+        assert usage_of(rest)["completion_tokens"] == 600
+        assert server.process.wait(60) == 0
