@@ -120,9 +120,33 @@ def parse_bool(text: str) -> bool:
     raise ValueError(f"expected true/false (1/0, yes/no), got {text!r}")
 
 
+def _parse_int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"expected an integer, got {text!r}") from None
+
+
+def _parse_float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"expected a number, got {text!r}") from None
+
+
 def _converter(kind):
-    return {"size": parse_size, "auth": parse_auth, "bool": parse_bool,
-            "list": lambda t: tuple(s.strip() for s in t.split(",") if s.strip())}.get(kind, kind)
+    parse = {"size": parse_size, "auth": parse_auth, "bool": parse_bool, int: _parse_int, float: _parse_float,
+             "list": lambda t: tuple(s.strip() for s in t.split(",") if s.strip())}.get(kind)
+    if parse is None:
+        return kind
+
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as exc:  # argparse prints this message instead of "invalid convert value"
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return convert
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -164,7 +188,7 @@ def parse_settings(argv: list[str] | None = None, environ: dict[str, str] | None
                 if raw is not None and raw.strip() != "":
                     try:
                         value = _converter(opt.kind)(raw.strip())
-                    except ValueError as exc:
+                    except (ValueError, argparse.ArgumentTypeError) as exc:
                         parser.error(f"environment variable {name}: {exc}")
                     break
         values[opt.dest] = opt.default if value is None else value
