@@ -130,7 +130,11 @@ def test_answer_grows_and_stop_aborts_it(visitor, embedded_server, shots):
     assert health["model"] in header and f"{health['max_model_len']} tokens" in header
     aborted_before = metric(url, "rill_requests_finished_total", route="gradio", finish_reason="abort")
 
-    visitor.send("Count from 1 to 300, one number per line.")
+    visitor.page.click("#rill-settings .label-wrap")
+    visitor.set_slider("rill-temperature", "0")
+    visitor.set_slider("rill-repetition-penalty", "1")
+    # greedy, this answer runs about 360 tokens: prose, then a code block
+    visitor.send("Explain how a hash map works, with a short Python example.")
     lengths: list[int] = []
 
     def grown_three_times():
@@ -140,7 +144,8 @@ def test_answer_grows_and_stop_aborts_it(visitor, embedded_server, shots):
         return len(lengths) >= 3
 
     until(grown_three_times, message="the answer to grow three times")
-    until(lambda: grown_three_times() and lengths[-1] >= 40, message="a few lines of answer for the screenshot")
+    until(lambda: grown_three_times() and lengths[-1] >= 420, message="a few lines of answer for the screenshot")
+    visitor.page.click("#rill-settings .label-wrap")  # fold the settings back for the picture
     visitor.page.screenshot(path=str(shots / "chat.png"))
     assert visitor.page.locator("#rill-stop").is_visible()
     assert metric(url, "rill_requests_running") >= 1
