@@ -170,8 +170,10 @@ def test_closing_the_tab_aborts_its_answer(browser, embedded_server):
     aborted_before = metric(url, "rill_requests_finished_total", route="gradio", finish_reason="abort")
     visitor = Page(browser, url)
     try:
-        visitor.send("Write a very long essay about the history of bread.")
-        until(lambda: len(visitor.bot_text()) > 0, message="the answer to start")
+        visitor.page.click("#rill-chatbot button:has-text('Explain continuous batching')")  # an example
+        until(lambda: len(visitor.bot_text()) > 0, message="the answer to the example to start")
+        assert visitor.user_text() == "Explain continuous batching to a five-year-old."
+        assert visitor.page.locator("#rill-stop").is_visible()
     finally:
         visitor.close()
     until(lambda: metric(url, "rill_requests_finished_total", route="gradio", finish_reason="abort")
