@@ -115,7 +115,11 @@ class _EngineCollector:
         return []  # registered without a describe pass: collect() is only called on scrape
 
     def collect(self):
-        stats = self.engine.stats()
+        try:
+            stats = self.engine.stats()
+        except Exception:  # a dead engine must not turn the scrape into a 500
+            yield GaugeMetricFamily("rill_engine_alive", "1 while the engine thread runs, 0 after it died", value=0.0)
+            return
         yield GaugeMetricFamily("rill_requests_running", "requests the engine is running now",
                                 value=stats.num_running)
         yield GaugeMetricFamily("rill_requests_waiting", "requests waiting for a batch slot or KV blocks",

@@ -229,3 +229,15 @@ def test_page_requests_are_counted_under_the_gradio_route(tiny_server):
     finished = sum(_moved(before, after, "rill_requests_finished_total", route="gradio", finish_reason=reason)
                    for reason in ("stop", "length"))
     assert finished == 2
+
+
+def test_a_dead_engine_still_scrapes_and_says_so():
+    class Dead:
+        alive = False
+
+        def stats(self):
+            raise RuntimeError("engine thread died")
+
+    samples = parse(RequestMetrics(Dead()).render().decode())
+    assert value(samples, "rill_engine_alive") == 0
+    assert ("rill_requests_running", ()) not in samples

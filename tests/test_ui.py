@@ -330,3 +330,17 @@ def test_chat_api_answers_bad_input_with_a_clear_error(page):
         page.client.predict("hi", None, "", -1.0, api_name="/chat")
     with pytest.raises(AppError, match="The message is empty"):
         page.client.predict("   ", api_name="/chat")
+
+
+def test_status_panel_counts_what_the_page_streamed():
+    from ui import status
+
+    engine = FakeChatEngine(reply="one two three four", max_model_len=64)
+    metrics = RequestMetrics(engine)
+    list(stream_answer(engine, metrics, "gradio", [], "count", ChatSettings(max_new_tokens=8)))
+    markdown, throughput, ttft = status.snapshot(engine, metrics)
+    assert "| Tokens generated (last minute) | 4 |" in markdown
+    assert "| Requests finished (last minute) | 1 |" in markdown
+    assert "| Running requests | 0 |" in markdown
+    assert list(ttft.columns) == ["time", "TTFT (s)"] and len(ttft) == 1
+    assert list(throughput.columns) == ["time", "tokens/s"] and len(throughput) == status.HISTORY_S / status.THROUGHPUT_BIN_S

@@ -15,8 +15,11 @@ HISTORY_S = 300.0  # the plots show the last five minutes
 
 def status_markdown(engine, recent) -> str:
     """The panel's numbers as a markdown table."""
-    stats = engine.stats()
     alive = getattr(engine, "alive", True)
+    try:
+        stats = engine.stats()
+    except Exception as exc:  # the panel still answers when the engine is gone
+        return f"**Engine unavailable**: {type(exc).__name__}: {exc}"
     used_blocks = stats.num_kv_blocks - stats.num_free_kv_blocks
     ttft = "–" if recent.mean_ttft_s is None else f"{recent.mean_ttft_s:.2f} s"
     rows = [
