@@ -241,3 +241,34 @@ def test_a_dead_engine_still_scrapes_and_says_so():
     samples = parse(RequestMetrics(Dead()).render().decode())
     assert value(samples, "rill_engine_alive") == 0
     assert ("rill_requests_running", ()) not in samples
+
+
+def test_a_cancelled_gradio_client_job_aborts_its_request(embedded_server):
+    """gradio_client's `job.cancel()` reaches the engine: counted as an abort, nothing left running."""
+    import time
+
+    from gradio_client import Client
+
+    from tests.servers import wait_idle
+
+    url = embedded_server.url
+    wait_idle(url, timeout=180)
+    before = scrape(url)
+    client = Client(f"{url}/", verbose=False)
+    # greedy, this answer runs about 360 tokens
+    job = client.submit("Explain how a hash map works, with a short Python example.", None, "", 0.0, 1.0, 0, 400, 1.0,
+                        api_name="/chat")
+    deadline = time.monotonic() + 180
+    while len(job.outputs()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(job.outputs()) >= 2, "the answer did not stream"
+    job.cancel()
+    wait_idle(url, timeout=180)
+    deadline = time.monotonic() + 60
+    while _moved(before, scrape(url), "rill_requests_finished_total", route="gradio", finish_reason="abort") < 1 \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
+    after = scrape(url)
+    assert _moved(before, after, "rill_requests_finished_total", route="gradio", finish_reason="abort") == 1
+    assert _moved(before, after, "rill_generation_tokens_total", route="gradio") < 360
+    assert value(after, "rill_requests_running") == 0
