@@ -73,7 +73,8 @@ def build_demo(engine, settings=None, metrics: RequestMetrics | None = None) -> 
     returned: the page's requests are recorded under route "gradio" and the status tab reads its
     recent window; without it the page keeps a private recorder (status then shows page traffic only).
 
-    Mount with `gr.mount_gradio_app(app, demo, path="/")` after the other routes; do not call
+    Mount with `gr.mount_gradio_app(app, demo, path="/", **ui.MOUNT_KWARGS)` after the other routes (the
+    page CSS travels in MOUNT_KWARGS: Gradio 6 takes CSS at mount time); do not call
     `demo.queue()` again (it would reset the concurrency set here).
     """
     metrics = metrics if metrics is not None else RequestMetrics(engine)
