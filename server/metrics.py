@@ -408,6 +408,18 @@ class RequestMetrics:
         return generate_latest(self.registry)
 
 
+def queue_time_of(source) -> float | None:
+    """Seconds a request waited before it was first scheduled, from an engine output or streamer:
+    its `queue_time`, or `scheduled_time - arrival_time` (monotonic); None when it does not say."""
+    queue_time = getattr(source, "queue_time", None)
+    if queue_time is not None:
+        return max(0.0, float(queue_time))
+    scheduled, arrival = getattr(source, "scheduled_time", None), getattr(source, "arrival_time", None)
+    if scheduled is not None and arrival:
+        return max(0.0, scheduled - arrival)
+    return None
+
+
 class _DeltaState:
     """What `track` learned from a request's deltas: per-sample finish reasons, errors."""
 
@@ -421,9 +433,8 @@ class _DeltaState:
     def see(self, tracker: RequestTracker, out) -> None:
         if out.num_prompt_tokens:
             tracker.set_prompt_tokens(out.num_prompt_tokens)
-        queue_time = getattr(out, "queue_time", None)
-        if queue_time is not None and tracker.queue_time is None:
-            tracker.queue_time = queue_time
+        if tracker.queue_time is None:
+            tracker.queue_time = queue_time_of(out)
         if out.token_ids:
             tracker.tokens(len(out.token_ids), first_token_time=getattr(out, "first_token_time", None))
         if out.finished:

@@ -272,3 +272,23 @@ def test_a_cancelled_gradio_client_job_aborts_its_request(embedded_server):
     assert _moved(before, after, "rill_requests_finished_total", route="gradio", finish_reason="abort") == 1
     assert _moved(before, after, "rill_generation_tokens_total", route="gradio") < 360
     assert value(after, "rill_requests_running") == 0
+
+
+def test_queue_time_comes_from_the_engine_schedule_time():
+    """Outputs that carry `scheduled_time` (monotonic, like `arrival_time`) feed the queue-time histogram."""
+    from types import SimpleNamespace
+
+    metrics = RequestMetrics(_Engine())
+    outs = [SimpleNamespace(**{name: getattr(out, name) for name in out.__slots__}, scheduled_time=100.75)
+            for out in deltas("q", [1, 2], FinishReason.STOP)]
+    for out in outs:
+        out.arrival_time = 100.0
+
+    async def consume():
+        async for _ in metrics.track("chat", _aiter(outs)):
+            pass
+
+    asyncio.run(consume())
+    samples = parse(metrics.render().decode())
+    assert value(samples, "rill_request_queue_time_seconds_count") == 1
+    assert value(samples, "rill_request_queue_time_seconds_sum") == pytest.approx(0.75)

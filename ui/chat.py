@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from engine.request import InvalidRequest, QueueFull, SamplingParams
+from server.metrics import queue_time_of
 
 WAIT_POLL_S = 0.25  # while no token comes, the generator wakes this often so Stop can close it
 
@@ -343,7 +344,11 @@ def stream_answer(engine, metrics, route: str, history: list[dict], message: str
             stats.decode_tokens_per_s = (stats.num_output_tokens - 1) / (now - first_time)
         if tracker is not None:
             error = getattr(streamer, "error", None)
-            tracker.finish(reason, num_output_tokens=produced if finished else None, now=now, error=error)
+            queue_time = queue_time_of(streamer)
+            if queue_time is None and getattr(streamer, "scheduled_time", None) is not None:
+                queue_time = max(0.0, streamer.scheduled_time - arrival)
+            tracker.finish(reason, num_output_tokens=produced if finished else None, now=now, error=error,
+                           queue_time=queue_time)
     if reason == "error":
         raise ChatError(f"The engine failed while answering: {getattr(streamer, 'error', None) or 'unknown error'}")
     yield text, stats  # the final stats (finish reason, totals)
