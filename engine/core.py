@@ -238,7 +238,8 @@ class EngineCore:
             return self._finish(seq, reason, None, [token_id], text, logprobs)
         return RequestOutput(seq.request_id, seq.index, [token_id], text, logprobs=logprobs,
                              num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=num_out,
-                             first_token_time=seq.first_token_time, arrival_time=seq.arrival_time)
+                             first_token_time=seq.first_token_time, arrival_time=seq.arrival_time,
+                             scheduled_time=seq.scheduled_time)
 
     def _finish(self, seq: Sequence, reason: FinishReason, error: str | None, token_ids: list[int],
                 text: str = "", logprobs=None) -> RequestOutput:
@@ -261,7 +262,8 @@ class EngineCore:
         return RequestOutput(seq.request_id, seq.index, token_ids, text, finished=True, finish_reason=reason,
                              logprobs=logprobs, num_prompt_tokens=seq.num_prompt_tokens,
                              num_output_tokens=seq.num_output_tokens, error=error,
-                             first_token_time=seq.first_token_time, arrival_time=seq.arrival_time)
+                             first_token_time=seq.first_token_time, arrival_time=seq.arrival_time,
+                             scheduled_time=seq.scheduled_time)
 
     def stats(self, num_pending: int = 0) -> EngineStats:
         return EngineStats(

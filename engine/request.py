@@ -130,7 +130,8 @@ class RequestOutput:
     num_output_tokens: int = 0  # so far, for this sample
     error: str | None = None  # set when finish_reason is ERROR
     first_token_time: float | None = None  # time.monotonic() of the first token
-    arrival_time: float = 0.0
+    arrival_time: float = 0.0  # time.monotonic() when the engine received the request
+    scheduled_time: float | None = None  # time.monotonic() when it first ran (queue time ends)
 
 
 @dataclass(slots=True)

@@ -105,11 +105,14 @@ class _TextSinkMixin(_Sink):
         self.num_prompt_tokens = 0
         self.num_output_tokens = 0
         self.first_token_time: float | None = None
+        self.arrival_time: float | None = None
+        self.scheduled_time: float | None = None
 
     def _on_output(self, out: RequestOutput) -> None:  # engine thread
         self.num_prompt_tokens = out.num_prompt_tokens
         self.num_output_tokens = out.num_output_tokens
         self.first_token_time = out.first_token_time
+        self.arrival_time, self.scheduled_time = out.arrival_time, out.scheduled_time
         if out.finished:
             self.finish_reason, self.error = out.finish_reason, out.error
         if out.text:
