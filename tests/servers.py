@@ -148,7 +148,10 @@ def _server_pool():
 
 @pytest.fixture(scope="session")
 def server_with(_server_pool, tiny_llama_path):
-    """`server_with(*flags)`: a tiny-Llama server with `flags`, shared by every test asking the same flags."""
+    """`server_with(*flags)`: a tiny-Llama server with `flags`, shared by every test asking the same flags.
+
+    `server_with.retire(server)`: a test that breaks a server on purpose (kills its engine, sends
+    SIGTERM) retires it first, so that a later request for the same flags starts a fresh one."""
     stack, pool = _server_pool
 
     def get(*flags: str, model: str | os.PathLike | None = None) -> ServerProcess:
@@ -159,6 +162,12 @@ def server_with(_server_pool, tiny_llama_path):
             pool[key] = server
         return server
 
+    def retire(server: ServerProcess) -> None:
+        for key, known in list(pool.items()):
+            if known is server:
+                del pool[key]
+
+    get.retire = retire
     return get
 
 
@@ -182,8 +191,8 @@ def embedded_server(_server_pool) -> ServerProcess:
     """The embedded SmolLM2-135M-Instruct, default settings."""
     stack, pool = _server_pool
     key = ("<embedded>",)
-    if key not in pool:
-        pool[key] = stack.enter_context(run_server())
+    if key not in pool:  # started as a Space starts it: no flags, the port from GRADIO_SERVER_PORT
+        pool[key] = stack.enter_context(run_server(port_from_env=True))
     return pool[key]
 
 

@@ -16,7 +16,7 @@ import openai
 import pytest
 from gradio_client import Client
 
-from tests.servers import SSEReader, chat_text, parse_sse, run_server, usage_of, wait_idle
+from tests.servers import SSEReader, chat_text, parse_sse, usage_of, wait_idle
 
 # The page's defaults sample (temperature 0.7, top-p 0.9, top-k 50, repetition penalty 1.1);
 # these settings make a gradio_client call greedy like `/chat` with temperature 0.
@@ -181,6 +181,31 @@ def test_openai_route_answers_429_in_its_shape_when_full(server_with):
     wait_idle(url)
 
 
+def test_page_queue_holds_extra_visitors_in_line_with_their_position(server_with):
+    """Gradio's queue runs --max-num-seqs page events at once; the rest wait with a queue rank."""
+    url = server_with("--max-num-seqs", "4", "--max-queue", "4").url
+    wait_idle(url)
+    client = Client(url + "/", verbose=False)
+    jobs = [client.submit(message=f"Talk about {i}.", history=[], max_new_tokens=900, api_name="/chat", **GREEDY)
+            for i in range(6)]
+    try:
+        seen = None  # a moment with 4 page events generating and the others waiting with a rank
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and seen is None:
+            statuses = [job.status() for job in jobs]
+            working = [s for s in statuses if s.code.name in ("PROCESSING", "ITERATING")]
+            waiting = [s for s in statuses if s.code.name == "IN_QUEUE" and s.rank is not None]
+            if len(working) == 4 and waiting:
+                seen = sorted(s.rank for s in waiting)
+            time.sleep(0.05)
+        assert seen is not None, "never saw 4 answers generating while the others waited in line"
+        assert httpx.get(f"{url}/health", timeout=10).json()["engine"]["num_running"] <= 4
+    finally:
+        for job in jobs:
+            job.cancel()
+    wait_idle(url, timeout=30)
+
+
 # --------------------------------------------------------------------------- resumable streams
 
 
@@ -234,7 +259,7 @@ def test_resuming_after_the_window_is_404_and_the_request_is_freed(tiny_server):
 
 @pytest.fixture(scope="module")
 def guarded(server_with):
-    return server_with("--api-key", "sekret-key", "--max-body-bytes", "4096", "--request-timeout", "1")
+    return server_with("--api-key", "sekret-key", "--max-body-bytes", "4096", "--request-timeout", "2")
 
 
 def test_api_key_is_required_on_chat_and_v1_but_not_on_the_page(guarded):
@@ -279,7 +304,7 @@ def test_request_timeout_ends_a_long_request_with_a_clear_error(guarded):
     auth = {"Authorization": "Bearer sekret-key"}
     events = stream_chat_events(url, {"prompt": "Talk.", "max_new_tokens": 1000, "temperature": 0}, headers=auth)
     assert [e.event for e in events[-2:]] == ["error", "end"]
-    assert "timeout" in json.loads(events[-2].data)["error"] and "1 s" in json.loads(events[-2].data)["error"]
+    assert "timeout" in json.loads(events[-2].data)["error"] and "2 s" in json.loads(events[-2].data)["error"]
     plain = httpx.post(f"{url}/v1/completions", json={"prompt": "Talk.", "max_tokens": 1000, "ignore_eos": True},
                        headers=auth, timeout=60)
     assert plain.status_code == 504 and "timeout" in plain.json()["error"]["message"]
@@ -322,49 +347,51 @@ def test_a_request_failing_inside_the_engine_fails_alone(tiny_server):
     wait_idle(url)
 
 
-def test_engine_death_gives_error_events_and_health_503(tiny_llama_path):
-    # The port comes from GRADIO_SERVER_PORT here, as on a Space.
-    with run_server("--model", str(tiny_llama_path), port_from_env=True) as server:
-        url = server.url
-        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
-        with httpx.stream("POST", f"{url}/chat", json={"prompt": "Talk.", "max_new_tokens": 900},
-                          timeout=60) as response:
-            events = SSEReader(response)
-            seen = []
-            for event in events:
-                seen.append(event)
-                if len(seen) == 1:
-                    assert httpx.post(f"{url}/_test/kill-engine", timeout=10).status_code == 200
-        assert [e.event for e in seen[-2:]] == ["error", "end"]
-        assert "engine" in json.loads(seen[-2].data)["error"]
-        health = httpx.get(f"{url}/health", timeout=10)
-        assert health.status_code == 503 and health.json()["status"] == "engine stopped"
-        assert httpx.get(f"{url}/ready", timeout=10).status_code == 503
-        refused = httpx.post(f"{url}/chat", json={"prompt": "Hi"}, timeout=10)
-        assert refused.status_code == 503 and "/health" in refused.json()["error"]
-        v1 = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi"}, timeout=10)
-        assert v1.status_code == 503 and v1.json()["error"]["code"] == "engine_dead"
+def test_engine_death_gives_error_events_and_health_503(guarded, server_with):
+    """Runs after the other tests of the guarded server: it kills that server's engine."""
+    server_with.retire(guarded)
+    url = guarded.url
+    auth = {"Authorization": "Bearer sekret-key"}
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    with httpx.stream("POST", f"{url}/chat", json={"prompt": "Talk.", "max_new_tokens": 900}, headers=auth,
+                      timeout=60) as response:
+        seen = []
+        for event in SSEReader(response):
+            seen.append(event)
+            if len(seen) == 1:
+                assert httpx.post(f"{url}/_test/kill-engine", timeout=10).status_code == 200
+    assert [e.event for e in seen[-2:]] == ["error", "end"]
+    assert "engine" in json.loads(seen[-2].data)["error"]
+    health = httpx.get(f"{url}/health", timeout=10)
+    assert health.status_code == 503 and health.json()["status"] == "engine stopped"
+    assert httpx.get(f"{url}/ready", timeout=10).status_code == 503
+    refused = httpx.post(f"{url}/chat", json={"prompt": "Hi"}, headers=auth, timeout=10)
+    assert refused.status_code == 503 and "/health" in refused.json()["error"]
+    v1 = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi"}, headers=auth, timeout=10)
+    assert v1.status_code == 503 and v1.json()["error"]["code"] == "engine_dead"
 
 
-def test_sigterm_lets_running_streams_finish_then_exits_0(tiny_llama_path):
-    with run_server("--model", str(tiny_llama_path), "--shutdown-timeout", "60") as server:
-        url = server.url
-        with httpx.stream("POST", f"{url}/chat", json={"prompt": "Talk.", "max_new_tokens": 600, "temperature": 0},
-                          timeout=120) as response:
-            events = iter(SSEReader(response))
-            first = next(events)
-            server.process.send_signal(signal.SIGTERM)
-            refused = False
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and not refused:
-                try:
-                    httpx.get(f"{url}/health", timeout=2)
-                    time.sleep(0.05)
-                except httpx.TransportError:
-                    refused = True
-            rest = list(events)
-        assert first.event == "message"
-        assert refused, "the server still accepted connections after SIGTERM"
-        assert [e.event for e in rest[-2:]] == ["usage", "end"]
-        assert usage_of(rest)["completion_tokens"] == 600
-        assert server.process.wait(60) == 0
+def test_sigterm_lets_running_streams_finish_then_exits_0(abort_server, server_with):
+    """Runs last: it ends the abort server's process."""
+    server = abort_server
+    server_with.retire(server)
+    url = server.url
+    with httpx.stream("POST", f"{url}/chat", json={"prompt": "Talk.", "max_new_tokens": 600, "temperature": 0},
+                      timeout=120) as response:
+        events = iter(SSEReader(response))
+        first = next(events)
+        server.process.send_signal(signal.SIGTERM)
+        refused = False
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not refused:
+            try:
+                httpx.get(f"{url}/health", timeout=2)
+                time.sleep(0.05)
+            except httpx.TransportError:
+                refused = True
+        rest = list(events)
+    assert first.event == "message"
+    assert refused, "the server still accepted connections after SIGTERM"
+    assert [e.event for e in rest[-2:]] == ["usage", "end"]
+    assert usage_of(rest)["completion_tokens"] == 600
+    assert server.process.wait(60) == 0
