@@ -59,28 +59,6 @@ def retry_after_seconds(engine) -> int:
     return 1
 
 
-def _outputs(stream, n: int):
-    """The stream's deltas until all `n` samples finished.
-
-    Works around engine/streams.py `RequestStream.__aiter__`, which counts the samples left from
-    `num_unfinished` when iteration *starts*: the engine thread lowers that count as samples
-    finish, so a request that finished before its reader started (a fault in the first forward, a
-    one-token answer) yielded nothing. Counting here from `n` sees every delta.
-    """
-    queue = getattr(stream, "_queue", None)
-    if not isinstance(queue, asyncio.Queue):
-        return stream.__aiter__()
-
-    async def deltas():
-        remaining = n
-        while remaining:
-            out = await queue.get()
-            remaining -= bool(out.finished)
-            yield out
-
-    return deltas()
-
-
 async def _next_or_none(iterator):
     try:
         return await iterator.__anext__()
@@ -104,7 +82,7 @@ class Generation:
         self.timeout = timeout
         self.finished = False  # every sample reached finished=True
         self._admit(engine, prompt_token_ids, params, request_id, on_admit)  # errors are counted by the handlers
-        self._iter = _outputs(self.stream, params.n)
+        self._iter = self.stream.__aiter__()
         self._remaining = set(range(params.n))
 
     def _admit(self, engine, prompt_token_ids, params, request_id, on_admit) -> None:

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from tests.servers import wait_idle
 
-EXAMPLES = 80
+EXAMPLES = 60
 
 scalars = st.one_of(st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),
                     st.floats(allow_nan=False), st.text(max_size=20))
