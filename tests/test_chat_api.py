@@ -231,3 +231,21 @@ def test_chinese_prompt_streams_without_replacement_characters(embedded_server):
     assert "\ufffd" not in text
     assert all("\ufffd" not in e.data for e in events)
     assert any("\u4e00" <= ch <= "\u9fff" for ch in text), text  # the answer has Chinese characters
+
+
+def test_conversation_longer_than_the_context_is_a_400_with_the_numbers(tiny_server):
+    history = [{"role": "user" if i % 2 == 0 else "assistant", "content": "the quick brown fox " * 40}
+               for i in range(9)]
+    response = post_chat(tiny_server.url, {"messages": history, "max_new_tokens": 16})
+    assert response.status_code == 400
+    message = response.json()["error"]
+    assert "1024" in message and "tokens" in message, message
+
+
+def test_cors_is_off_by_default(tiny_server):
+    preflight = httpx.options(f"{tiny_server.url}/chat", timeout=30, headers={
+        "Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
+    assert "access-control-allow-origin" not in preflight.headers
+    response = post_chat(tiny_server.url, {"prompt": "Hi", "max_new_tokens": 1, "stream": False},
+                         headers={"Origin": "https://evil.example"})
+    assert response.status_code == 200 and "access-control-allow-origin" not in response.headers
