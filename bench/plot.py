@@ -38,8 +38,8 @@ def plot_results(runs: list[dict], out: str, title: str | None = None) -> None:
         ax_tps.plot(xs, [lv["output_tokens_per_s"] for lv in levels], "o-", color=color, label=label)
         p50 = [lv["ttft_s"]["p50"] for lv in levels]
         p99 = [lv["ttft_s"]["p99"] for lv in levels]
-        ax_ttft.plot(xs, [v * 1000 for v in p50], "o-", color=color, label=f"{label} p50")
-        ax_ttft.plot(xs, [v * 1000 for v in p99], "x--", color=color, alpha=0.6, label=f"{label} p99")
+        ax_ttft.plot(xs, [v * 1000 for v in p50], "o-", color=color, label=label)
+        ax_ttft.plot(xs, [v * 1000 for v in p99], "x--", color=color, alpha=0.5)
     for ax in (ax_tps, ax_ttft):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent clients")
@@ -55,7 +55,7 @@ def plot_results(runs: list[dict], out: str, title: str | None = None) -> None:
     ax_ttft.set_yscale("log")
     ax_ttft.set_ylabel("time to first token (ms)")
     ax_ttft.set_title("TTFT p50 (solid) and p99 (dashed)")
-    ax_ttft.legend(fontsize=6, ncol=2)
+    ax_ttft.legend(fontsize=7)
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()

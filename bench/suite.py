@@ -111,7 +111,7 @@ def free_port() -> int:
 class ServerProcess:
     """A server started in its own process group; stopped with SIGTERM, then SIGKILL."""
 
-    def __init__(self, server: Server, model_dir: Path, log_path: Path, nice: int = 0):
+    def __init__(self, server: Server, model_dir: Path, log_path: Path):
         self.server = server
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -122,9 +122,8 @@ class ServerProcess:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = log_path
         self._log = open(log_path, "w")
-        preexec = (lambda: os.nice(nice)) if nice else None
         self.proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True, preexec_fn=preexec)
+                                     start_new_session=True)
         self.started = time.perf_counter()
 
     def wait_ready(self, timeout: float) -> float:
@@ -315,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.nice:
-        os.nice(args.nice)
+        os.nice(args.nice)  # the servers inherit it
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     from bench.model import ensure_bench_model
 
@@ -336,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"rill bench: workload {args.workload}, clients {levels}, model {model_dir}, commit {commit}", flush=True)
     for name in chosen:
         server = table[name]
-        proc = ServerProcess(server, model_dir, RESULTS / "logs" / f"{name}.log", nice=args.nice)
+        proc = ServerProcess(server, model_dir, RESULTS / "logs" / f"{name}.log")
         try:
             startup = proc.wait_ready(args.ready_timeout)
             print(f"== {name}: ready in {startup:.1f} s at {proc.url} (pid {proc.proc.pid})", flush=True)
