@@ -1,8 +1,8 @@
 """One engine request as a route sees it: admitted up front, deltas iterated with a deadline,
 aborted when nobody reads it any more.
 
-Routes call `admit` before they answer (so a full queue is a 429 and a bad prompt a 400, never a
-broken stream), then `deltas` to read the request's `RequestOutput`s.
+Routes construct a `Generation` before they answer (so a full queue is a 429 and a bad prompt a
+400, never a broken stream), then iterate `deltas()` for the request's `RequestOutput`s.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ def fault_hook(request):
 
 
 def retry_after_seconds(engine) -> int:
-    """A hint for clients told 429: about how long until a slot frees (at least 1 s)."""
+    """Retry-After for a 429, in seconds. Slots free as requests finish (many per second under
+    load), so a client is told to come back after the smallest whole interval."""
     return 1
 
 
@@ -81,6 +82,7 @@ class Generation:
         self.deadline = self.started + timeout if timeout and timeout > 0 else None
         self.timeout = timeout
         self.finished = False  # every sample reached finished=True
+        self._fut: asyncio.Future | None = None  # the pending read of the next delta
         self._admit(engine, prompt_token_ids, params, request_id, on_admit)  # errors are counted by the handlers
         self._iter = self.stream.__aiter__()
         self._remaining = set(range(params.n))
@@ -101,7 +103,7 @@ class Generation:
         except RuntimeError as exc:  # the engine stopped between the check above and now
             raise ApiError(503, f"{exc} Check /health.", code="engine_dead") from None
         if on_admit is not None:
-            on_admit(request_id)  # test hook: acts before the engine's next step
+            on_admit(request_id)  # test hook; the engine applies it before its next step
 
     async def _next(self) -> RequestOutput:
         while True:
@@ -121,11 +123,9 @@ class Generation:
                 raise RequestFailed("The engine stopped running; this request cannot finish.", code="engine_dead")
 
     def _pending(self) -> asyncio.Future:
-        fut = getattr(self, "_fut", None)
-        if fut is None:
-            fut = asyncio.ensure_future(_next_or_none(self._iter))
-            self._fut = fut
-        return fut
+        if self._fut is None:
+            self._fut = asyncio.ensure_future(_next_or_none(self._iter))
+        return self._fut
 
     def deltas(self) -> AsyncIterator[RequestOutput]:
         """The request's outputs until every sample finished. Raises `RequestFailed` on an engine
@@ -153,7 +153,8 @@ class Generation:
                 self.abort()
 
     def abort(self) -> None:
-        fut = getattr(self, "_fut", None)
+        """Stop reading and end the request in the engine (its KV blocks are freed within a step)."""
+        fut = self._fut
         if fut is not None and not fut.done():
             fut.cancel()
         self._fut = None

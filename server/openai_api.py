@@ -12,7 +12,6 @@ import asyncio
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Header, Request
@@ -210,7 +209,6 @@ def _error_chunk(path: str, exc: Exception) -> dict:
 
 @router.get("/models")
 async def list_models(request: Request):
-    engine = request.app.state.engine
     return {"object": "list", "data": [_model_card(request.app.state)]}
 
 
