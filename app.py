@@ -304,7 +304,7 @@ def serve(app, settings: Settings) -> None:
     # sse-starlette would cut every stream at the first SIGTERM; rill lets them finish instead.
     AppStatus.disable_automatic_graceful_drain()
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            timeout_graceful_shutdown=settings.shutdown_timeout or None,
+                            timeout_graceful_shutdown=settings.shutdown_timeout,
                             access_log=settings.log_level == "debug")
     server = uvicorn.Server(config)
     original = server.handle_exit
