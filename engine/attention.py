@@ -24,9 +24,26 @@ class PagedKVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device):
         shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        # torch.empty: pages are only touched (and only cost RAM) once used. Unwritten memory may
+        # hold NaN bit patterns, and a masked NaN still poisons attention (0 * NaN), so every block
+        # is zeroed the first time it is handed out (`zero_new_blocks`).
         self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.block_size = block_size
+        self.num_blocks = num_blocks
+        self._zeroed = bytearray(num_blocks)  # 1 once a block was zeroed
+        self.zero_new_blocks([0])  # block 0 also backs the padding of decode slot tables
+
+    def zero_new_blocks(self, block_ids) -> None:
+        """Zero the blocks among `block_ids` that were never zeroed before."""
+        fresh = [b for b in block_ids if not self._zeroed[b]]
+        if not fresh:
+            return
+        for b in fresh:
+            self._zeroed[b] = 1
+        index = torch.tensor(fresh, dtype=torch.long, device=self.keys[0].device)
+        for cache in (*self.keys, *self.values):
+            cache.view(self.num_blocks, self.block_size, *cache.shape[1:]).index_fill_(0, index, 0)
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,

@@ -116,6 +116,8 @@ class PagedRunner:
                 prefills.append((offset, n, start, row))
             if chunk.samples:
                 sample_rows.append(offset + n - 1)
+        self.cache.zero_new_blocks([b for c in plan
+                                    for b in c.seq.block_table[c.start // bs:(c.start + c.num_tokens - 1) // bs + 1]])
         width = max(len(c.seq.block_table) for c in plan)
         # block_tables: [rows, width]; slot of position p of row r = table[r, p // bs] * bs + p % bs
         block_tables = torch.tensor([c.seq.block_table + [0] * (width - len(c.seq.block_table)) for c in plan],

@@ -235,3 +235,19 @@ def test_sampling_params_validation(kwargs, message):
     with pytest.raises(ValueError) as err:
         SamplingParams(**kwargs)
     assert str(err.value) == message
+
+
+def test_unwritten_cache_memory_never_leaks_into_attention(llama, llm):
+    """The KV pool is allocated uninitialized; garbage (here: NaN everywhere) in slots a sequence
+    has not written must not reach its attention, even though they are masked out."""
+    poisoned = LLM(load_model(str(llama)), EngineConfig(num_kv_blocks=64, block_size=16))
+    cache = poisoned.core.runner.cache
+    for t in (*cache.keys, *cache.values):
+        t.fill_(float("nan"))
+    cache._zeroed = bytearray(cache.num_blocks)
+    cache.zero_new_blocks([0])
+    prompts = ["Hello there", "Once upon a time there was a robot", "x"]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    got = poisoned.generate(prompts, params)
+    assert [r.finish_reason for r in got] == [FinishReason.LENGTH] * 3
+    assert [r.token_ids for r in got] == [r.token_ids for r in llm.generate(prompts, params)]
