@@ -15,7 +15,7 @@ each of its APIs, samples its peak RSS (process and children), stops it. Servers
   single-client reference);
 - `space`: the usual chat Space (bench/baselines/usual_space.py), over `gradio_client`.
 
-Writes bench/results/suite-<workload>.json (every run, every level), bench/results/latest.md
+Writes bench/results/suite-<workload>.json (every run, every level), the same name with .md
 (the tables) and one plot (docs/bench.png for the default workload), and prints the ratios of
 rill to each baseline per concurrency level. Server logs go to bench/results/logs/.
 """
@@ -296,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="short")
     p.add_argument("--concurrency", default="1,8,32,64")
     p.add_argument("--servers", default="rill,seed,tf-cb,tf,space", help="which servers, in order (rill,seed,tf-cb,tf,space)")
+    p.add_argument("--apis", default="chat,openai,gradio", help="only runs over these APIs (chat,openai,gradio); a server left with no run is skipped")
     p.add_argument("--requests-per-client", type=int, default=2, help="requests per level = max(R * clients, --min-requests); raise for longer, steadier runs")
     p.add_argument("--min-requests", type=int, default=8)
     p.add_argument("--requests", type=int, default=None, help="fixed requests per level (overrides the two above)")
@@ -329,6 +330,10 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"--servers: unknown {unknown}; allowed: {', '.join(table)}")
 
+    apis = {a.strip() for a in args.apis.split(",") if a.strip()}
+    for server in table.values():
+        server.runs = [run for run in server.runs if run.api in apis]
+    chosen = [name for name in chosen if table[name].runs]
     runs: list[dict] = []
     failures: list[str] = []
     commit = git_commit()
@@ -386,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
 
     plot_results(runs, str(plot), title=f"workload {args.workload}, commit {commit}, {document['machine'].get('cpu', '')} x{document['machine'].get('cpus')}")
     md = markdown_tables(runs, levels)
-    (RESULTS / "latest.md").write_text(md + "\n\n" + "\n".join(f"- {line}" for line in targets(runs)) + "\n")
+    md_path = out.with_suffix(".md")
+    md_path.write_text(md + "\n\n" + "\n".join(f"- {line}" for line in targets(runs)) + "\n")
 
     print()
     print(ratio_table(runs, levels))
@@ -395,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     for failure in failures:
         print(f"FAILED {failure.splitlines()[0]}")
-    print(f"\nwrote {out}, {plot}, {RESULTS / 'latest.md'} in {elapsed / 60:.1f} min")
+    print(f"\nwrote {out}, {plot}, {md_path} in {elapsed / 60:.1f} min")
     return 1 if failures else 0
 
 
