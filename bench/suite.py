@@ -282,6 +282,30 @@ def targets(runs: list[dict]) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 
 
+def run_one(args, run: Run, server: Server, proc: ServerProcess, startup: float, model_dir: Path, levels: list[int], tokenizer) -> dict:
+    """One load-client pass (all its levels) against a started server; optionally profiled."""
+    run_levels = [c for c in (run.levels or levels) if c in levels] or (run.levels or levels)
+    cargs = client_args(args, proc.url, run.api, run_levels, model_dir, str(model_dir) if server.model_name else None, proc.proc.pid)
+    api = make_api(cargs)
+    profiler = None
+    if args.profile and run.label == "rill /chat":
+        profiler = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "-p", str(proc.proc.pid),
+                                     "--format", "speedscope", "-o", str(RESULTS / "rill-chat.speedscope.json"),
+                                     "--rate", "50", "--nonblocking"],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    load_before = os.getloadavg()
+    try:
+        doc = asyncio.run(run_benchmark(cargs, tokenizer, api, label=run.label))
+    finally:
+        if profiler is not None:
+            profiler.send_signal(signal.SIGINT)
+            profiler.wait(timeout=60)
+    doc["server"] = {"name": server.name, "command": " ".join(server.command), "startup_s": startup}
+    doc["load_average_before"] = load_before
+    doc["load_average_after"] = os.getloadavg()
+    return doc
+
+
 def git_commit() -> str:
     try:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
@@ -338,40 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     failures: list[str] = []
     commit = git_commit()
     print(f"rill bench: workload {args.workload}, clients {levels}, model {model_dir}, commit {commit}", flush=True)
-    for name in chosen:
-        server = table[name]
-        proc = ServerProcess(server, model_dir, RESULTS / "logs" / f"{name}.log")
-        try:
-            startup = proc.wait_ready(args.ready_timeout)
-            print(f"== {name}: ready in {startup:.1f} s at {proc.url} (pid {proc.proc.pid})", flush=True)
-            for run in server.runs:
-                run_levels = [c for c in (run.levels or levels) if c in levels] or (run.levels or levels)
-                cargs = client_args(args, proc.url, run.api, run_levels, model_dir, str(model_dir) if server.model_name else None, proc.proc.pid)
-                cargs.url = proc.url
-                api = make_api(cargs)
-                profiler = None
-                if args.profile and run.label == "rill /chat":
-                    profiler = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "-p", str(proc.proc.pid),
-                                                 "--format", "speedscope", "-o", str(RESULTS / "rill-chat.speedscope.json"),
-                                                 "--rate", "50", "--subprocesses", "--nonblocking"],
-                                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                load_before = os.getloadavg()
-                try:
-                    doc = asyncio.run(run_benchmark(cargs, tokenizer, api, label=run.label))
-                finally:
-                    if profiler is not None:
-                        profiler.send_signal(signal.SIGINT)
-                        profiler.wait(timeout=60)
-                doc["server"] = {"name": name, "command": " ".join(server.command), "startup_s": startup}
-                doc["load_average_before"] = load_before
-                runs.append(doc)
-        except Exception as exc:  # noqa: BLE001 - one failed server must not lose the others' results
-            failures.append(f"{name}: {exc}")
-            print(f"!! {name} failed: {exc}", flush=True)
-        finally:
-            proc.stop()
-
-    elapsed = time.perf_counter() - t_start
+    out = Path(args.out) if args.out else RESULTS / f"suite-{args.workload}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     document = {
         "workload": args.workload,
         "concurrency": levels,
@@ -379,13 +371,35 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join([Path(sys.executable).name, "-m", "bench.suite"] + (argv if argv is not None else sys.argv[1:])),
         "model": str(model_dir),
         "machine": machine_info(),
-        "elapsed_s": elapsed,
+        "elapsed_s": 0.0,
         "failures": failures,
         "runs": runs,
     }
-    out = Path(args.out) if args.out else RESULTS / f"suite-{args.workload}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(document, indent=2))
+
+    def save() -> None:  # after every run, so that an interrupted suite keeps what it measured
+        document["elapsed_s"] = time.perf_counter() - t_start
+        out.write_text(json.dumps(document, indent=2))
+
+    try:
+        for name in chosen:
+            server = table[name]
+            proc = ServerProcess(server, model_dir, RESULTS / "logs" / f"{name}.log")
+            try:
+                startup = proc.wait_ready(args.ready_timeout)
+                print(f"== {name}: ready in {startup:.1f} s at {proc.url} (pid {proc.proc.pid})", flush=True)
+                for run in server.runs:
+                    runs.append(run_one(args, run, server, proc, startup, model_dir, levels, tokenizer))
+                    save()
+            except Exception as exc:  # noqa: BLE001 - one failed server must not lose the others' results
+                failures.append(f"{name}: {exc}")
+                print(f"!! {name} failed: {exc}", flush=True)
+            finally:
+                proc.stop()
+    except KeyboardInterrupt:
+        failures.append("interrupted")
+        print("!! interrupted: reporting what was measured", flush=True)
+    save()
+    elapsed = document["elapsed_s"]
     plot = Path(args.plot) if args.plot else (ROOT / "docs" / "bench.png" if args.workload == "short" and not args.dataset else RESULTS / f"{args.workload}.png")
     from bench.plot import plot_results
 
