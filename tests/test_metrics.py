@@ -279,7 +279,7 @@ def test_queue_time_comes_from_the_engine_schedule_time():
     from types import SimpleNamespace
 
     metrics = RequestMetrics(_Engine())
-    outs = [SimpleNamespace(**{name: getattr(out, name) for name in out.__slots__}, scheduled_time=100.75)
+    outs = [SimpleNamespace(**{**{name: getattr(out, name) for name in out.__slots__}, "scheduled_time": 100.75})
             for out in deltas("q", [1, 2], FinishReason.STOP)]
     for out in outs:
         out.arrival_time = 100.0
