@@ -136,17 +136,21 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     if step.decode_token_index is not None:
         num_dec = step.decode_token_index.shape[0]
         # q: [num_dec, kv_heads, groups, D]: the query group of a KV head acts as its query length
-        q = query[0, :, step.decode_token_index].transpose(0, 1).reshape(num_dec, num_kv_heads, groups, head_dim)
-        k = k_cache[step.decode_slots].transpose(1, 2)  # [num_dec, kv_heads, ctx, D]
-        v = v_cache[step.decode_slots].transpose(1, 2)
-        o = _attend(q, k, v, step.decode_mask(sliding_window), scaling, softcap)
-        out[step.decode_token_index] = o.reshape(num_dec, num_heads, head_dim)
+        # (index_select, not advanced indexing: the latter costs milliseconds per call on CPU)
+        q = query[0].index_select(1, step.decode_token_index).transpose(0, 1)
+        q = q.reshape(num_dec, num_kv_heads, groups, head_dim)
+        ctx = step.decode_slots.shape[1]
+        flat_slots = step.decode_slots.view(-1)
+        k = k_cache.index_select(0, flat_slots).view(num_dec, ctx, num_kv_heads, head_dim).transpose(1, 2)
+        v = v_cache.index_select(0, flat_slots).view(num_dec, ctx, num_kv_heads, head_dim).transpose(1, 2)
+        o = _attend(q, k, v, step.decode_mask(sliding_window), scaling, softcap)  # [num_dec, kv_heads, groups, D]
+        out.index_copy_(0, step.decode_token_index, o.reshape(num_dec, num_heads, head_dim))
     for i, chunk in enumerate(step.prefills):
         n, s = chunk.num_tokens, chunk.token_offset
         # q: [1, kv_heads, groups * n, D]
         q = query[:, :, s:s + n].reshape(1, num_kv_heads, groups * n, head_dim)
-        k = k_cache[chunk.slots].transpose(0, 1)[None]  # [1, kv_heads, ctx, D]
-        v = v_cache[chunk.slots].transpose(0, 1)[None]
+        k = k_cache.index_select(0, chunk.slots).transpose(0, 1)[None]  # [1, kv_heads, ctx, D]
+        v = v_cache.index_select(0, chunk.slots).transpose(0, 1)[None]
         o = _attend(q, k, v, step.prefill_mask(i, chunk, groups, sliding_window), scaling, softcap)
         out[s:s + n] = o.reshape(num_heads, n, head_dim).transpose(0, 1)
     return out[None], None
