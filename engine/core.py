@@ -100,8 +100,7 @@ class EngineCore:
         self.attention_path = self.runner.path
         self.allocator = BlockAllocator(self.num_kv_blocks, config.block_size)
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens)
-        vocab = model.get_output_embeddings().weight.shape[0] if model.get_output_embeddings() is not None else 0
-        self.sampler = Sampler(vocab, self.eos_token_ids, config.seed)
+        self.sampler = Sampler(self.eos_token_ids, config.seed)
         self.seqs: dict[str, Sequence] = {}  # seq_id -> live sequence
         self.by_request: dict[str, list[Sequence]] = {}  # request_id -> its live sequences
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -153,7 +152,7 @@ class EngineCore:
                            token_ids=list(prompt_token_ids), num_prompt_tokens=len(prompt_token_ids), params=params)
             self.seqs[seq.seq_id] = seq
             self.detokenizers[seq.seq_id] = IncrementalDetokenizer(
-                self.tokenizer, prompt_token_ids, params.stop, params.skip_special_tokens)
+                self.tokenizer, params.stop, params.skip_special_tokens)
             self.scheduler.add(seq)
             seqs.append(seq)
         self.by_request[request_id] = seqs

@@ -12,7 +12,7 @@ from __future__ import annotations
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas."""
 
-    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...] = (),
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (),
                  skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens

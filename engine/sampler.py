@@ -22,7 +22,7 @@ class SampleResult:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, eos_token_ids: list[int], seed: int = 0):
+    def __init__(self, eos_token_ids: list[int], seed: int = 0):
         self.eos_token_ids = eos_token_ids
         self.generator = torch.Generator().manual_seed(seed)  # shared by unseeded rows
         self.seq_generators: dict[str, torch.Generator] = {}  # seq_id -> its own generator

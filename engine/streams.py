@@ -45,6 +45,11 @@ def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+def _one_sample(params: SamplingParams) -> None:
+    if params.n != 1:
+        raise InvalidRequest(f"A text streamer carries one sample: `n` must be 1. Given: {params.n}", "n")
+
+
 class _Sink:
     """Where the engine thread puts one request's outputs."""
 
@@ -245,14 +250,12 @@ class AsyncEngine:
 
     def text_streamer(self, prompt_token_ids: list[int], params: SamplingParams,
                       request_id: str | None = None, timeout: float | None = None) -> RequestTextStreamer:
-        if params.n != 1:
-            raise InvalidRequest(f"A text streamer carries one sample: `n` must be 1. Given: {params.n}", "n")
+        _one_sample(params)
         return self._admit(prompt_token_ids, params, request_id, lambda rid: RequestTextStreamer(self, rid, timeout))
 
     def async_text_streamer(self, prompt_token_ids: list[int], params: SamplingParams,
                             request_id: str | None = None, timeout: float | None = None) -> RequestAsyncTextStreamer:
-        if params.n != 1:
-            raise InvalidRequest(f"A text streamer carries one sample: `n` must be 1. Given: {params.n}", "n")
+        _one_sample(params)
         return self._admit(prompt_token_ids, params, request_id,
                            lambda rid: RequestAsyncTextStreamer(self, rid, timeout))
 

@@ -31,7 +31,7 @@ def test_detokenizer_never_emits_broken_characters(llm):
     text = "你好，世界！😀 法国的首都是巴黎。🚀👨‍👩‍👧‍👦 done"
     ids = tok.encode(text, add_special_tokens=False)
     assert len(ids) > len(text) // 2  # multi-byte characters really span several tokens
-    detok = IncrementalDetokenizer(tok, [])
+    detok = IncrementalDetokenizer(tok)
     deltas = [detok.add(t) for t in ids] + [detok.flush()]
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == tok.decode(ids) == text
@@ -41,7 +41,7 @@ def test_stop_string_spanning_tokens_is_never_emitted(llm):
     tok = llm.tokenizer
     text = "The capital of France is Paris. Streaming chat sends text."
     ids = tok.encode(text, add_special_tokens=False)
-    detok = IncrementalDetokenizer(tok, [], stop=("is Paris",))
+    detok = IncrementalDetokenizer(tok, stop=("is Paris",))
     deltas = []
     for t in ids:
         deltas.append(detok.add(t))
