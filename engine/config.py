@@ -17,6 +17,7 @@ class EngineConfig:
     max_queue: int = 256  # sequences waiting; beyond it add_request raises QueueFull
     max_model_len: int | None = None  # None = the model's context length
     seed: int = 0  # seeds the generator shared by unseeded sampling requests
+    packed_linears: bool = True  # on CPU, run nn.Linear on oneDNN with pre-packed weights
 
     def __post_init__(self):
         def need(ok: bool, what: str, given) -> None:

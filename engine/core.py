@@ -26,6 +26,7 @@ from engine.request import (
     SamplingParams,
     Sequence,
 )
+from engine.cpu import keep_freed_memory, pack_linears
 from engine.runner import FallbackRunner, PagedRunner, RequestFault, kv_geometry, supports_paged_attention
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledChunk, Scheduler
@@ -93,6 +94,10 @@ class EngineCore:
         per_block = PagedKVCache.bytes_per_block(num_layers, config.block_size, num_kv_heads, head_dim, model.dtype)
         self.num_kv_blocks = self._num_blocks(per_block, model.device)
         self.kv_cache_bytes = self.num_kv_blocks * per_block
+        num_packed = 0
+        if model.device.type == "cpu":
+            keep_freed_memory()
+            num_packed = pack_linears(model) if config.packed_linears else 0
         if supports_paged_attention(model):
             self.runner = PagedRunner(model, self.num_kv_blocks, config.block_size)
         else:
@@ -108,9 +113,9 @@ class EngineCore:
         self.generation_tokens_total = 0
         self.num_steps = 0
         self.finished_total: Counter[str] = Counter()
-        log.info("engine: %s attention path, %d KV blocks of %d tokens (%.1f MiB), max_model_len %d",
-                 self.attention_path, self.num_kv_blocks, config.block_size,
-                 self.kv_cache_bytes / 2**20, self.max_model_len)
+        log.info("engine: %s attention path, %d KV blocks of %d tokens (%.1f MiB), max_model_len %d, "
+                 "%d linears packed for oneDNN", self.attention_path, self.num_kv_blocks, config.block_size,
+                 self.kv_cache_bytes / 2**20, self.max_model_len, num_packed)
 
     def _num_blocks(self, per_block: int, device: torch.device) -> int:
         cfg = self.config
