@@ -15,23 +15,21 @@ import json
 
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import JSONResponse
-from sse_starlette import EventSourceResponse
 
 from engine.request import FinishReason, InvalidRequest, SamplingParams
 from server.errors import BODY_FIELDS, ApiError
 from server.generation import Generation, RequestFailed, admission, request_id_from
 from server.resume import ResumableStream
 from server.schemas import ChatBody
+from server.sse import SSEResponse
 
 router = APIRouter()
 BODY_FIELDS["/chat"] = list(ChatBody.model_fields)
 
-SSE_SEP = "\n"  # events end with a blank line: "\n\n" on the wire (sse-starlette defaults to "\r\n")
-PING_S = 15  # keep-alive comment every PING_S seconds while a request waits in the queue
 
 
-def event_stream_response(events, request_id: str) -> EventSourceResponse:
-    return EventSourceResponse(events, sep=SSE_SEP, ping=PING_S, headers={"x-request-id": request_id})
+def event_stream_response(events, request_id: str) -> SSEResponse:
+    return SSEResponse(events, headers={"x-request-id": request_id})
 
 
 def _prompt_token_ids(engine, body: ChatBody) -> list[int]:

@@ -16,10 +16,9 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse
-from sse_starlette import EventSourceResponse
 
 from engine.request import FinishReason, RequestOutput, SamplingParams
-from server.chat import PING_S, SSE_SEP, run_while_connected
+from server.chat import event_stream_response, run_while_connected
 from server.errors import ApiError, error_body
 from server.generation import Generation, RequestFailed, admission, request_id_from
 from server.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
@@ -190,10 +189,6 @@ def _admit_all(request: Request, prompts: list[list[int]], params: SamplingParam
     return gens
 
 
-def _sse(events, request_id: str) -> EventSourceResponse:
-    return EventSourceResponse(events, sep=SSE_SEP, ping=PING_S, headers={"x-request-id": request_id})
-
-
 def _error_chunk(path: str, exc: Exception) -> dict:
     if isinstance(exc, RequestFailed):
         body = error_body(path, 500, exc.message, code=exc.code)
@@ -296,7 +291,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, x_requ
             yield _error_chunk(path, exc)
         yield {"data": "[DONE]"}
 
-    return _sse(events(), request_id)
+    return event_stream_response(events(), request_id)
 
 
 @router.post("/completions")
@@ -381,7 +376,7 @@ async def completions(body: CompletionRequest, request: Request, x_request_id: s
             yield _error_chunk(path, exc)
         yield {"data": "[DONE]"}
 
-    return _sse(events(), request_id)
+    return event_stream_response(events(), request_id)
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:

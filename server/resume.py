@@ -62,8 +62,9 @@ class ResumableStream:
             self.expired = True
             self._on_expire(self)
 
-    async def follow(self, after: int = 0) -> AsyncIterator[dict]:
-        """The events with id > `after`, then the rest live until the end event."""
+    async def follow(self, after: int = 0) -> AsyncIterator[list[dict]]:
+        """The events with id > `after`, then the rest live until the end event; each item is
+        the list of events that were ready together (sent as one chunk)."""
         self.readers += 1
         if self._expiry is not None:
             self._expiry.cancel()
@@ -71,9 +72,11 @@ class ResumableStream:
         try:
             position = max(0, after)
             while True:
-                while position < len(self.events):
-                    position += 1
-                    yield self.events[position - 1]
+                if position < len(self.events):
+                    batch = self.events[position:]
+                    position += len(batch)
+                    yield batch
+                    continue
                 if self.done or self.expired:
                     return
                 await self._changed.wait()
