@@ -60,7 +60,11 @@ class _Sink:
 
 
 class RequestStream(_Sink):
-    """The deltas of one request (all `n` samples), in order; iterate with `async for` or `iter_sync()`."""
+    """The deltas of one request (all `n` samples), in order; iterate with `async for` or `iter_sync()`.
+
+    Made inside an event loop, it is fed on that loop: the engine thread hands each step's
+    outputs for one loop over in one `call_soon_threadsafe` (`_deliver`), not one per request.
+    """
 
     def __init__(self, engine: "AsyncEngine", request_id: str, n: int):
         self.engine = engine
@@ -69,23 +73,54 @@ class RequestStream(_Sink):
         self.num_unfinished = n  # samples still running (lowered by the engine thread)
         try:
             self._loop = asyncio.get_running_loop()
-            self._queue: asyncio.Queue | queue.Queue = asyncio.Queue()
         except RuntimeError:
             self._loop = None
-            self._queue = queue.Queue()
+            self._queue: queue.Queue = queue.Queue()
+        self._items: deque[RequestOutput] = deque()  # event-loop side
+        self._waiter: asyncio.Future | None = None
+        self._remaining = n
 
-    def _on_output(self, out: RequestOutput) -> None:
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, out)
-        else:
-            self._queue.put(out)
+    def _on_output(self, out: RequestOutput) -> None:  # engine thread, thread consumers only
+        self._queue.put(out)
+
+    def _put(self, out: RequestOutput) -> None:  # event loop
+        self._items.append(out)
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def next(self) -> RequestOutput | None:
+        """The next delta; None once every sample finished, or when `wake()` came first."""
+        if not self._items:
+            if not self._remaining:
+                return None
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+            if not self._items:
+                return None
+        out = self._items.popleft()
+        self._remaining -= out.finished
+        return out
+
+    def wake(self) -> None:
+        """Ends a pending `next()` with None (a reader's periodic check: deadline, engine alive)."""
+        self._wake()
+
+    @property
+    def done(self) -> bool:
+        return not self._remaining and not self._items
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        remaining = self.n
-        while remaining:
-            out = await self._queue.get()
-            remaining -= out.finished
-            yield out
+        while not self.done:
+            out = await self.next()
+            if out is not None:
+                yield out
 
     def iter_sync(self, timeout: float | None = None) -> Iterator[RequestOutput]:
         remaining = self.n
@@ -96,6 +131,11 @@ class RequestStream(_Sink):
 
     def abort(self) -> bool:
         return self.engine.abort(self.request_id)
+
+
+def _deliver(batch: list[tuple[RequestStream, RequestOutput]]) -> None:
+    for stream, out in batch:
+        stream._put(out)
 
 
 class _TextSinkMixin(_Sink):
@@ -286,13 +326,18 @@ class AsyncEngine:
     # ---- the engine thread ----------------------------------------------------------------
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}  # async RequestStreams: one hand-over per loop
         for out in outputs:
             sink = self._sinks.get(out.request_id)
             if sink is None:
                 continue
+            loop = getattr(sink, "_loop", None) if isinstance(sink, RequestStream) else None
             try:
-                sink._on_output(out)
-            except Exception:  # the consumer is gone (its event loop closed): stop its request
+                if loop is not None:
+                    by_loop.setdefault(loop, []).append((sink, out))
+                else:
+                    sink._on_output(out)
+            except Exception:  # the consumer is gone: stop its request
                 if not out.finished:
                     self._dispatch(self.core.abort(out.request_id))
                     continue
@@ -302,6 +347,13 @@ class AsyncEngine:
                     self._num_admitted -= 1
                     if sink.num_unfinished == 0:
                         del self._sinks[out.request_id]
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, batch)
+            except RuntimeError:  # that event loop is closed: its requests have nobody to read them
+                for stream, out in batch:
+                    if not out.finished:
+                        self._commands.append(lambda rid=stream.request_id: self._dispatch(self.core.abort(rid)))
 
     def _run_commands(self) -> None:
         while self._commands:

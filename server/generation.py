@@ -60,13 +60,6 @@ def retry_after_seconds(engine) -> int:
     return 1
 
 
-async def _next_or_none(iterator):
-    try:
-        return await iterator.__anext__()
-    except StopAsyncIteration:
-        return None
-
-
 class Generation:
     """A request admitted into the engine, with its stream and deadline."""
 
@@ -82,9 +75,9 @@ class Generation:
         self.deadline = self.started + timeout if timeout and timeout > 0 else None
         self.timeout = timeout
         self.finished = False  # every sample reached finished=True
-        self._fut: asyncio.Future | None = None  # the pending read of the next delta
+        self._tick: asyncio.TimerHandle | None = None  # wakes the reader every second (see _next)
+        self._stopped = False
         self._admit(engine, prompt_token_ids, params, request_id, on_admit)  # errors are counted by the handlers
-        self._iter = self.stream.__aiter__()
         self._remaining = set(range(params.n))
 
     def _admit(self, engine, prompt_token_ids, params, request_id, on_admit) -> None:
@@ -105,27 +98,36 @@ class Generation:
         if on_admit is not None:
             on_admit(request_id)  # test hook; the engine applies it before its next step
 
-    async def _next(self) -> RequestOutput:
+    async def _next(self) -> RequestOutput | None:
+        """The next delta, None at the end; a tick wakes the wait every second to check the
+        deadline and the engine (one timer per request, not one per token)."""
+        if self._tick is None:
+            self._arm_tick()
         while True:
-            wait = _ALIVE_CHECK_S
-            if self.deadline is not None:
-                left = self.deadline - time.monotonic()
-                if left <= 0:
-                    raise RequestFailed(f"The request exceeded the server's request timeout of {self.timeout:g} s "
-                                        "(waiting plus generating) and was stopped.", code="timeout")
-                wait = min(wait, left)
-            fut = self._pending()
-            done, _ = await asyncio.wait({fut}, timeout=wait)
-            if fut in done:
-                self._fut = None
-                return fut.result()
+            if self.deadline is not None and time.monotonic() >= self.deadline:
+                raise RequestFailed(f"The request exceeded the server's request timeout of {self.timeout:g} s "
+                                    "(waiting plus generating) and was stopped.", code="timeout")
+            out = await self.stream.next()
+            if out is not None or self.stream.done:
+                return out
             if not self.engine.alive:
                 raise RequestFailed("The engine stopped running; this request cannot finish.", code="engine_dead")
 
-    def _pending(self) -> asyncio.Future:
-        if self._fut is None:
-            self._fut = asyncio.ensure_future(_next_or_none(self._iter))
-        return self._fut
+    def _arm_tick(self) -> None:
+        wait = _ALIVE_CHECK_S
+        if self.deadline is not None:
+            wait = max(0.0, min(wait, self.deadline - time.monotonic()))
+        self._tick = asyncio.get_running_loop().call_later(wait, self._on_tick)
+
+    def _on_tick(self) -> None:
+        self.stream.wake()
+        if not self.finished and not self._stopped:
+            self._arm_tick()
+
+    def _stop_tick(self) -> None:
+        self._stopped = True
+        if self._tick is not None:
+            self._tick.cancel()
 
     def deltas(self) -> AsyncIterator[RequestOutput]:
         """The request's outputs until every sample finished. Raises `RequestFailed` on an engine
@@ -149,15 +151,13 @@ class Generation:
                 yield out
             self.finished = not self._remaining
         finally:
+            self._stop_tick()
             if not self.finished:
                 self.abort()
 
     def abort(self) -> None:
         """Stop reading and end the request in the engine (its KV blocks are freed within a step)."""
-        fut = self._fut
-        if fut is not None and not fut.done():
-            fut.cancel()
-        self._fut = None
+        self._stop_tick()
         try:
             self.engine.abort(self.request_id)
         except Exception:  # the engine may be gone; nothing left to free
