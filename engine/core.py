@@ -147,17 +147,25 @@ class EngineCore:
                 f"({capacity} tokens in all). Lower max_tokens or start the server with a larger --kv-cache-memory.",
                 "max_tokens")
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[Sequence]:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prior_output_ids: list[int] = ()) -> list[Sequence]:
+        """Queue a request. `prior_output_ids` continues one whose output so far is known (a
+        resumed stream): they are recomputed like a preempted sequence's, count towards
+        max_tokens and min_tokens, and their text is not emitted again (n must be 1)."""
         self.check_prompt(prompt_token_ids, params)
         if request_id in self.by_request:
             raise InvalidRequest(f"Request id {request_id!r} is already running; ids must be unique.", "request_id")
+        if prior_output_ids and params.n != 1:
+            raise InvalidRequest(f"Only a single-sample request can continue from prior output. Given: n={params.n}", "n")
         seqs = []
         for index in range(params.n):
             seq = Sequence(seq_id=f"{request_id}#{index}", request_id=request_id, index=index,
-                           token_ids=list(prompt_token_ids), num_prompt_tokens=len(prompt_token_ids), params=params)
+                           token_ids=list(prompt_token_ids) + list(prior_output_ids),
+                           num_prompt_tokens=len(prompt_token_ids), params=params)
             self.seqs[seq.seq_id] = seq
-            self.detokenizers[seq.seq_id] = IncrementalDetokenizer(
-                self.tokenizer, params.stop, params.skip_special_tokens)
+            detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
+            detok.prime(list(prior_output_ids))
+            self.detokenizers[seq.seq_id] = detok
             self.scheduler.add(seq)
             seqs.append(seq)
         self.by_request[request_id] = seqs

@@ -38,6 +38,14 @@ class IncrementalDetokenizer:
             self.read_offset = len(self.token_ids)
         return self._release(final=False)
 
+    def prime(self, token_ids: list[int]) -> None:
+        """Start after output that was already shown (a resumed stream): the text of these
+        tokens counts as emitted, and later tokens decode in their context."""
+        for token_id in token_ids:
+            self.add(token_id)
+        self.flush()
+        self.emitted = len(self.text)
+
     def flush(self) -> str:
         """At the end: whatever was held back (never a broken stop string: it is removed)."""
         if not self.stopped and self.read_offset < len(self.token_ids):

@@ -251,7 +251,8 @@ class AsyncEngine:
     def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.core.check_prompt(prompt_token_ids, params)
 
-    def _admit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None, sink_factory):
+    def _admit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None, sink_factory,
+               prior_output_ids: list[int] = ()):
         if self.dead is not None or self._stopping:
             raise RuntimeError("The engine is not running.")
         self.core.check_prompt(prompt_token_ids, params)
@@ -266,14 +267,19 @@ class AsyncEngine:
             self._num_admitted += params.n
             sink = sink_factory(request_id)
             self._sinks[request_id] = sink
-            self._commands.append(lambda: self.core.add_request(request_id, list(prompt_token_ids), params))
+            prior = list(prior_output_ids)
+            self._commands.append(lambda: self.core.add_request(request_id, list(prompt_token_ids), params, prior))
         self._wakeup.set()
         return sink
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None) -> RequestStream:
-        """Queue a request; raises InvalidRequest (400) or QueueFull (429)."""
-        return self._admit(prompt_token_ids, params, request_id, lambda rid: RequestStream(self, rid, params.n))
+                    request_id: str | None = None, prior_output_ids: list[int] = ()) -> RequestStream:
+        """Queue a request; raises InvalidRequest (400) or QueueFull (429). `prior_output_ids`:
+        continue from output already produced (see `EngineCore.add_request`)."""
+        if prior_output_ids:
+            _one_sample(params)
+        return self._admit(prompt_token_ids, params, request_id, lambda rid: RequestStream(self, rid, params.n),
+                           prior_output_ids)
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:

@@ -68,11 +68,15 @@ async def _pump(gen: Generation, record: ResumableStream) -> None:
     finish_reason = None
     try:
         async for out in gen.deltas():
+            record.output_ids.extend(out.token_ids)
             if out.text:
                 record.append(None, out.text)
             completion_tokens = out.num_output_tokens
             if out.finished:
                 finish_reason = out.finish_reason
+                if finish_reason == FinishReason.ABORT and record.suspending:
+                    record.suspend()  # nobody reads it: a reader who comes back continues it
+                    return
         record.append("usage", json.dumps(_usage(gen, completion_tokens, finish_reason)))
     except RequestFailed as exc:
         record.append("error", json.dumps({"error": exc.message, "code": exc.code}))
@@ -87,6 +91,22 @@ async def _pump(gen: Generation, record: ResumableStream) -> None:
                                            "code": "internal"}))
     record.append("end", "[DONE]")
     record.finish()
+
+
+async def _continue(request: Request, record: ResumableStream) -> None:
+    """A reader came back to a suspended stream: continue its generation from the last token."""
+    if record.suspending and record.pump is not None:
+        await asyncio.shield(record.pump)  # the abort lands within one engine step
+    if not record.suspended:
+        return
+    record.suspended = False  # before any await: a second reader must not continue it twice
+    try:
+        gen = Generation(request.app.state.engine, record.prompt_ids, record.params, record.request_id,
+                         prior_output_ids=record.output_ids, **admission(request, "chat"))
+    except BaseException:
+        record.suspended = True
+        raise
+    record.pump = request.app.state.spawn(_pump(gen, record))
 
 
 async def _collect(gen: Generation, request: Request) -> tuple[str, int, object]:
@@ -152,7 +172,8 @@ async def chat(body: ChatBody, request: Request, x_request_id: str | None = Head
         return JSONResponse({"response": text, "usage": _usage(gen, completion_tokens, finish_reason),
                              "request_id": request_id}, headers={"x-request-id": request_id})
     record = state.resume.create(request_id)
-    state.spawn(_pump(gen, record))
+    record.prompt_ids, record.params = prompt_ids, params
+    record.pump = state.spawn(_pump(gen, record))
     return event_stream_response(_follow(record, 0), request_id)
 
 
@@ -188,4 +209,5 @@ async def resume_chat(request_id: str, request: Request,
                            param="Last-Event-ID") from None
         if after < 0:
             raise ApiError(400, f"`Last-Event-ID` must be >= 0. Given: {after}", param="Last-Event-ID")
+    await _continue(request, record)
     return event_stream_response(_follow(record, after), request_id)

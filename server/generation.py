@@ -64,7 +64,8 @@ class Generation:
     """A request admitted into the engine, with its stream and deadline."""
 
     def __init__(self, engine, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                 timeout: float = 0.0, on_admit=None, metrics=None, route: str = "chat"):
+                 timeout: float = 0.0, on_admit=None, metrics=None, route: str = "chat",
+                 prior_output_ids: list[int] = ()):
         self.engine = engine
         self.metrics = metrics  # server.metrics.RequestMetrics, or None
         self.route = route  # metrics label
@@ -77,16 +78,20 @@ class Generation:
         self.finished = False  # every sample reached finished=True
         self._tick: asyncio.TimerHandle | None = None  # wakes the reader every second (see _next)
         self._stopped = False
-        self._admit(engine, prompt_token_ids, params, request_id, on_admit)  # errors are counted by the handlers
+        self._admit(engine, prompt_token_ids, params, request_id, on_admit, prior_output_ids)  # errors: see handlers
         self._remaining = set(range(params.n))
 
-    def _admit(self, engine, prompt_token_ids, params, request_id, on_admit) -> None:
+    def _admit(self, engine, prompt_token_ids, params, request_id, on_admit, prior_output_ids) -> None:
         if not engine.alive:
             raise ApiError(503, "The engine is not running; the server cannot generate. Check /health.",
                            code="engine_dead")
         engine.check_prompt(prompt_token_ids, params)
         try:
-            self.stream = engine.add_request(prompt_token_ids, params, request_id=request_id)
+            if prior_output_ids:
+                self.stream = engine.add_request(prompt_token_ids, params, request_id=request_id,
+                                                 prior_output_ids=prior_output_ids)
+            else:
+                self.stream = engine.add_request(prompt_token_ids, params, request_id=request_id)
         except QueueFull as exc:
             raise queue_full_error(exc, retry_after_seconds(engine)) from None
         except InvalidRequest as exc:

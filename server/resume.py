@@ -1,9 +1,15 @@
 """Resumable `/chat` streams: the events of a request kept while someone may come back for them.
 
 A pump task reads the engine request and appends its SSE events to a `ResumableStream`,
-independent of any HTTP connection. Readers follow the list from an event id. When the last
-reader leaves, the stream stays resumable for `window` seconds: generation continues and its
-events are kept; after the window an unfinished request is aborted and the record dropped.
+independent of any HTTP connection. Readers follow the list from an event id.
+
+When the last reader leaves an unfinished stream, the engine request is aborted at once (its KV
+blocks are free within a step: nobody is reading) and the stream is *suspended*: its events
+and the tokens generated so far are kept for `window` seconds. A reader who comes back in
+time gets the events after its `Last-Event-ID`, and the request continues from its last
+token: a new engine request whose prompt is the old prompt plus those tokens (recomputed,
+like a preempted sequence), numbering its events on from the last id. Greedy output is the
+same as without the interruption. After the window the record is dropped (404).
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ _FIRST_READER_GRACE_S = 10.0  # how long a new stream waits for its first reader
 class ResumableStream:
     """The SSE events of one request (ids 1, 2, ...) and who follows them."""
 
-    def __init__(self, request_id: str, window: float, on_expire: Callable[["ResumableStream"], None]):
+    def __init__(self, request_id: str, window: float, on_expire: Callable[["ResumableStream"], None],
+                 on_orphan: Callable[["ResumableStream"], None] | None = None):
         self.request_id = request_id
         self.window = window  # seconds it stays resumable with nobody reading
         self.events: list[dict] = []  # sse-starlette event dicts; events[k-1] has id k
@@ -27,8 +34,22 @@ class ResumableStream:
         self.created = time.monotonic()
         self._changed = asyncio.Event()  # set (and replaced) whenever events or done change
         self._on_expire = on_expire
+        self._on_orphan = on_orphan  # the last reader left an unfinished stream
         self._expiry: asyncio.TimerHandle | None = None
         self.expired = False
+        # what a continuation needs (set by the route), and where the generation stands
+        self.prompt_ids: list[int] = []
+        self.params = None
+        self.output_ids: list[int] = []  # tokens generated so far
+        self.suspending = False  # the engine request is being aborted because nobody reads it
+        self.suspended = False  # it was: a reader who comes back continues it
+        self.pump: asyncio.Task | None = None  # the task reading the engine request now
+
+    def suspend(self) -> None:
+        """The pump saw the abort of a `suspending` stream: wait for a reader to continue it."""
+        self.suspending = False
+        self.suspended = True
+        self._notify()
 
     def append(self, event: str | None, data: str) -> None:
         """Add one event; its id is its position (1-based)."""
@@ -77,12 +98,14 @@ class ResumableStream:
                     position += len(batch)
                     yield batch
                     continue
-                if self.done or self.expired:
+                if self.done or self.expired or self.suspended:
                     return
                 await self._changed.wait()
         finally:
             self.readers -= 1
             if self.readers == 0:
+                if not self.done and not self.suspended and not self.suspending and self._on_orphan is not None:
+                    self._on_orphan(self)
                 self._schedule_expiry()
 
 
@@ -95,7 +118,7 @@ class ResumeRegistry:
         self._streams: dict[str, ResumableStream] = {}
 
     def create(self, request_id: str) -> ResumableStream:
-        stream = ResumableStream(request_id, self.window, self._expire)
+        stream = ResumableStream(request_id, self.window, self._expire, self._orphan)
         self._streams[request_id] = stream
         # If no reader ever attaches (the client left before the response started), the stream
         # still expires: after the window, or a short grace when resuming is off.
@@ -115,8 +138,12 @@ class ResumeRegistry:
     def __len__(self) -> int:
         return len(self._streams)
 
+    def _orphan(self, stream: ResumableStream) -> None:
+        stream.suspending = True
+        self._abort(stream.request_id)
+
     def _expire(self, stream: ResumableStream) -> None:
         self._streams.pop(stream.request_id, None)
-        if not stream.done:
-            self._abort(stream.request_id)
-            stream._notify()
+        if not stream.done and not stream.suspended and not stream.suspending:
+            self._abort(stream.request_id)  # nobody ever read it
+        stream._notify()

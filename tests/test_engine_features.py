@@ -251,3 +251,24 @@ def test_unwritten_cache_memory_never_leaks_into_attention(llama, llm):
     got = poisoned.generate(prompts, params)
     assert [r.finish_reason for r in got] == [FinishReason.LENGTH] * 3
     assert [r.token_ids for r in got] == [r.token_ids for r in llm.generate(prompts, params)]
+
+
+def test_a_request_continues_from_prior_output_as_if_never_stopped(llm):
+    """What a resumed /chat stream relies on: prompt + the tokens generated so far, recomputed,
+    go on with exactly the greedy tokens and text of the uninterrupted request."""
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    prompt = llm.core.tokenizer.encode("Once upon a time, in a land of robots", add_special_tokens=False)
+    full = llm.generate([prompt], params)[0]
+    cut = 13
+    core = llm.core
+    core.add_request("continued", prompt, params, prior_output_ids=full.token_ids[:cut])
+    tokens, pieces, last = [], [], None
+    while core.has_work():
+        for out in core.step():
+            tokens += out.token_ids
+            pieces.append(out.text)
+            last = out
+    assert tokens == full.token_ids[cut:]
+    assert core.tokenizer.decode(full.token_ids[:cut]) + "".join(pieces) == full.text
+    assert last.finished and last.finish_reason == FinishReason.LENGTH and last.num_output_tokens == 40
+    assert core.allocator.num_free == core.num_kv_blocks

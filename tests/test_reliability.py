@@ -82,8 +82,8 @@ def test_16_concurrent_conversations_over_three_routes_each_get_their_own_text(t
 # --------------------------------------------------------------------------- disconnects
 
 
-def test_closed_chat_stream_is_aborted_and_its_kv_blocks_freed(abort_server):
-    url = abort_server.url
+def test_closed_chat_stream_is_aborted_and_its_kv_blocks_freed(tiny_server):
+    url = tiny_server.url  # resuming on (--resume-window 5): the request is aborted anyway, kept resumable
     wait_idle(url)
     with httpx.stream("POST", f"{url}/chat", json={"prompt": "Talk for a long time.", "max_new_tokens": 900,
                                                     "temperature": 0}, timeout=120) as response:
@@ -222,6 +222,10 @@ def test_stream_cut_after_event_k_resumes_with_exactly_the_rest(tiny_server):
             if len(first) == k:
                 break
     assert [e.id for e in first] == [str(i) for i in range(1, k + 1)]
+    # nobody reads it now: the engine request is aborted, its KV blocks freed, the stream kept
+    engine = wait_idle(url, timeout=10)
+    assert engine["finished_total"].get("abort", 0) >= 1
+    assert httpx.get(f"{url}/health").json()["resumable_streams"] >= 1
     with httpx.stream("GET", f"{url}/chat/{request_id}", headers={"Last-Event-ID": str(k)}, timeout=120) as response:
         assert response.status_code == 200
         rest = list(SSEReader(response))
