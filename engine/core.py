@@ -208,6 +208,8 @@ class EngineCore:
             seq.num_computed_tokens += chunk.num_tokens
             if chunk.samples:
                 sampling.append(chunk)
+        if not sampling:  # a step of prompt chunks that all continue next step
+            return []
         seqs = [c.seq for c in sampling]
         result = self.sampler.sample(logits, seqs)
         bad = set(result.bad_rows)

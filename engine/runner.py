@@ -155,7 +155,7 @@ class PagedRunner:
             position_ids=pos.to(dev)[None],  # [1, total_tokens]
             use_cache=False,
             # 0 keeps every row: the usual all-decode step needs no gather of hidden states
-            logits_to_keep=0 if len(sample_rows) == len(input_ids) else torch.tensor(sample_rows, device=dev),
+            logits_to_keep=0 if len(sample_rows) == len(input_ids) else torch.tensor(sample_rows, dtype=torch.long, device=dev),
             rill_step=step,
         )
         return out.logits[0].float()  # [num_sampling_chunks, vocab]

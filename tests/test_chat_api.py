@@ -103,6 +103,19 @@ def test_usage_counts_match_the_prompt_and_the_generated_tokens(tiny_server, tok
 # --------------------------------------------------------------------------- extensions
 
 
+def test_a_prompt_longer_than_one_engine_step_gets_its_answer(tiny_server, tokenizer):
+    """700 prompt tokens are more than one step's budget (512): the first chunk samples nothing."""
+    prompt = " ".join(f"w{i % 50}" for i in range(2000))
+    ids = tokenizer.encode(prompt, add_special_tokens=False)[:700]
+    prompt = tokenizer.decode(ids)
+    body = {"prompt": prompt, "raw": True, "max_new_tokens": 16, "temperature": 0, "stream": False}
+    response = httpx.post(f"{tiny_server.url}/chat", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    usage = response.json()["usage"]
+    assert usage["prompt_tokens"] > 512 and usage["completion_tokens"] >= 1
+    assert usage["finish_reason"] in ("stop", "length")
+
+
 def test_messages_equal_the_same_prompt_and_system_adds_its_tokens(tiny_server, tokenizer):
     url = tiny_server.url
     prompt = "Name three colours."

@@ -272,3 +272,14 @@ def test_a_request_continues_from_prior_output_as_if_never_stopped(llm):
     assert core.tokenizer.decode(full.token_ids[:cut]) + "".join(pieces) == full.text
     assert last.finished and last.finish_reason == FinishReason.LENGTH and last.num_output_tokens == 40
     assert core.allocator.num_free == core.num_kv_blocks
+
+
+def test_a_prompt_longer_than_the_step_budget_alone(llama):
+    """The first steps of a lone long prompt sample nothing (its chunks continue): it must still
+    come out right, as the same prompt does with a budget that fits it at once."""
+    prompt = list(range(5, 5 + 700))
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    chunked = LLM(load_model(str(llama)), EngineConfig(max_num_batched_tokens=256)).generate([prompt], params)[0]
+    whole = LLM(load_model(str(llama)), EngineConfig(max_num_batched_tokens=1024)).generate([prompt], params)[0]
+    assert chunked.finish_reason == FinishReason.LENGTH and len(chunked.token_ids) == 8
+    assert chunked.token_ids == whole.token_ids
