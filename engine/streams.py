@@ -85,12 +85,7 @@ class RequestStream(_Sink):
 
     def _put(self, out: RequestOutput) -> None:  # event loop
         self._items.append(out)
-        self._wake()
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        self.wake()
 
     async def next(self) -> RequestOutput | None:
         """The next delta; None once every sample finished, or when `wake()` came first."""
@@ -109,8 +104,10 @@ class RequestStream(_Sink):
         return out
 
     def wake(self) -> None:
-        """Ends a pending `next()` with None (a reader's periodic check: deadline, engine alive)."""
-        self._wake()
+        """Ends a pending `next()` (with None if nothing arrived: a reader's periodic check)."""
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     @property
     def done(self) -> bool:
@@ -337,7 +334,7 @@ class AsyncEngine:
             sink = self._sinks.get(out.request_id)
             if sink is None:
                 continue
-            loop = getattr(sink, "_loop", None) if isinstance(sink, RequestStream) else None
+            loop = sink._loop if isinstance(sink, RequestStream) else None
             try:
                 if loop is not None:
                     by_loop.setdefault(loop, []).append((sink, out))

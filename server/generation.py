@@ -87,11 +87,8 @@ class Generation:
                            code="engine_dead")
         engine.check_prompt(prompt_token_ids, params)
         try:
-            if prior_output_ids:
-                self.stream = engine.add_request(prompt_token_ids, params, request_id=request_id,
-                                                 prior_output_ids=prior_output_ids)
-            else:
-                self.stream = engine.add_request(prompt_token_ids, params, request_id=request_id)
+            self.stream = engine.add_request(prompt_token_ids, params, request_id=request_id,
+                                             prior_output_ids=prior_output_ids)
         except QueueFull as exc:
             raise queue_full_error(exc, retry_after_seconds(engine)) from None
         except InvalidRequest as exc:
