@@ -130,8 +130,10 @@ class EngineCore:
 
     # ---- requests -------------------------------------------------------------------------
 
-    def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams, prior_output_ids=()) -> None:
         """Raise InvalidRequest for a prompt the engine cannot serve, with the numbers."""
+        if prior_output_ids and params.n != 1:
+            raise InvalidRequest(f"Only a single-sample request can continue from prior output. Given: n={params.n}", "n")
         n = len(prompt_token_ids)
         if n == 0:
             raise InvalidRequest("The prompt is empty: it must contain at least 1 token. Given: 0 tokens", "prompt")
@@ -152,11 +154,9 @@ class EngineCore:
         """Queue a request. `prior_output_ids` continues one whose output so far is known (a
         resumed stream): they are recomputed like a preempted sequence's, count towards
         max_tokens and min_tokens, and their text is not emitted again (n must be 1)."""
-        self.check_prompt(prompt_token_ids, params)
+        self.check_prompt(prompt_token_ids, params, prior_output_ids)
         if request_id in self.by_request:
             raise InvalidRequest(f"Request id {request_id!r} is already running; ids must be unique.", "request_id")
-        if prior_output_ids and params.n != 1:
-            raise InvalidRequest(f"Only a single-sample request can continue from prior output. Given: n={params.n}", "n")
         seqs = []
         for index in range(params.n):
             seq = Sequence(seq_id=f"{request_id}#{index}", request_id=request_id, index=index,

@@ -252,7 +252,7 @@ class AsyncEngine:
                prior_output_ids: list[int] = ()):
         if self.dead is not None or self._stopping:
             raise RuntimeError("The engine is not running.")
-        self.core.check_prompt(prompt_token_ids, params)
+        self.core.check_prompt(prompt_token_ids, params, prior_output_ids)
         request_id = request_id or new_request_id()
         capacity = self.config.max_num_seqs + self.config.max_queue
         with self._lock:
@@ -273,8 +273,6 @@ class AsyncEngine:
                     request_id: str | None = None, prior_output_ids: list[int] = ()) -> RequestStream:
         """Queue a request; raises InvalidRequest (400) or QueueFull (429). `prior_output_ids`:
         continue from output already produced (see `EngineCore.add_request`)."""
-        if prior_output_ids:
-            _one_sample(params)
         return self._admit(prompt_token_ids, params, request_id, lambda rid: RequestStream(self, rid, params.n),
                            prior_output_ids)
 

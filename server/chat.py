@@ -21,15 +21,10 @@ from server.errors import BODY_FIELDS, ApiError
 from server.generation import Generation, RequestFailed, admission, request_id_from
 from server.resume import ResumableStream
 from server.schemas import ChatBody
-from server.sse import SSEResponse
+from server.sse import event_stream_response
 
 router = APIRouter()
 BODY_FIELDS["/chat"] = list(ChatBody.model_fields)
-
-
-
-def event_stream_response(events, request_id: str) -> SSEResponse:
-    return SSEResponse(events, headers={"x-request-id": request_id})
 
 
 def _prompt_token_ids(engine, body: ChatBody) -> list[int]:
@@ -171,8 +166,7 @@ async def chat(body: ChatBody, request: Request, x_request_id: str | None = Head
         text, completion_tokens, finish_reason = await _collect(gen, request)
         return JSONResponse({"response": text, "usage": _usage(gen, completion_tokens, finish_reason),
                              "request_id": request_id}, headers={"x-request-id": request_id})
-    record = state.resume.create(request_id)
-    record.prompt_ids, record.params = prompt_ids, params
+    record = state.resume.create(request_id, prompt_ids, params)
     record.pump = state.spawn(_pump(gen, record))
     return event_stream_response(_follow(record, 0), request_id)
 

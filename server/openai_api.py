@@ -18,10 +18,11 @@ from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse
 
 from engine.request import FinishReason, RequestOutput, SamplingParams
-from server.chat import event_stream_response, run_while_connected
+from server.chat import run_while_connected
 from server.errors import ApiError, error_body
 from server.generation import Generation, RequestFailed, admission, request_id_from
 from server.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from server.sse import event_stream_response
 
 router = APIRouter(prefix="/v1")
 log = logging.getLogger("rill.server")

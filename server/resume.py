@@ -28,7 +28,7 @@ class ResumableStream:
                  on_orphan: Callable[["ResumableStream"], None] | None = None):
         self.request_id = request_id
         self.window = window  # seconds it stays resumable with nobody reading
-        self.events: list[dict] = []  # sse-starlette event dicts; events[k-1] has id k
+        self.events: list[dict] = []  # event dicts for server/sse.py; events[k-1] has id k
         self.done = False  # the last event (end) is in `events`
         self.readers = 0  # connections following the stream now
         self.created = time.monotonic()
@@ -37,7 +37,7 @@ class ResumableStream:
         self._on_orphan = on_orphan  # the last reader left an unfinished stream
         self._expiry: asyncio.TimerHandle | None = None
         self.expired = False
-        # what a continuation needs (set by the route), and where the generation stands
+        # what a continuation needs, and where the generation stands
         self.prompt_ids: list[int] = []
         self.params = None
         self.output_ids: list[int] = []  # tokens generated so far
@@ -117,8 +117,10 @@ class ResumeRegistry:
         self._abort = abort  # engine.abort
         self._streams: dict[str, ResumableStream] = {}
 
-    def create(self, request_id: str) -> ResumableStream:
+    def create(self, request_id: str, prompt_ids: list[int], params) -> ResumableStream:
+        """The record of a new stream; `prompt_ids` and `params` let a reader who comes back continue it."""
         stream = ResumableStream(request_id, self.window, self._expire, self._orphan)
+        stream.prompt_ids, stream.params = prompt_ids, params
         self._streams[request_id] = stream
         # If no reader ever attaches (the client left before the response started), the stream
         # still expires: after the window, or a short grace when resuming is off.

@@ -93,6 +93,11 @@ class SSEResponse(Response):
             last_send[0] = time.monotonic()
 
 
+def event_stream_response(events: AsyncIterator, request_id: str) -> SSEResponse:
+    """The stream of one request, as /chat and /v1 answer it (its id echoed in `x-request-id`)."""
+    return SSEResponse(events, headers={"x-request-id": request_id})
+
+
 async def _wait_disconnect(receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
