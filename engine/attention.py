@@ -71,6 +71,7 @@ class StepMetadata:
     decode_slots: torch.Tensor | None  # [num_decodes, max_context] slots (0-padded)
     decode_context_lens: torch.Tensor | None  # [num_decodes]
     prefills: list[PrefillChunk] = field(default_factory=list)
+    decode_kernel: object | None = None  # cpu.DecodeAttentionKernel: decodes in C (float32 CPU)
     _masks: dict = field(default_factory=dict)  # (kind, key, window) -> bool mask, built once per step
 
     def decode_mask(self, sliding_window: int | None) -> torch.Tensor:
@@ -133,7 +134,12 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     v_cache.index_copy_(0, step.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
 
     out = query.new_empty(num_tokens, num_heads, head_dim)
-    if step.decode_token_index is not None:
+    kernel = step.decode_kernel
+    if step.decode_token_index is not None and kernel is not None and query.dtype == k_cache.dtype == torch.float32 \
+            and query.stride(-1) == 1:
+        kernel(query, out, k_cache, v_cache, step.decode_token_index, step.decode_slots,
+               step.decode_context_lens, scaling, sliding_window, softcap)
+    elif step.decode_token_index is not None:
         num_dec = step.decode_token_index.shape[0]
         # q: [num_dec, kv_heads, groups, D]: the query group of a KV head acts as its query length
         # (index_select, not advanced indexing: the latter costs milliseconds per call on CPU)

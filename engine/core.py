@@ -18,6 +18,7 @@ from engine.attention import PagedKVCache
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import BlockAllocator
+from engine.loading import rill_cache_dir
 from engine.request import (
     FinishReason,
     InvalidRequest,
@@ -26,7 +27,7 @@ from engine.request import (
     SamplingParams,
     Sequence,
 )
-from engine.cpu import keep_freed_memory, pack_linears
+from engine.cpu import decode_attention_kernel, keep_freed_memory, pack_linears
 from engine.runner import FallbackRunner, PagedRunner, RequestFault, kv_geometry, supports_paged_attention
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledChunk, Scheduler
@@ -95,11 +96,16 @@ class EngineCore:
         self.num_kv_blocks = self._num_blocks(per_block, model.device)
         self.kv_cache_bytes = self.num_kv_blocks * per_block
         num_packed = 0
-        if model.device.type == "cpu":
+        on_cpu = model.device.type == "cpu"
+        if on_cpu:
             keep_freed_memory()
             num_packed = pack_linears(model) if config.packed_linears else 0
         if supports_paged_attention(model):
-            self.runner = PagedRunner(model, self.num_kv_blocks, config.block_size)
+            kernel = None
+            if on_cpu and config.decode_kernel and model.dtype == torch.float32:
+                kernel = decode_attention_kernel(rill_cache_dir())
+            self.runner = PagedRunner(model, self.num_kv_blocks, config.block_size, decode_kernel=kernel)
+            log.info("engine: decode attention %s", f"in the C kernel {kernel.path}" if kernel else "on the torch path")
         else:
             self.runner = FallbackRunner(model)
         self.attention_path = self.runner.path

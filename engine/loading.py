@@ -59,7 +59,7 @@ class LoadedModel:
 
 
 def rill_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
-    """Where converted GGUF models live: `cache_dir`, else `$RILL_CACHE`, else `~/.cache/rill`."""
+    """Where converted GGUF models and built kernels live: `cache_dir`, else `$RILL_CACHE`, else `~/.cache/rill`."""
     if cache_dir:
         return Path(cache_dir).expanduser()
     return Path(os.environ.get("RILL_CACHE") or Path.home() / ".cache" / "rill").expanduser()

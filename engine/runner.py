@@ -81,8 +81,9 @@ class PagedRunner:
 
     path = "paged"
 
-    def __init__(self, model, num_blocks: int, block_size: int):
+    def __init__(self, model, num_blocks: int, block_size: int, decode_kernel=None):
         self.model = model
+        self.decode_kernel = decode_kernel  # cpu.DecodeAttentionKernel or None (torch path)
         self.device = model.device
         num_layers, num_kv_heads, head_dim = kv_geometry(model.config)
         self.cache = PagedKVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim,
@@ -149,6 +150,7 @@ class PagedRunner:
             decode_slots=decode_slots,
             decode_context_lens=decode_lens,
             prefills=chunks,
+            decode_kernel=self.decode_kernel,
         )
         out = self.model(
             input_ids=torch.tensor([input_ids], device=dev),  # [1, total_tokens]

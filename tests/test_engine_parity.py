@@ -57,10 +57,21 @@ def test_batched_greedy_equals_generate(tiny_model, arch, path_kind):
     path, prompts, refs = prompts_and_refs(tiny_model, arch)
     llm = LLM(load_model(str(path)), EngineConfig(max_num_batched_tokens=128))
     assert llm.core.attention_path == path_kind
+    if path_kind == "paged":  # decodes go through the C kernel (needs a C compiler, as CI has)
+        assert llm.core.runner.decode_kernel is not None, "the decode attention kernel was not built"
     got = engine_outputs(llm, prompts)
     for n, g, r in zip(PROMPT_LENGTHS, got, refs):
         assert g == r, f"{arch}: prompt of {n} tokens diverged"
     assert llm.core.allocator.num_free == llm.core.num_kv_blocks  # every block came back
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2"])
+def test_torch_decode_path_equals_generate(tiny_model, arch):
+    """Decode attention without the C kernel (CUDA, bfloat16, no compiler): the same tokens."""
+    path, prompts, refs = prompts_and_refs(tiny_model, arch)
+    llm = LLM(load_model(str(path)), EngineConfig(max_num_batched_tokens=128, decode_kernel=False))
+    assert llm.core.runner.decode_kernel is None
+    assert engine_outputs(llm, prompts) == refs
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "bloom"])
