@@ -18,6 +18,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the model's context length
     seed: int = 0  # seeds the generator shared by unseeded sampling requests
     packed_linears: bool = True  # on CPU, run nn.Linear on oneDNN with pre-packed weights
+    prefix_caching: bool = True  # share the KV blocks of common prompt prefixes between requests
     decode_kernel: bool = True  # on CPU (float32), decode attention in a C kernel built once into $RILL_CACHE
 
     def __post_init__(self):

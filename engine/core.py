@@ -49,6 +49,8 @@ class EngineStats:
     generation_tokens_total: int
     num_steps: int
     finished_total: dict[str, int] = field(default_factory=dict)  # finish reason -> count
+    prefix_cache_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hit_tokens: int = 0  # of which found there (their K/V reused, not computed)
 
 
 def model_context_length(config) -> int:
@@ -109,7 +111,9 @@ class EngineCore:
         else:
             self.runner = FallbackRunner(model)
         self.attention_path = self.runner.path
-        self.allocator = BlockAllocator(self.num_kv_blocks, config.block_size)
+        # the fallback path keeps its own cache per sequence: nothing there to share
+        self.allocator = BlockAllocator(self.num_kv_blocks, config.block_size,
+                                        prefix_caching=config.prefix_caching and self.attention_path == "paged")
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(self.eos_token_ids, config.seed)
         self.seqs: dict[str, Sequence] = {}  # seq_id -> live sequence
@@ -212,6 +216,8 @@ class EngineCore:
             if seq.num_computed_tokens < seq.num_prompt_tokens:  # first computation, not recomputation
                 self.prompt_tokens_total += min(chunk.num_tokens, seq.num_prompt_tokens - chunk.start)
             seq.num_computed_tokens += chunk.num_tokens
+            seq.num_cached_blocks = self.allocator.cache_full_blocks(
+                seq.token_ids, seq.block_hashes, seq.block_table, seq.num_computed_tokens, seq.num_cached_blocks)
             if chunk.samples:
                 sampling.append(chunk)
         if not sampling:  # a step of prompt chunks that all continue next step
@@ -297,4 +303,6 @@ class EngineCore:
             generation_tokens_total=self.generation_tokens_total,
             num_steps=self.num_steps,
             finished_total=dict(self.finished_total),
+            prefix_cache_queried_tokens=self.allocator.queried_tokens,
+            prefix_cache_hit_tokens=self.allocator.hit_tokens,
         )

@@ -1,46 +1,126 @@
-"""The KV block allocator: a free list of fixed-size blocks and a block table per sequence.
+"""The KV block allocator: a free list of fixed-size blocks, a block table per sequence, and
+prefix caching.
 
 Plain Python: the tensors that hold keys and values live in `attention.PagedKVCache`; this
 module only decides which block (and so which slots) each sequence's tokens occupy.
+
+Prefix caching (as in vLLM): a full block is named by a hash of its tokens and of every token
+before it (a chain of BLAKE2 digests), so two sequences that start with the same tokens (a
+system prompt, the earlier turns of a chat, a resumed stream) can share the blocks that hold
+them. Blocks are reference-counted; a cached block that nobody uses any more stays cached
+and counts as free, and is only reused for other tokens (evicted, least recently freed first)
+when no never-cached block is left.
 """
 
 from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
 
 
 class BlockAllocator:
     """Hands out KV blocks of `block_size` token slots. Block b owns slots [b*bs, (b+1)*bs)."""
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False):
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.prefix_caching = prefix_caching
         self.free_blocks: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives 0, 1, ...
+        self.refs = [0] * num_blocks  # sequences holding each block
+        self.block_hash: dict[int, bytes] = {}  # cached block -> its hash
+        self.cached: dict[bytes, int] = {}  # hash -> the block holding those tokens
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, unused; least recently freed first
+        self.queried_tokens = 0  # prompt tokens looked up in the cache
+        self.hit_tokens = 0  # of which found there (their K/V were not computed again)
 
     @property
     def num_free(self) -> int:
-        return len(self.free_blocks)
+        """Blocks that can be handed out (never-cached ones and cached ones nobody uses)."""
+        return len(self.free_blocks) + len(self.evictable)
 
     @property
     def usage(self) -> float:
         """Fraction of blocks in use, 0..1."""
-        return 1.0 - len(self.free_blocks) / self.num_blocks
+        return 1.0 - self.num_free / self.num_blocks
 
     def blocks_needed(self, block_table: list[int], num_tokens: int) -> int:
         """How many more blocks a sequence holding `block_table` needs to store `num_tokens`."""
         return max(0, -(-num_tokens // self.block_size) - len(block_table))
 
     def can_allocate(self, block_table: list[int], num_tokens: int) -> bool:
-        return self.blocks_needed(block_table, num_tokens) <= len(self.free_blocks)
+        return self.blocks_needed(block_table, num_tokens) <= self.num_free
 
     def allocate(self, block_table: list[int], num_tokens: int) -> bool:
         """Grow `block_table` in place to hold `num_tokens`; False (and no change) if short of blocks."""
         needed = self.blocks_needed(block_table, num_tokens)
-        if needed > len(self.free_blocks):
+        if needed > self.num_free:
             return False
         for _ in range(needed):
-            block_table.append(self.free_blocks.pop())
+            block_table.append(self._take())
         return True
 
+    def _take(self) -> int:
+        if self.free_blocks:
+            block = self.free_blocks.pop()
+        else:  # evict the cached block freed longest ago
+            block, _ = self.evictable.popitem(last=False)
+            del self.cached[self.block_hash.pop(block)]
+        self.refs[block] = 1
+        return block
+
     def free(self, block_table: list[int]) -> None:
-        """Return every block of `block_table` to the pool and empty it."""
-        self.free_blocks.extend(reversed(block_table))
+        """Give back every block of `block_table` and empty it (shared blocks stay with their other holders)."""
+        for block in reversed(block_table):  # the tail first: it is evicted first, the shared head last
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                if block in self.block_hash:
+                    self.evictable[block] = None
+                else:
+                    self.free_blocks.append(block)
         block_table.clear()
+
+    # ---- prefix caching ---------------------------------------------------------------------
+
+    def _extend_hashes(self, token_ids: list[int], hashes: list[bytes], num_blocks: int) -> None:
+        """Append to `hashes` the chain hashes of full blocks len(hashes)..num_blocks-1."""
+        bs = self.block_size
+        for i in range(len(hashes), num_blocks):
+            previous = hashes[-1] if hashes else b""
+            tokens = array("q", token_ids[i * bs:(i + 1) * bs]).tobytes()
+            hashes.append(hashlib.blake2b(previous + tokens, digest_size=16).digest())
+
+    def match_prefix(self, token_ids: list[int], hashes: list[bytes], block_table: list[int]) -> int:
+        """Put the cached blocks of the longest cached prefix into an empty `block_table`; returns
+        how many tokens they hold. The last token is always left to compute (its logits are needed)."""
+        if not self.prefix_caching or block_table:
+            return 0
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        self._extend_hashes(token_ids, hashes, max_blocks)
+        for h in hashes[:max_blocks]:
+            block = self.cached.get(h)
+            if block is None:
+                break
+            if self.refs[block] == 0:
+                del self.evictable[block]
+            self.refs[block] += 1
+            block_table.append(block)
+        matched = len(block_table) * self.block_size
+        self.queried_tokens += len(token_ids)
+        self.hit_tokens += matched
+        return matched
+
+    def cache_full_blocks(self, token_ids: list[int], hashes: list[bytes], block_table: list[int],
+                          num_computed: int, num_cached: int) -> int:
+        """Name the blocks that `num_computed` tokens fill, from block `num_cached` on, so later
+        sequences can share them; returns the new number of named blocks of this sequence."""
+        full = min(num_computed // self.block_size, len(block_table))
+        if not self.prefix_caching or full <= num_cached:
+            return num_cached
+        self._extend_hashes(token_ids, hashes, full)
+        for i in range(num_cached, full):
+            block, h = block_table[i], hashes[i]
+            if block not in self.block_hash and h not in self.cached:  # else shared already, or a twin is
+                self.block_hash[block] = h
+                self.cached[h] = block
+        return full

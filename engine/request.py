@@ -184,6 +184,8 @@ class Sequence:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)  # KV block ids, in order
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache names of its full blocks
+    num_cached_blocks: int = 0  # leading blocks of block_table named in the prefix cache
     finish_reason: FinishReason | None = None
     error: str | None = None
     num_preemptions: int = 0

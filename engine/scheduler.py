@@ -2,7 +2,9 @@
 
 Plain Python. Each step, running sequences go first (FIFO), each asking for the tokens it
 has not computed yet (one for a decode, a chunk of its prompt otherwise); then waiting
-sequences are admitted while the budget, `max_num_seqs` and free KV blocks allow. When a
+sequences are admitted while the budget, `max_num_seqs` and free KV blocks allow; a waiting
+sequence first takes the cached blocks of its longest known prefix (`BlockAllocator.match_prefix`)
+and only computes the rest. When a
 running sequence cannot get a block, the most recently admitted one is preempted: its blocks
 are freed and it goes back to the front of the queue to be recomputed later.
 """
@@ -74,8 +76,12 @@ class Scheduler:
             # seq was preempted: running shrank, the same index now holds the next one
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.num_computed_tokens == 0:  # reuse the cached blocks of a known prefix
+                seq.num_computed_tokens = self.allocator.match_prefix(seq.token_ids, seq.block_hashes, seq.block_table)
             num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             if not self.allocator.allocate(seq.block_table, seq.num_computed_tokens + num_new):
+                self.allocator.free(seq.block_table)  # it waits holding nothing
+                seq.num_computed_tokens = 0
                 break  # FIFO: nobody jumps the queue
             self.waiting.popleft()
             seq.status = RequestStatus.RUNNING
@@ -89,7 +95,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.allocator.free(seq.block_table)
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.num_cached_blocks = 0
         seq.num_preemptions += 1
         seq.status = RequestStatus.WAITING
         self.waiting.appendleft(seq)
@@ -105,4 +111,5 @@ class Scheduler:
             except ValueError:
                 pass
         self.allocator.free(seq.block_table)
+        seq.num_cached_blocks = 0
         seq.status = RequestStatus.FINISHED

@@ -31,6 +31,8 @@ def _engine_stats(engine) -> dict:
         "num_kv_blocks": stats.num_kv_blocks,
         "num_free_kv_blocks": stats.num_free_kv_blocks,
         "num_preemptions": stats.num_preemptions,
+        "prefix_cache_hit_tokens": stats.prefix_cache_hit_tokens,
+        "prefix_cache_queried_tokens": stats.prefix_cache_queried_tokens,
         "prompt_tokens_total": stats.prompt_tokens_total,
         "generation_tokens_total": stats.generation_tokens_total,
         "finished_total": {getattr(k, "value", str(k)): v for k, v in dict(stats.finished_total).items()},

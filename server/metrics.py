@@ -62,6 +62,8 @@ METRICS_DOC: tuple[tuple[str, str, str], ...] = (
     ("rill_engine_alive", "gauge", "1 while the engine thread runs, 0 after it died"),
     ("rill_preemptions_total", "counter", "running requests preempted (KV blocks freed, recomputed later)"),
     ("rill_engine_steps_total", "counter", "engine steps (batched forwards) run"),
+    ("rill_prefix_cache_queried_tokens_total", "counter", "prompt tokens looked up in the prefix cache"),
+    ("rill_prefix_cache_hit_tokens_total", "counter", "prompt tokens found in the prefix cache (K/V reused, not computed)"),
     ("rill_prompt_tokens_total", "counter", "prompt tokens of requests, by route"),
     ("rill_generation_tokens_total", "counter", "tokens generated, by route (counted as they stream)"),
     ("rill_requests_finished_total", "counter", "finished requests by route and finish_reason (stop, length, abort, error)"),
@@ -134,6 +136,11 @@ class _EngineCollector:
                                   value=stats.num_preemptions)
         yield CounterMetricFamily("rill_engine_steps", "engine steps (batched forwards) run",
                                   value=stats.num_steps)
+        yield CounterMetricFamily("rill_prefix_cache_queried_tokens", "prompt tokens looked up in the prefix cache",
+                                  value=stats.prefix_cache_queried_tokens)
+        yield CounterMetricFamily("rill_prefix_cache_hit_tokens",
+                                  "prompt tokens found in the prefix cache (K/V reused, not computed)",
+                                  value=stats.prefix_cache_hit_tokens)
 
 
 @dataclass(slots=True)

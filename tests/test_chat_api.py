@@ -116,6 +116,21 @@ def test_a_prompt_longer_than_one_engine_step_gets_its_answer(tiny_server, token
     assert usage["finish_reason"] in ("stop", "length")
 
 
+def test_a_conversation_continued_reuses_the_cached_prefix(tiny_server):
+    """The second turn resends the first: its tokens come from the prefix cache, the answer is
+    the same as the one computed from scratch, and /health counts the reused tokens."""
+    system = {"role": "system", "content": " ".join(f"rule {i}: be brief." for i in range(30))}
+    first = [system, {"role": "user", "content": "Say something about rivers."}]
+    health = lambda: httpx.get(f"{tiny_server.url}/health", timeout=10).json()["engine"]  # noqa: E731
+    before = health()["prefix_cache_hit_tokens"]
+    body = {"messages": first, "stream": False, "temperature": 0, "max_new_tokens": 8}
+    answer = post_chat(tiny_server.url, body).json()["response"]
+    assert post_chat(tiny_server.url, body).json()["response"] == answer  # all but the tail was cached
+    second = first + [{"role": "assistant", "content": answer}, {"role": "user", "content": "And lakes?"}]
+    post_chat(tiny_server.url, {**body, "messages": second})
+    assert health()["prefix_cache_hit_tokens"] - before >= 2 * 16 * 4  # both repeats found >= 4 blocks
+
+
 def test_messages_equal_the_same_prompt_and_system_adds_its_tokens(tiny_server, tokenizer):
     url = tiny_server.url
     prompt = "Name three colours."

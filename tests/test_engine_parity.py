@@ -97,3 +97,39 @@ def test_mistral_sliding_window_is_exercised(tiny_model):
     with torch.no_grad():
         full = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False)
     assert full[0, len(long_prompt):].tolist() != refs[-1]
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_prefix_cache_parity(tiny_model, arch):
+    """Prompts sharing a 70-token prefix (longer than Mistral's window): later ones reuse the
+    cached blocks of earlier ones, and the tokens still equal `generate`; with a pool too small
+    for all of them, blocks are evicted and recomputed, and the tokens still equal it."""
+    path = tiny_model(arch)
+    loaded = load_model(str(path))
+    rng = random.Random(5)
+    vocab = len(loaded.tokenizer)
+    system = [rng.randrange(3, vocab) for _ in range(70)]
+    prompts = [system + [rng.randrange(3, vocab) for _ in range(n)] for n in (0, 1, 9, 10, 26)]
+    prompts += [system[:64], system[:33]]  # block-aligned, and all but the last token cached
+    refs = reference_outputs(path, prompts)
+
+    llm = LLM(loaded, EngineConfig(max_num_batched_tokens=128, block_size=16))
+    got = engine_outputs(llm, prompts[:1]) + engine_outputs(llm, prompts[1:])
+    assert got == refs
+    hits = llm.core.stats().prefix_cache_hit_tokens
+    assert hits >= 64 * 4 + 48 + 32  # the second wave found the first prompt's 4 full blocks
+    assert engine_outputs(llm, prompts) == refs  # a third time, everything it can is cached
+    assert llm.core.stats().prefix_cache_hit_tokens > hits
+
+    small = LLM(load_model(str(path)), EngineConfig(num_kv_blocks=14, block_size=16, max_num_batched_tokens=256))
+    assert engine_outputs(small, prompts) == refs
+    assert engine_outputs(small, prompts[::-1]) == refs[::-1]
+    assert small.core.scheduler.num_preemptions > 0 and small.core.stats().prefix_cache_hit_tokens > 0
+    assert small.core.allocator.num_free == 14
+
+
+def test_prefix_cache_can_be_turned_off(tiny_model):
+    path, prompts, refs = prompts_and_refs(tiny_model, "llama")
+    llm = LLM(load_model(str(path)), EngineConfig(max_num_batched_tokens=128, prefix_caching=False))
+    assert engine_outputs(llm, prompts[-2:] * 2) == refs[-2:] * 2
+    assert llm.core.stats().prefix_cache_hit_tokens == 0

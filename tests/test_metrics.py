@@ -26,6 +26,8 @@ class _Stats:
     generation_tokens_total: int = 0
     num_steps: int = 11
     finished_total: dict = field(default_factory=dict)
+    prefix_cache_queried_tokens: int = 50
+    prefix_cache_hit_tokens: int = 32
 
 
 class _Engine:
@@ -72,6 +74,8 @@ def test_gauges_and_engine_counters_are_read_at_scrape_time():
     assert value(samples, "rill_kv_cache_usage_ratio") == 0.25
     assert value(samples, "rill_kv_cache_blocks") == 80
     assert value(samples, "rill_preemptions_total") == 7
+    assert value(samples, "rill_prefix_cache_queried_tokens_total") == 50
+    assert value(samples, "rill_prefix_cache_hit_tokens_total") == 32
     assert value(samples, "rill_engine_alive") == 1
 
 

@@ -121,3 +121,100 @@ def test_no_block_leaks_after_random_operations():
         sched.finish(s)
     assert alloc.num_free == 24 and not sched.running and not sched.waiting
     assert sched.num_preemptions > 0  # the run did exercise preemption
+
+
+# ---- prefix caching ------------------------------------------------------------------------
+
+
+def run_plan_caching(alloc: BlockAllocator, plan) -> None:
+    """run_plan, plus naming the blocks that got full, as EngineCore.step does."""
+    for chunk in plan:
+        s = chunk.seq
+        s.num_computed_tokens += chunk.num_tokens
+        s.num_cached_blocks = alloc.cache_full_blocks(s.token_ids, s.block_hashes, s.block_table,
+                                                      s.num_computed_tokens, s.num_cached_blocks)
+        if chunk.samples:
+            s.token_ids.append(7)
+
+
+def test_prefix_cache_shares_full_blocks_of_a_common_prefix():
+    alloc = BlockAllocator(16, 4, prefix_caching=True)
+    sched = Scheduler(alloc, max_num_seqs=8, max_num_batched_tokens=100)
+    first = Sequence("a", "a", 0, list(range(10)) + [50, 51], 12, SamplingParams(max_tokens=4))
+    sched.add(first)
+    run_plan_caching(alloc, sched.schedule())
+    assert first.num_cached_blocks == 3  # 12 tokens computed: three full blocks named
+    # same first 10 tokens, then different: blocks 0-1 (tokens 0..7) are shared, block 2 differs
+    second = Sequence("b", "b", 0, list(range(10)) + [60, 61, 62], 13, SamplingParams(max_tokens=4))
+    sched.add(second)
+    plan = sched.schedule()
+    chunk = next(c for c in plan if c.seq is second)
+    assert chunk.start == 8 and chunk.num_tokens == 5  # only the tokens after the shared blocks run
+    assert second.block_table[:2] == first.block_table[:2] and second.block_table[2] != first.block_table[2]
+    assert alloc.refs[first.block_table[0]] == 2
+    assert (alloc.hit_tokens, alloc.queried_tokens) == (8, 25)
+    # a prompt that is all cached still computes its last token (its logits pick the next one)
+    third = Sequence("c", "c", 0, list(range(8)), 8, SamplingParams(max_tokens=4))
+    sched.add(third)
+    chunk = next(c for c in sched.schedule() if c.seq is third)
+    assert (chunk.start, chunk.num_tokens) == (4, 4)
+
+
+def test_prefix_cache_keeps_freed_blocks_until_they_are_needed():
+    alloc = BlockAllocator(4, 4, prefix_caching=True)
+    table, hashes = [], []
+    tokens = list(range(16))
+    assert alloc.allocate(table, 16)
+    alloc.cache_full_blocks(tokens, hashes, table, 16, 0)
+    kept = list(table)
+    alloc.free(table)
+    assert alloc.num_free == 4 and len(alloc.evictable) == 4  # cached, unused: free, but still named
+    again: list[int] = []
+    assert alloc.match_prefix(tokens + [99], [], again) == 16 and again == kept
+    alloc.free(again)
+    other: list[int] = []
+    assert alloc.allocate(other, 8)  # no never-cached block left: the two freed longest ago are evicted
+    assert alloc.num_free == 2 and len(alloc.cached) == 2
+    assert alloc.match_prefix(tokens + [99], [], []) == 8  # the head of the chain survived, the tail was evicted first
+
+
+def test_prefix_cache_no_leaks_and_no_shared_writes_after_random_operations():
+    """Prompts drawn from a few shared prefixes; blocks are shared, freed, evicted and reused
+    1,000 times: every block is held or free (never lost), a shared block is never handed out
+    again while held, and no sequence ever computes into a block someone else holds."""
+    rng = random.Random(2)
+    alloc = BlockAllocator(32, 4, prefix_caching=True)
+    sched = Scheduler(alloc, max_num_seqs=6, max_num_batched_tokens=40)
+    prefixes = [[rng.randrange(100) for _ in range(rng.randint(4, 20))] for _ in range(4)]
+    live: list[Sequence] = []
+    for i in range(1000):
+        op = rng.random()
+        if op < 0.4:
+            tokens = rng.choice(prefixes) + [rng.randrange(100) for _ in range(rng.randint(1, 10))]
+            s = Sequence(f"s{i}", f"s{i}", 0, tokens, len(tokens), SamplingParams(max_tokens=12))
+            sched.add(s)
+            live.append(s)
+        elif op < 0.55 and live:
+            sched.finish(live.pop(rng.randrange(len(live))))
+        else:
+            plan = sched.schedule()
+            for c in plan:  # the blocks this chunk writes are this sequence's alone
+                bs = alloc.block_size
+                for b in c.seq.block_table[c.start // bs:(c.start + c.num_tokens - 1) // bs + 1]:
+                    assert alloc.refs[b] == 1
+            run_plan_caching(alloc, plan)
+            for c in plan:
+                if c.seq.num_output_tokens >= 12 and c.seq in live:
+                    live.remove(c.seq)
+                    sched.finish(c.seq)
+        holders: dict[int, int] = {}
+        for s in [*sched.running, *sched.waiting]:
+            for b in s.block_table:
+                holders[b] = holders.get(b, 0) + 1
+        assert all(alloc.refs[b] == n for b, n in holders.items())
+        assert len(holders) + alloc.num_free == 32
+        assert not set(holders) & (set(alloc.free_blocks) | set(alloc.evictable))
+    for s in live:
+        sched.finish(s)
+    assert alloc.num_free == 32 and sum(alloc.refs) == 0
+    assert alloc.hit_tokens > 0 and sched.num_preemptions > 0

@@ -38,6 +38,8 @@ class FakeStats:
     generation_tokens_total: int = 0
     num_steps: int = 0
     finished_total: dict = field(default_factory=dict)
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
 
 
 class FakeStreamer:

@@ -32,6 +32,8 @@ def status_markdown(engine, recent) -> str:
         ("Requests finished (last minute)", f"{recent.requests_finished}"),
         ("Mean time to first token (last minute)", ttft),
         ("Preemptions (since start)", f"{stats.num_preemptions}"),
+        ("Prompt tokens served from the prefix cache (since start)",
+         f"{stats.prefix_cache_hit_tokens} of {stats.prefix_cache_queried_tokens}"),
     ]
     lines = ["| | now |", "|---|---|"] + [f"| {name} | {value} |" for name, value in rows]
     return "\n".join(lines)
