@@ -105,10 +105,13 @@ class BlockAllocator:
                 del self.evictable[block]
             self.refs[block] += 1
             block_table.append(block)
-        matched = len(block_table) * self.block_size
-        self.queried_tokens += len(token_ids)
-        self.hit_tokens += matched
-        return matched
+        return len(block_table) * self.block_size
+
+    def count_lookup(self, num_tokens: int, num_matched: int) -> None:
+        """Count one admitted sequence's lookup (a sequence that keeps waiting looks again)."""
+        if self.prefix_caching:
+            self.queried_tokens += num_tokens
+            self.hit_tokens += num_matched
 
     def cache_full_blocks(self, token_ids: list[int], hashes: list[bytes], block_table: list[int],
                           num_computed: int, num_cached: int) -> int:

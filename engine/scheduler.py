@@ -4,9 +4,9 @@ Plain Python. Each step, running sequences go first (FIFO), each asking for the 
 has not computed yet (one for a decode, a chunk of its prompt otherwise); then waiting
 sequences are admitted while the budget, `max_num_seqs` and free KV blocks allow; a waiting
 sequence first takes the cached blocks of its longest known prefix (`BlockAllocator.match_prefix`)
-and only computes the rest. When a
-running sequence cannot get a block, the most recently admitted one is preempted: its blocks
-are freed and it goes back to the front of the queue to be recomputed later.
+and only computes the rest. When a running sequence cannot get a block, the most recently
+admitted one is preempted: its blocks are freed and it goes back to the front of the queue to
+be recomputed later.
 """
 
 from __future__ import annotations
@@ -76,13 +76,16 @@ class Scheduler:
             # seq was preempted: running shrank, the same index now holds the next one
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if seq.num_computed_tokens == 0:  # reuse the cached blocks of a known prefix
+            looked_up = seq.num_computed_tokens == 0
+            if looked_up:  # reuse the cached blocks of a known prefix
                 seq.num_computed_tokens = self.allocator.match_prefix(seq.token_ids, seq.block_hashes, seq.block_table)
             num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             if not self.allocator.allocate(seq.block_table, seq.num_computed_tokens + num_new):
                 self.allocator.free(seq.block_table)  # it waits holding nothing
                 seq.num_computed_tokens = 0
                 break  # FIFO: nobody jumps the queue
+            if looked_up:
+                self.allocator.count_lookup(len(seq.token_ids), seq.num_computed_tokens)
             self.waiting.popleft()
             seq.status = RequestStatus.RUNNING
             if seq.scheduled_time is None:
