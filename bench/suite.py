@@ -164,11 +164,13 @@ class ServerProcess:
         self._log.close()
 
 
-def client_args(args, url: str, api: str, levels: list[int], tokenizer_dir: Path, model_name: str | None, pid: int):
+def client_args(args, url: str, api: str, levels: list[int], tokenizer_dir: Path, model_name: str | None, pid: int,
+                seed: int = 0):
     """The load client's argument namespace for one run."""
     from bench.run import build_parser
 
     argv = ["--url", url, "--api", api, "--concurrency", ",".join(map(str, levels)), "--tokenizer", str(tokenizer_dir),
+            "--seed", str(seed),
             "--workload", args.workload, "--requests-per-client", str(args.requests_per_client),
             "--min-requests", str(args.min_requests), "--server-pid", str(pid), "--timeout", str(args.timeout)]
     if args.requests:
@@ -290,7 +292,11 @@ def targets(runs: list[dict]) -> list[str]:
 def run_one(args, run: Run, server: Server, proc: ServerProcess, startup: float, model_dir: Path, levels: list[int], tokenizer) -> dict:
     """One load-client pass (all its levels) against a started server; optionally profiled."""
     run_levels = [c for c in (run.levels or levels) if c in levels] or (run.levels or levels)
-    cargs = client_args(args, proc.url, run.api, run_levels, model_dir, str(model_dir) if server.model_name else None, proc.proc.pid)
+    # each run on one server gets prompts of its own: with the same prompts, a server with a
+    # prefix cache would answer the second run's prompts from the first run's cache
+    seed = 100_000 * server.runs.index(run)
+    cargs = client_args(args, proc.url, run.api, run_levels, model_dir, str(model_dir) if server.model_name else None,
+                        proc.proc.pid, seed)
     api = make_api(cargs)
     profiler = None
     if args.profile and run.label == "rill /chat":
