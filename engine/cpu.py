@@ -168,32 +168,30 @@ def _build(cache_dir: Path) -> Path:
 
 
 def _kernel_agrees(kernel: DecodeAttentionKernel) -> bool:
-    """The kernel against index_select + SDPA on ragged contexts, GQA, a window and a softcap."""
+    """The kernel against the torch path of `paged_attention` on one small step: ragged
+    contexts, grouped queries, a head size that is no multiple of 16, a window, a softcap."""
+    from engine.attention import PagedKVCache, StepMetadata, paged_attention
+
+    class Layer:
+        layer_idx = 0
+
     gen = torch.Generator().manual_seed(0)
-    heads, kv_heads, dim, num_slots = 4, 2, 24, 64
-    k_cache, v_cache = (torch.randn(num_slots, kv_heads, dim, generator=gen) for _ in range(2))
-    lens = torch.tensor([1, 37, 20], dtype=torch.long)
-    slots = torch.randint(0, num_slots, (3, 37), generator=gen)
-    index = torch.tensor([2, 0, 3], dtype=torch.long)
-    query = torch.randn(1, 5, heads, dim, generator=gen).transpose(1, 2)  # strided like a model's
+    heads, kv_heads, dim, block = 4, 2, 24, 4
+    cache = PagedKVCache(1, 32, block, kv_heads, dim, torch.float32, torch.device("cpu"))
+    cache.keys[0].copy_(torch.randn(cache.keys[0].shape, generator=gen))
+    cache.values[0].copy_(torch.randn(cache.values[0].shape, generator=gen))
+    lens = torch.tensor([1, 37, 20])
+    slots = torch.randperm(32 * block, generator=gen)[:3 * 37].view(3, 37)  # scattered, like a busy cache
+    q, k, v = (torch.randn(1, 3, n, dim, generator=gen).transpose(1, 2) for n in (heads, kv_heads, kv_heads))
+    last = slots[torch.arange(3), lens - 1]
     for window, softcap in ((None, None), (8, None), (None, 5.0)):
-        out = torch.zeros(5, heads, dim)
-        kernel(query, out, k_cache, v_cache, index, slots, lens, 0.3, window, softcap)
-        q = query[0, :, index].transpose(0, 1).reshape(3, kv_heads, heads // kv_heads, dim)
-        k = k_cache[slots.view(-1)].view(3, 37, kv_heads, dim).transpose(1, 2)
-        v = v_cache[slots.view(-1)].view(3, 37, kv_heads, dim).transpose(1, 2)
-        pos = torch.arange(37)[None, :]
-        mask = pos < lens[:, None]
-        if window:
-            mask &= pos >= lens[:, None] - window
-        scores = (q @ k.transpose(-1, -2)) * 0.3
-        if softcap:
-            scores = softcap * torch.tanh(scores / softcap)
-        scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
-        want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=0.3) \
-            if softcap is None else torch.softmax(scores, -1) @ v
-        want = want.reshape(3, heads, dim)
-        if not torch.allclose(out[index], want, atol=1e-5, rtol=1e-4) or out[[1, 4]].abs().sum() != 0:
+        outs = []
+        for use in (kernel, None):
+            step = StepMetadata(cache=cache, slot_mapping=last, decode_token_index=torch.arange(3),
+                                decode_slots=slots, decode_context_lens=lens, decode_kernel=use)
+            outs.append(paged_attention(Layer(), q, k, v, None, scaling=0.3, rill_step=step,
+                                        sliding_window=window, softcap=softcap)[0])
+        if not torch.allclose(outs[0], outs[1], atol=1e-5, rtol=1e-4):
             return False
     return True
 
