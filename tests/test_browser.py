@@ -37,6 +37,11 @@ def until(condition, timeout: float = WAIT_S, interval: float = 0.1, message: st
         time.sleep(interval)
 
 
+def words(text: str) -> list[str]:
+    """Text as a reader sees it: the page renders Markdown, so line breaks and blank lines may differ."""
+    return text.split()
+
+
 def metric(url: str, name: str, **labels) -> float:
     """One sample of the server's /metrics (0 when absent)."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -104,9 +109,16 @@ class Page:
         return users.last.inner_text() if users.count() else ""
 
     def set_slider(self, elem_id: str, value: str):
+        """Types `value` into the slider's number box, leaves the box (Gradio applies it on input and on
+        blur) and waits until the slider's range input shows it: the value the page will send."""
         box = self.page.locator(f"#{elem_id} input[type=number]")
         box.fill(value)
-        box.press("Enter")
+        box.press("Tab")
+        until(lambda: self.slider(elem_id) == float(value), timeout=30,
+              message=f"{elem_id} to show {value} (it shows {self.slider(elem_id)})")
+
+    def slider(self, elem_id: str) -> float:
+        return float(self.page.locator(f"#{elem_id} input[type=range]").input_value())
 
     def idle(self) -> bool:
         """The answer ended: Send is back and Stop hidden."""
@@ -182,17 +194,33 @@ def test_closing_the_tab_aborts_its_answer(browser, embedded_server):
 
 
 def test_html_in_messages_and_answers_is_shown_as_text(visitor, embedded_server):
+    url = embedded_server.url
+    prompt = f"Write this HTML tag as-is: {XSS}"
+    settings = {"rill-temperature": "0", "rill-repetition-penalty": "1", "rill-max-new-tokens": "60"}
     visitor.page.click("#rill-settings .label-wrap")
-    visitor.set_slider("rill-temperature", "0")
-    visitor.set_slider("rill-repetition-penalty", "1")
-    visitor.set_slider("rill-max-new-tokens", "60")
+    for elem_id, value in settings.items():
+        visitor.set_slider(elem_id, value)
+    assert {elem_id: visitor.slider(elem_id) for elem_id in settings} == {k: float(v) for k, v in settings.items()}
+    # the same question through the API, greedy: the page must show exactly this answer
+    greedy = httpx.post(f"{url}/chat", json={"prompt": prompt, "temperature": 0, "repetition_penalty": 1,
+                                             "max_new_tokens": 60, "stream": False}, timeout=WAIT_S).json()["response"]
     # greedy SmolLM2-135M-Instruct answers this with the tag itself: `<img src="x" onerror="alert(1)" />`
-    visitor.send(f"Write this HTML tag as-is: {XSS}")
-    until(lambda: visitor.bot_text() and visitor.idle(), message="the answer to finish")
+    assert "<img" in greedy and "onerror" in greedy, f"expected the model to write the tag, it wrote {greedy!r}"
+    finished = metric(url, "rill_requests_finished_total", route="gradio", finish_reason="stop") + metric(
+        url, "rill_requests_finished_total", route="gradio", finish_reason="length")
 
+    def answered(count: int) -> bool:
+        done = metric(url, "rill_requests_finished_total", route="gradio", finish_reason="stop") + metric(
+            url, "rill_requests_finished_total", route="gradio", finish_reason="length")
+        return done == finished + count and visitor.idle() and bool(visitor.bot_text())
+
+    visitor.send(prompt)
+    until(lambda: answered(1), message="the answer to finish")
     assert XSS in visitor.user_text()  # the user's message, as typed
     answer = visitor.bot_text()
-    assert "<img" in answer and "onerror" in answer, f"expected the model to write the tag, it wrote {answer!r}"
+    stats = visitor.page.locator("#rill-answer-stats").inner_text()
+    assert words(answer) == words(greedy), (f"the page's greedy answer differs from /chat's ({stats}; sliders "
+                                      f"{ {k: visitor.slider(k) for k in settings} })")
     chat = visitor.page.locator("#rill-chatbot")
     assert chat.locator("img").count() == 0
     assert visitor.page.evaluate("document.querySelectorAll('[onerror]').length") == 0
@@ -200,17 +228,16 @@ def test_html_in_messages_and_answers_is_shown_as_text(visitor, embedded_server)
 
     # Retry asks again (greedy: the same answer), Undo gives the message back, Clear empties the chat
     visitor.page.click("#rill-chatbot button[aria-label='Retry']")
-    until(lambda: visitor.page.locator("#rill-stop").is_visible() or visitor.bot_text() == answer,
-          message="the retried answer to start")
-    until(lambda: visitor.idle() and visitor.bot_text(), message="the retried answer to finish")
+    until(lambda: answered(2), message="the retried answer to finish")
     assert visitor.bot_text() == answer
     assert visitor.page.locator("#rill-chatbot [data-testid='user']").count() == 1
     visitor.page.click("#rill-chatbot button[aria-label='Undo']")
     until(lambda: visitor.page.locator("#rill-chatbot [data-testid='user']").count() == 0,
           message="Undo to remove the message")
-    assert visitor.page.locator("#rill-input textarea").input_value() == f"Write this HTML tag as-is: {XSS}"
+    assert visitor.page.locator("#rill-input textarea").input_value() == prompt
     visitor.page.press("#rill-input textarea", "Enter")
-    until(lambda: visitor.bot_text() and visitor.idle(), message="the answer to the re-sent message")
+    until(lambda: answered(3), message="the answer to the re-sent message")
+    assert visitor.bot_text() == answer
     visitor.page.click("#rill-chatbot button[aria-label='Clear']")
     until(lambda: visitor.page.locator("#rill-chatbot [data-testid='bot']").count() == 0,
           message="Clear to empty the chat")
