@@ -16,7 +16,7 @@ import torch
 
 from engine.attention import PagedKVCache
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import IncrementalDetokenizer, replacement_is_final
 from engine.kv_cache import BlockAllocator
 from engine.loading import rill_cache_dir
 from engine.request import (
@@ -119,6 +119,7 @@ class EngineCore:
         self.seqs: dict[str, Sequence] = {}  # seq_id -> live sequence
         self.by_request: dict[str, list[Sequence]] = {}  # request_id -> its live sequences
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.replacement_is_final = replacement_is_final(tokenizer)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.num_steps = 0
@@ -173,7 +174,8 @@ class EngineCore:
                            token_ids=list(prompt_token_ids) + list(prior_output_ids),
                            num_prompt_tokens=len(prompt_token_ids), params=params)
             self.seqs[seq.seq_id] = seq
-            detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
+            detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens,
+                                           self.replacement_is_final)
             detok.prime(list(prior_output_ids))
             self.detokenizers[seq.seq_id] = detok
             self.scheduler.add(seq)

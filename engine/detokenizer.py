@@ -2,19 +2,45 @@
 
 Text is decoded over a short window of recent tokens; a piece ending in U+FFFD (a UTF-8
 character whose bytes are split over tokens) is held back until the next token completes it.
+Bytes that can never complete (a run of stray continuation bytes, which random or broken
+models emit) are released as U+FFFD once a later byte shows they are final, where the
+tokenizer decodes bytes one error at a time; a byte-fallback decoder, which may turn a whole
+run of byte tokens from U+FFFD into text at its last byte, keeps holding them (there, a run
+that turns invalid after some of its characters were shown reads as all U+FFFD in a decode
+of the whole output, while the stream keeps what it showed: broken output only).
 Text that could be the beginning of a stop string is also held back, so a stop string spread
 over several tokens is never half-emitted.
 """
 
 from __future__ import annotations
 
+import json
+
+
+def replacement_is_final(tokenizer) -> bool:
+    """Whether U+FFFD followed by more text stays U+FFFD whatever comes next: true for fast
+    tokenizers decoding bytes as UTF-8 with replacement (byte-level BPE: GPT-2, Llama 3, Qwen,
+    SmolLM2); false with a ByteFallback decoder (SentencePiece models) or a slow tokenizer."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    decoder = getattr(backend, "decoder", None)
+    if decoder is None:
+        return backend is not None  # no decoder: tokens are joined as they are
+    try:
+        state = json.loads(decoder.__getstate__())
+    except Exception:
+        return False
+    return "ByteFallback" not in json.dumps(state)
+
 
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas."""
 
     def __init__(self, tokenizer, stop: tuple[str, ...] = (),
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, release_final_replacements: bool | None = None):
         self.tokenizer = tokenizer
+        if release_final_replacements is None:
+            release_final_replacements = replacement_is_final(tokenizer)
+        self.release_final_replacements = release_final_replacements
         self.skip_special_tokens = skip_special_tokens
         self.token_ids: list[int] = []  # output tokens only
         self.prefix_offset = 0  # window start: decoding restarts here for context
@@ -33,10 +59,20 @@ class IncrementalDetokenizer:
         window_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
         new_text = self._decode(self.token_ids[self.prefix_offset:])
         if len(new_text) > len(window_text) and not new_text.endswith("\ufffd"):
-            self.text += new_text[len(window_text):]
-            self.prefix_offset = self.read_offset
-            self.read_offset = len(self.token_ids)
+            self._commit(new_text[len(window_text):], len(self.token_ids))
+        elif self.release_final_replacements and new_text.endswith("\ufffd"):
+            # the longest run of held tokens whose text the later ones only extended: final
+            for cut in range(len(self.token_ids) - 1, self.read_offset, -1):
+                cut_text = self._decode(self.token_ids[self.prefix_offset:cut])
+                if len(window_text) < len(cut_text) < len(new_text) and new_text.startswith(cut_text):
+                    self._commit(cut_text[len(window_text):], cut)
+                    break
         return self._release(final=False)
+
+    def _commit(self, text: str, read_offset: int) -> None:
+        self.text += text
+        self.prefix_offset = self.read_offset
+        self.read_offset = read_offset
 
     def prime(self, token_ids: list[int]) -> None:
         """Start after output that was already shown (a resumed stream): the text of these

@@ -1,14 +1,16 @@
 """Sampling features, detokenization, abort and fault isolation on a tiny random Llama."""
 
 import asyncio
+import random
 import time
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from engine import LLM, AsyncEngine, EngineConfig, FinishReason, SamplingParams
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import IncrementalDetokenizer, replacement_is_final
 from engine.loading import load_model
 
 
@@ -35,6 +37,62 @@ def test_detokenizer_never_emits_broken_characters(llm):
     deltas = [detok.add(t) for t in ids] + [detok.flush()]
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == tok.decode(ids) == text
+
+
+def byte_fallback_tokenizer():
+    """A SentencePiece-style tokenizer: a few word pieces, then <0x00>..<0xFF> byte tokens whose
+    runs the ByteFallback decoder turns into text only when the whole run is valid UTF-8."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["<unk>", "\u2581the", "\u2581cat", "\u2581", "a", "b"] + [f"<0x{b:02X}>" for b in range(256)]
+    backend = Tokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=[], unk_token="<unk>",
+                                   byte_fallback=True))
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", clean_up_tokenization_spaces=False)
+
+
+def stream(tokenizer, ids: list[int]) -> list[str]:
+    detok = IncrementalDetokenizer(tokenizer)
+    return [detok.add(t) for t in ids] + [detok.flush()]
+
+
+def test_stray_bytes_are_released_once_final(llm):
+    """A random model may emit bytes that never form a character: they show as U+FFFD as soon as
+    the next byte proves them final, instead of holding all later text back to the end."""
+    tok = llm.tokenizer
+    assert replacement_is_final(tok)
+    byte = {b: tok.convert_tokens_to_ids(symbol) for b, symbol in bytes_to_unicode().items()}
+    stray = byte[0x80]  # a lone continuation byte
+    assert tok.decode([stray]) == "\ufffd"
+    ids = tok.encode("Hi", add_special_tokens=False) + [stray] * 12 + tok.encode(" there 你好😀", add_special_tokens=False)
+    deltas = stream(tok, ids)
+    assert "".join(deltas) == tok.decode(ids) == "Hi" + "\ufffd" * 12 + " there 你好😀"
+    assert "".join(deltas[:14]) == "Hi" + "\ufffd" * 11  # one byte behind, never the whole run at the end
+
+    rng = random.Random(7)  # random token soups, heavy in lone and partial UTF-8 bytes
+    for _ in range(300):
+        ids = [byte[rng.choice([0x80, 0xBF, 0xE4, 0xF0, 0x9F, 0x41, rng.randrange(256)])] if rng.random() < 0.7 else rng.randrange(len(tok)) for _ in range(rng.randint(1, 40))]
+        assert "".join(stream(tok, ids)) == tok.decode(ids, skip_special_tokens=True), ids
+
+
+def test_byte_fallback_runs_are_held_until_they_complete():
+    tok = byte_fallback_tokenizer()
+    assert not replacement_is_final(tok)
+    byte = {b: tok.convert_tokens_to_ids(f"<0x{b:02X}>") for b in range(256)}
+    # an emoji then the first two bytes of 中: the run decodes as six U+FFFD until its last byte comes
+    ids = [tok.convert_tokens_to_ids("\u2581cat")] + [byte[b] for b in "😀中".encode()] + [tok.convert_tokens_to_ids("a")]
+    deltas = stream(tok, ids)
+    assert "".join(deltas) == tok.decode(ids) == " cat😀中a"
+    assert all("\ufffd" not in d for d in deltas)
+    rng = random.Random(11)  # valid text spelled partly in byte tokens, as such models write rare characters
+    pieces = {"a": tok.convert_tokens_to_ids("a"), "b": tok.convert_tokens_to_ids("b")}
+    for _ in range(200):
+        text = "".join(rng.choice("ab中é😀") for _ in range(rng.randint(1, 20)))
+        ids = [i for ch in text for i in ([pieces[ch]] if ch in pieces else [byte[b] for b in ch.encode()])]
+        deltas = stream(tok, ids)
+        assert "".join(deltas) == tok.decode(ids) == text
+        assert all("\ufffd" not in d for d in deltas)
 
 
 def test_stop_string_spanning_tokens_is_never_emitted(llm):
