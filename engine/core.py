@@ -45,7 +45,7 @@ class EngineStats:
     num_kv_blocks: int
     num_free_kv_blocks: int
     num_preemptions: int
-    prompt_tokens_total: int  # tokens computed for prompts (recomputation excluded)
+    prompt_tokens_total: int  # prompt tokens computed, each once (prefix-cache hits and recomputation excluded)
     generation_tokens_total: int
     num_steps: int
     finished_total: dict[str, int] = field(default_factory=dict)  # finish reason -> count
@@ -215,9 +215,11 @@ class EngineCore:
         sampling: list[ScheduledChunk] = []
         for chunk in plan:
             seq = chunk.seq
-            if seq.num_computed_tokens < seq.num_prompt_tokens:  # first computation, not recomputation
-                self.prompt_tokens_total += min(chunk.num_tokens, seq.num_prompt_tokens - chunk.start)
             seq.num_computed_tokens += chunk.num_tokens
+            prompt_end = min(seq.num_computed_tokens, seq.num_prompt_tokens)
+            if prompt_end > seq.num_prompt_tokens_computed:  # not a recomputation after preemption
+                self.prompt_tokens_total += prompt_end - max(seq.num_prompt_tokens_computed, chunk.start)
+                seq.num_prompt_tokens_computed = prompt_end
             seq.num_cached_blocks = self.allocator.cache_full_blocks(
                 seq.token_ids, seq.block_hashes, seq.block_table, seq.num_computed_tokens, seq.num_cached_blocks)
             if chunk.samples:

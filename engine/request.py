@@ -183,6 +183,7 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_prompt_tokens_computed: int = 0  # high-water mark: recomputed prompt tokens count once
     block_table: list[int] = field(default_factory=list)  # KV block ids, in order
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache names of its full blocks
     num_cached_blocks: int = 0  # leading blocks of block_table named in the prefix cache

@@ -83,6 +83,8 @@ def test_parity_survives_preemption(tiny_model, arch):
     assert llm.core.scheduler.num_preemptions > 0
     assert got == refs
     assert llm.core.allocator.num_free == 40
+    stats = llm.core.stats()  # recomputed prompt tokens are not counted twice
+    assert stats.prompt_tokens_total == sum(len(p) for p in prompts), (stats.prefix_cache_hit_tokens, stats)
 
 
 def test_mistral_sliding_window_is_exercised(tiny_model):
