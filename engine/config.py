@@ -20,6 +20,7 @@ class EngineConfig:
     packed_linears: bool = True  # on CPU, run nn.Linear on oneDNN with pre-packed weights
     prefix_caching: bool = True  # share the KV blocks of common prompt prefixes between requests
     decode_kernel: bool = True  # on CPU (float32), decode attention in a C kernel built once into $RILL_CACHE
+    small_batch_kernel: bool = True  # on CPU (float32), linears of steps of <= 16 rows in a C kernel (same library)
 
     def __post_init__(self):
         def need(ok: bool, what: str, given) -> None:

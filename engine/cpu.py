@@ -23,6 +23,13 @@ torch path gathers every sequence's context with `index_select` and runs SDPA wi
 reads the keys twice and builds tensors per layer: 15% of a 32-sequence step here against 2%.
 It is checked against that path on a small case first; without a compiler, or on a mismatch,
 the engine keeps the torch path and says so in its log.
+
+4. `small_linear_kernel()`: linears of steps with at most 16 rows (a few running sequences) in
+another C function of the same library (`csrc/small_linear.c`), on the weights as nn.Linear keeps
+them. Such steps only stream the weights through the cores: oneDNN's packed kernel reads them at
+6-11 GB/s here, this at 10-19 GB/s (the machine reads 18). It needs that plain copy of each
+weight next to the packed one, so it is used when the model's linear weights take at most
+1 GiB; checked against `F.linear` first, like the decode kernel.
 """
 
 from __future__ import annotations
@@ -51,18 +58,29 @@ def _linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) ->
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-class PackedLinear(nn.Module):
-    """`nn.Linear` for inference on CPU, the weight pre-packed in oneDNN's blocked layout."""
+SMALL_BATCH_ROWS = 16  # up to this many rows, the small-batch kernel beats oneDNN here
+SMALL_BATCH_WEIGHT_BYTES = 1 << 30  # the plain weight copies it reads may take this much
 
-    def __init__(self, linear: nn.Linear):
+
+class PackedLinear(nn.Module):
+    """`nn.Linear` for inference on CPU, the weight pre-packed in oneDNN's blocked layout; with
+    `small`, steps of up to SMALL_BATCH_ROWS rows run that kernel on the plain weight instead."""
+
+    def __init__(self, linear: nn.Linear, small: SmallLinearKernel | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+        self.small = small if linear.weight.dtype == torch.float32 else None
+        self.unpacked = linear.weight.detach().contiguous() if self.small else None  # what `small` reads
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        y = _linear(x.reshape(-1, self.in_features), self.packed, self.bias)
+        rows = x.reshape(-1, self.in_features)
+        if self.small is not None and rows.shape[0] <= SMALL_BATCH_ROWS and rows.dtype == torch.float32:
+            y = self.small(rows, self.unpacked, self.bias)
+        else:
+            y = _linear(rows, self.packed, self.bias)
         return y.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:
@@ -85,15 +103,21 @@ def _works(dtype: torch.dtype) -> bool:
         return False
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Swap the model's plain CPU `nn.Linear`s for `PackedLinear`; returns how many were swapped."""
+def pack_linears(model: nn.Module, small: SmallLinearKernel | None = None) -> tuple[int, bool]:
+    """Swap the model's plain CPU `nn.Linear`s for `PackedLinear`; returns how many were swapped
+    and whether small batches use `small` (float32 weights of at most SMALL_BATCH_WEIGHT_BYTES)."""
     targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
                if type(child) is nn.Linear and child.weight.device.type == "cpu" and child.weight.dtype in _DTYPES]
     if not targets or not _works(targets[0][2].weight.dtype):
-        return 0
+        return 0, False
+    weight_bytes = sum(child.weight.numel() * child.weight.element_size() for _, _, child in targets)
+    if small is not None and (targets[0][2].weight.dtype != torch.float32 or weight_bytes > SMALL_BATCH_WEIGHT_BYTES):
+        log.info("small-batch linears: oneDNN (the C kernel takes float32 weights of up to %d MiB; these are "
+                 "%s, %d MiB)", SMALL_BATCH_WEIGHT_BYTES >> 20, targets[0][2].weight.dtype, weight_bytes >> 20)
+        small = None
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child))
-    return len(targets)
+        setattr(parent, name, PackedLinear(child, small))
+    return len(targets), small is not None
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (glibc malloc.h)
@@ -110,8 +134,29 @@ def keep_freed_memory() -> bool:
         return False
 
 
-_KERNEL_SOURCE = Path(__file__).parent / "csrc" / "decode_attention.c"
+_SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=gnu11", "-shared", "-fPIC"]
+
+
+class SmallLinearKernel:
+    """`rill_small_linear` from the compiled library: x [rows, in] @ weight[out, in].T + bias."""
+
+    def __init__(self, library: ctypes.CDLL, path: Path):
+        self.path = path
+        self._fn = library.rill_small_linear
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        self._fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
+        self._fn.restype = None
+        self.threads = torch.get_num_threads()
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        rows, out_features = x.shape[0], weight.shape[0]
+        y = torch.empty(rows, out_features, dtype=torch.float32)
+        self._fn(x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                 y.data_ptr(), rows, out_features, weight.shape[1], self.threads)
+        return y
 
 
 class DecodeAttentionKernel:
@@ -143,7 +188,7 @@ def _compiler() -> str | None:
 
 
 def _build(cache_dir: Path) -> Path:
-    """Compile the kernel unless this source, compiler and CPU already have a build; returns the .so."""
+    """Compile the kernels unless these sources, compiler and CPU already have a build; returns the .so."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc, gcc or clang; or $CC)")
@@ -152,14 +197,14 @@ def _build(cache_dir: Path) -> Path:
     if Path("/proc/cpuinfo").exists():  # -march=native: a build is only good for this CPU
         cpu_flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
                           if line.startswith(("flags", "Features"))), "")
-    key = hashlib.sha256("\0".join([_KERNEL_SOURCE.read_text(), version, cpu_flags, *_CFLAGS]).encode()).hexdigest()
-    target = cache_dir / "kernels" / f"decode_attention-{key[:16]}.so"
+    key = hashlib.sha256("\0".join([*(src.read_text() for src in _SOURCES), version, cpu_flags, *_CFLAGS]).encode())
+    target = cache_dir / "kernels" / f"rill_kernels-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        result = subprocess.run([cc, *_CFLAGS, str(_KERNEL_SOURCE), "-o", str(built), "-lm"],
+        result = subprocess.run([cc, *_CFLAGS, *map(str, _SOURCES), "-o", str(built), "-lm"],
                                 capture_output=True, text=True, timeout=120)
         if result.returncode != 0:
             raise RuntimeError(f"{cc} failed: {result.stderr.strip()[-500:]}")
@@ -196,11 +241,43 @@ def _kernel_agrees(kernel: DecodeAttentionKernel) -> bool:
     return True
 
 
+def _small_linear_agrees(kernel: SmallLinearKernel) -> bool:
+    """The kernel against F.linear: 1 to 5 rows (one tile and the partial ones), a width that is
+    no multiple of 8, an output count that is no multiple of 4, with and without bias, rows
+    with a stride."""
+    gen = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(10, 37, generator=gen), torch.randn(10, generator=gen)
+    wide = torch.randn(5, 40, generator=gen)
+    for rows in range(1, 6):
+        x = wide[:rows, :37]
+        for b in (None, bias):
+            if not torch.allclose(kernel(x, weight, b), F.linear(x, weight, b), atol=1e-5, rtol=1e-5):
+                return False
+    return True
+
+
+def _library(cache_dir: Path) -> tuple[ctypes.CDLL, Path]:
+    path = _build(cache_dir)
+    return ctypes.CDLL(str(path)), path
+
+
+def small_linear_kernel(cache_dir: Path) -> SmallLinearKernel | None:
+    """The compiled small-batch linear, or None (with the reason logged) when it cannot be used here."""
+    try:
+        kernel = SmallLinearKernel(*_library(cache_dir))
+        if not _small_linear_agrees(kernel):
+            log.warning("small-batch linears: the C kernel disagrees with F.linear; using oneDNN")
+            return None
+        return kernel
+    except Exception as exc:
+        log.warning("small-batch linears: oneDNN (the C kernel is unavailable: %s)", exc)
+        return None
+
+
 def decode_attention_kernel(cache_dir: Path) -> DecodeAttentionKernel | None:
     """The compiled decode kernel, or None (with the reason logged) when it cannot be used here."""
     try:
-        path = _build(cache_dir)
-        kernel = DecodeAttentionKernel(ctypes.CDLL(str(path)), path)
+        kernel = DecodeAttentionKernel(*_library(cache_dir))
         if not _kernel_agrees(kernel):
             log.warning("decode attention: the C kernel disagrees with the torch path; using the torch path")
             return None

@@ -1,10 +1,13 @@
-"""The C decode-attention kernel (engine/csrc) against the torch path of `paged_attention`."""
+"""The C kernels (engine/csrc): decode attention against the torch path of `paged_attention`,
+the small-batch linear against `F.linear`."""
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from engine.attention import PagedKVCache, StepMetadata, paged_attention
-from engine.cpu import decode_attention_kernel
+from engine.cpu import SMALL_BATCH_ROWS, PackedLinear, decode_attention_kernel, small_linear_kernel
 
 
 @pytest.fixture(scope="module")
@@ -74,3 +77,48 @@ def test_kernel_alone_with_one_sequence_uses_every_thread_path(kernel):
 def test_build_is_cached(kernel, tmp_path_factory):
     again = decode_attention_kernel(kernel.path.parent.parent)
     assert again is not None and again.path == kernel.path
+
+
+@pytest.fixture(scope="module")
+def small(kernel):
+    built = small_linear_kernel(kernel.path.parent.parent)  # the same library
+    assert built is not None and built.path == kernel.path
+    return built
+
+
+@pytest.mark.parametrize("in_features, out_features", [(64, 48), (37, 10), (8, 1), (5, 7), (576, 1536), (2048, 515)])
+def test_small_linear_equals_f_linear(small, in_features, out_features):
+    """Every row count it takes (whole tiles of 3 rows and the partial ones), widths that are no
+    multiple of 8, output counts that are no multiple of 4, with and without bias."""
+    gen = torch.Generator().manual_seed(in_features * out_features)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    bias = torch.randn(out_features, generator=gen)
+    for rows in range(1, SMALL_BATCH_ROWS + 1):
+        x = torch.randn(rows, in_features, generator=gen)
+        for b in (None, bias):
+            torch.testing.assert_close(small(x, weight, b), F.linear(x, weight, b), atol=1e-4, rtol=1e-5)
+
+
+def test_small_linear_reads_strided_rows(small):
+    gen = torch.Generator().manual_seed(3)
+    wide, weight = torch.randn(7, 96, generator=gen), torch.randn(20, 64, generator=gen)
+    rows = wide[:, 16:80]  # a view: rows 96 floats apart
+    assert not rows.is_contiguous()
+    torch.testing.assert_close(small(rows, weight, None), F.linear(rows, weight), atol=1e-4, rtol=1e-5)
+    cols = torch.randn(64, 5, generator=gen).t()  # columns not contiguous: copied first
+    torch.testing.assert_close(small(cols, weight, None), F.linear(cols, weight), atol=1e-4, rtol=1e-5)
+
+
+def test_packed_linear_takes_the_kernel_for_small_batches_only(small, monkeypatch):
+    gen = torch.Generator().manual_seed(4)
+    linear = nn.Linear(40, 24)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(24, 40, generator=gen))
+    packed = PackedLinear(linear, small)
+    calls = []
+    monkeypatch.setattr(packed, "small", lambda *a: calls.append(a[0].shape[0]) or small(*a))
+    for rows in (1, SMALL_BATCH_ROWS, SMALL_BATCH_ROWS + 1, 100):
+        x = torch.randn(1, rows, 40, generator=gen)
+        with torch.no_grad():
+            torch.testing.assert_close(packed(x), linear(x), atol=1e-4, rtol=1e-5)
+    assert calls == [1, SMALL_BATCH_ROWS]  # larger steps went to oneDNN
