@@ -261,27 +261,25 @@ def _library(cache_dir: Path) -> tuple[ctypes.CDLL, Path]:
     return ctypes.CDLL(str(path)), path
 
 
+def _checked_kernel(kind, agrees, cache_dir: Path, what: str, reference: str, instead: str):
+    """`kind` from the compiled library if it `agrees` with the reference, else None (logged)."""
+    try:
+        kernel = kind(*_library(cache_dir))
+        if agrees(kernel):
+            return kernel
+        log.warning("%s: the C kernel disagrees with %s; using %s", what, reference, instead)
+    except Exception as exc:  # no compiler, no OpenMP, a read-only cache, ...
+        log.warning("%s: %s (the C kernel is unavailable: %s)", what, instead, exc)
+    return None
+
+
 def small_linear_kernel(cache_dir: Path) -> SmallLinearKernel | None:
     """The compiled small-batch linear, or None (with the reason logged) when it cannot be used here."""
-    try:
-        kernel = SmallLinearKernel(*_library(cache_dir))
-        if not _small_linear_agrees(kernel):
-            log.warning("small-batch linears: the C kernel disagrees with F.linear; using oneDNN")
-            return None
-        return kernel
-    except Exception as exc:
-        log.warning("small-batch linears: oneDNN (the C kernel is unavailable: %s)", exc)
-        return None
+    return _checked_kernel(SmallLinearKernel, _small_linear_agrees, cache_dir, "small-batch linears", "F.linear",
+                           "oneDNN")
 
 
 def decode_attention_kernel(cache_dir: Path) -> DecodeAttentionKernel | None:
     """The compiled decode kernel, or None (with the reason logged) when it cannot be used here."""
-    try:
-        kernel = DecodeAttentionKernel(*_library(cache_dir))
-        if not _kernel_agrees(kernel):
-            log.warning("decode attention: the C kernel disagrees with the torch path; using the torch path")
-            return None
-        return kernel
-    except Exception as exc:  # no compiler, no OpenMP, a read-only cache, ...
-        log.warning("decode attention: torch path (the C kernel is unavailable: %s)", exc)
-        return None
+    return _checked_kernel(DecodeAttentionKernel, _kernel_agrees, cache_dir, "decode attention", "the torch path",
+                           "the torch path")

@@ -122,3 +122,20 @@ def test_packed_linear_takes_the_kernel_for_small_batches_only(small, monkeypatc
         with torch.no_grad():
             torch.testing.assert_close(packed(x), linear(x), atol=1e-4, rtol=1e-5)
     assert calls == [1, SMALL_BATCH_ROWS]  # larger steps went to oneDNN
+
+
+def test_without_a_compiler_the_engine_says_so_and_uses_torch(tmp_path, monkeypatch, caplog, tiny_model):
+    from engine import LLM, EngineConfig, SamplingParams
+    from engine.loading import load_model
+
+    monkeypatch.setenv("CC", "/bin/false")  # a compiler that fails: as good as none
+    monkeypatch.setenv("RILL_CACHE", str(tmp_path))
+    with caplog.at_level("INFO", logger="rill.engine"):
+        llm = LLM(load_model(str(tiny_model("llama"))), EngineConfig())
+        assert llm.core.runner.decode_kernel is None and not llm.core.small_batch_kernel
+        text = llm.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=8))[0].text
+    assert text
+    log = caplog.text
+    assert "decode attention: the torch path (the C kernel is unavailable: /bin/false failed" in log
+    assert "small-batch linears: oneDNN (the C kernel is unavailable" in log
+    assert "decode attention on the torch path" in log
