@@ -17,10 +17,10 @@ class EngineConfig:
     max_queue: int = 256  # sequences waiting; beyond it add_request raises QueueFull
     max_model_len: int | None = None  # None = the model's context length
     seed: int = 0  # seeds the generator shared by unseeded sampling requests
-    packed_linears: bool = True  # on CPU, run nn.Linear on oneDNN with pre-packed weights
+    packed_linears: bool = True  # on CPU, nn.Linear with weights repacked once: C kernel (float32) or oneDNN
     prefix_caching: bool = True  # share the KV blocks of common prompt prefixes between requests
     decode_kernel: bool = True  # on CPU (float32), decode attention in a C kernel built once into $RILL_CACHE
-    small_batch_kernel: bool = True  # on CPU (float32), linears of steps of <= 16 rows in a C kernel (same library)
+    linear_kernel: bool = True  # on CPU (float32), linears in a C kernel of the same library (else oneDNN)
 
     def __post_init__(self):
         def need(ok: bool, what: str, given) -> None:

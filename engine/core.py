@@ -27,8 +27,7 @@ from engine.request import (
     SamplingParams,
     Sequence,
 )
-from engine.cpu import (SMALL_BATCH_ROWS, decode_attention_kernel, keep_freed_memory, pack_linears,
-                        small_linear_kernel)
+from engine.cpu import decode_attention_kernel, keep_freed_memory, linear_kernel, pack_linears
 from engine.runner import FallbackRunner, PagedRunner, RequestFault, kv_geometry, supports_paged_attention
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledChunk, Scheduler
@@ -98,15 +97,16 @@ class EngineCore:
         per_block = PagedKVCache.bytes_per_block(num_layers, config.block_size, num_kv_heads, head_dim, model.dtype)
         self.num_kv_blocks = self._num_blocks(per_block, model.device)
         self.kv_cache_bytes = self.num_kv_blocks * per_block
-        num_packed, small_batch = 0, False
+        num_packed, self.linears = 0, "torch"
         on_cpu = model.device.type == "cpu"
         if on_cpu:
             keep_freed_memory()
             if config.packed_linears:
-                small = None
-                if config.small_batch_kernel and model.dtype == torch.float32:
-                    small = small_linear_kernel(rill_cache_dir())
-                num_packed, small_batch = pack_linears(model, small)
+                kernel = None
+                if config.linear_kernel and model.dtype == torch.float32:
+                    kernel = linear_kernel(rill_cache_dir())
+                num_packed, self.linears = pack_linears(model, kernel)
+                self.linears = self.linears or "torch"
         if supports_paged_attention(model):
             kernel = None
             if on_cpu and config.decode_kernel and model.dtype == torch.float32:
@@ -130,10 +130,8 @@ class EngineCore:
         self.num_steps = 0
         self.finished_total: Counter[str] = Counter()
         log.info("engine: %s attention path, %d KV blocks of %d tokens (%.1f MiB), max_model_len %d, "
-                 "%d linears packed for oneDNN%s", self.attention_path, self.num_kv_blocks, config.block_size,
-                 self.kv_cache_bytes / 2**20, self.max_model_len, num_packed,
-                 f" (steps of up to {SMALL_BATCH_ROWS} rows in the C kernel)" if small_batch else "")
-        self.small_batch_kernel = small_batch
+                 "%d linears repacked for the %s", self.attention_path, self.num_kv_blocks, config.block_size,
+                 self.kv_cache_bytes / 2**20, self.max_model_len, num_packed, self.linears)
 
     def _num_blocks(self, per_block: int, device: torch.device) -> int:
         cfg = self.config

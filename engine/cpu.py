@@ -6,10 +6,11 @@ the small row counts of decode steps. A 4096x512 output head takes 2.6 ms at 8 r
 `F.linear` and 0.3 ms packed; a 2048x512 projection at 64 rows 1.4 ms against 1.05 ms. Results
 differ from `F.linear` by float rounding only (about 4e-6 on unit-scale inputs).
 
-`pack_linears(model)` swaps every plain `nn.Linear` of a CPU model for a `PackedLinear` holding
-the packed weight (the original weight tensor is released unless something else, such as tied
-input embeddings, still holds it). It checks one layer against `F.linear` first and leaves the
-model untouched when oneDNN is missing or disagrees.
+`pack_linears(model, kernel)` swaps every plain `nn.Linear` of a CPU model for a `PanelLinear`
+(float32, with the C kernel of 4.) or else a `PackedLinear` holding the packed weight (the
+original weight tensor is released unless something else, such as tied input embeddings, still
+holds it). For oneDNN it checks one layer against `F.linear` first and leaves the model
+untouched when oneDNN is missing or disagrees.
 
 2. `keep_freed_memory()`: glibc serves allocations above 128 KiB-32 MiB with fresh `mmap`s and
 returns them on free, so every step's multi-megabyte activations and KV gathers page-fault
@@ -24,12 +25,12 @@ reads the keys twice and builds tensors per layer: 15% of a 32-sequence step her
 It is checked against that path on a small case first; without a compiler, or on a mismatch,
 the engine keeps the torch path and says so in its log.
 
-4. `small_linear_kernel()`: linears of steps with at most 16 rows (a few running sequences) in
-another C function of the same library (`csrc/small_linear.c`), on the weights as nn.Linear keeps
-them. Such steps only stream the weights through the cores: oneDNN's packed kernel reads them at
-6-11 GB/s here, this at 10-19 GB/s (the machine reads 18). It needs that plain copy of each
-weight next to the packed one, so it is used when the model's linear weights take at most
-1 GiB; checked against `F.linear` first, like the decode kernel.
+4. `linear_kernel()`: every linear of a float32 model in another C function of the same library
+(`csrc/linear.c`), on weights rearranged once into panels of 16 output features. Measured here
+against the packed oneDNN linear of 1.: 1.2-2.7x on decode steps (1-64 rows: they mostly stream
+the weights, which this does at 12-20 GB/s against oneDNN's 5-12), 0.9-1.3x on prefill chunks;
+SmolLM2's 576 x 49152 output head at one row 7.4 ms against 12.7. The panels replace the weight
+(no second copy). Checked against `F.linear` first; bfloat16 models, or no compiler, keep 1.
 """
 
 from __future__ import annotations
@@ -58,33 +59,55 @@ def _linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) ->
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-SMALL_BATCH_ROWS = 16  # up to this many rows, the small-batch kernel beats oneDNN here
-SMALL_BATCH_WEIGHT_BYTES = 1 << 30  # the plain weight copies it reads may take this much
-
-
 class PackedLinear(nn.Module):
-    """`nn.Linear` for inference on CPU, the weight pre-packed in oneDNN's blocked layout; with
-    `small`, steps of up to SMALL_BATCH_ROWS rows run that kernel on the plain weight instead."""
+    """`nn.Linear` for inference on CPU, the weight pre-packed in oneDNN's blocked layout."""
 
-    def __init__(self, linear: nn.Linear, small: SmallLinearKernel | None = None):
+    def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
-        self.small = small if linear.weight.dtype == torch.float32 else None
-        self.unpacked = linear.weight.detach().contiguous() if self.small else None  # what `small` reads
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        rows = x.reshape(-1, self.in_features)
-        if self.small is not None and rows.shape[0] <= SMALL_BATCH_ROWS and rows.dtype == torch.float32:
-            y = self.small(rows, self.unpacked, self.bias)
-        else:
-            y = _linear(rows, self.packed, self.bias)
+        y = _linear(x.reshape(-1, self.in_features), self.packed, self.bias)
         return y.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class PanelLinear(nn.Module):
+    """`nn.Linear` for inference on CPU in float32, on `LinearKernel` (csrc/linear.c): the weight
+    held as panels of 16 output features, [ceil(out / 16), in, 16], the last one zero-padded."""
+
+    def __init__(self, linear: nn.Linear, kernel: LinearKernel):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.kernel = kernel
+        self.panels = panels_of(linear.weight.detach())
+        bias = None
+        if linear.bias is not None:
+            bias = torch.zeros(self.panels.shape[0] * 16, dtype=torch.float32)
+            bias[:self.out_features] = linear.bias.detach()
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = self.kernel(x.reshape(-1, self.in_features), self.panels, self.bias, self.out_features)
+        return y.view(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def panels_of(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> [ceil(out / 16), in, 16]: panel p holds the weights of outputs 16p..16p+15."""
+    out_features, in_features = weight.shape
+    num_panels = (out_features + 15) // 16
+    padded = torch.zeros(num_panels * 16, in_features, dtype=torch.float32)
+    padded[:out_features] = weight
+    return padded.view(num_panels, 16, in_features).transpose(1, 2).contiguous()
 
 
 def _works(dtype: torch.dtype) -> bool:
@@ -103,21 +126,22 @@ def _works(dtype: torch.dtype) -> bool:
         return False
 
 
-def pack_linears(model: nn.Module, small: SmallLinearKernel | None = None) -> tuple[int, bool]:
-    """Swap the model's plain CPU `nn.Linear`s for `PackedLinear`; returns how many were swapped
-    and whether small batches use `small` (float32 weights of at most SMALL_BATCH_WEIGHT_BYTES)."""
+def pack_linears(model: nn.Module, kernel: LinearKernel | None = None) -> tuple[int, str]:
+    """Swap the model's plain CPU `nn.Linear`s for `PanelLinear` (float32 with `kernel`) or
+    `PackedLinear`; returns how many were swapped and where they run ("C kernel" or "oneDNN")."""
     targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
                if type(child) is nn.Linear and child.weight.device.type == "cpu" and child.weight.dtype in _DTYPES]
-    if not targets or not _works(targets[0][2].weight.dtype):
-        return 0, False
-    weight_bytes = sum(child.weight.numel() * child.weight.element_size() for _, _, child in targets)
-    if small is not None and (targets[0][2].weight.dtype != torch.float32 or weight_bytes > SMALL_BATCH_WEIGHT_BYTES):
-        log.info("small-batch linears: oneDNN (the C kernel takes float32 weights of up to %d MiB; these are "
-                 "%s, %d MiB)", SMALL_BATCH_WEIGHT_BYTES >> 20, targets[0][2].weight.dtype, weight_bytes >> 20)
-        small = None
+    if not targets:
+        return 0, ""
+    if kernel is not None and targets[0][2].weight.dtype == torch.float32:
+        for parent, name, child in targets:
+            setattr(parent, name, PanelLinear(child, kernel))
+        return len(targets), "C kernel"
+    if not _works(targets[0][2].weight.dtype):
+        return 0, ""
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child, small))
-    return len(targets), small is not None
+        setattr(parent, name, PackedLinear(child))
+    return len(targets), "oneDNN"
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (glibc malloc.h)
@@ -138,24 +162,26 @@ _SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=gnu11", "-shared", "-fPIC"]
 
 
-class SmallLinearKernel:
-    """`rill_small_linear` from the compiled library: x [rows, in] @ weight[out, in].T + bias."""
+class LinearKernel:
+    """`rill_linear` from the compiled library: x [rows, in] times the panels of a weight."""
 
     def __init__(self, library: ctypes.CDLL, path: Path):
         self.path = path
-        self._fn = library.rill_small_linear
+        self._fn = library.rill_linear
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self._fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
         self._fn.restype = None
         self.threads = torch.get_num_threads()
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
+                 out_features: int) -> torch.Tensor:
+        """x: [rows, in] float32 (rows may be strided); panels from `panels_of`; bias padded like them."""
         if x.stride(-1) != 1:
             x = x.contiguous()
-        rows, out_features = x.shape[0], weight.shape[0]
+        rows = x.shape[0]
         y = torch.empty(rows, out_features, dtype=torch.float32)
-        self._fn(x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(),
-                 y.data_ptr(), rows, out_features, weight.shape[1], self.threads)
+        self._fn(x.data_ptr(), x.stride(0), panels.data_ptr(), None if bias is None else bias.data_ptr(),
+                 y.data_ptr(), rows, out_features, x.shape[1], self.threads)
         return y
 
 
@@ -241,17 +267,22 @@ def _kernel_agrees(kernel: DecodeAttentionKernel) -> bool:
     return True
 
 
-def _small_linear_agrees(kernel: SmallLinearKernel) -> bool:
-    """The kernel against F.linear: 1 to 5 rows (one tile and the partial ones), a width that is
-    no multiple of 8, an output count that is no multiple of 4, with and without bias, rows
-    with a stride."""
+def _linear_agrees(kernel: LinearKernel) -> bool:
+    """The kernel against F.linear: 1 to 13 rows (tiles of 6 and every partial one), a width that
+    is no multiple of 8, a partial panel, with and without bias, rows with a stride."""
     gen = torch.Generator().manual_seed(0)
-    weight, bias = torch.randn(10, 37, generator=gen), torch.randn(10, generator=gen)
-    wide = torch.randn(5, 40, generator=gen)
-    for rows in range(1, 6):
-        x = wide[:rows, :37]
-        for b in (None, bias):
-            if not torch.allclose(kernel(x, weight, b), F.linear(x, weight, b), atol=1e-5, rtol=1e-5):
+    linear = nn.Linear(37, 21)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(21, 37, generator=gen))
+        linear.bias.copy_(torch.randn(21, generator=gen))
+    wide = torch.randn(13, 40, generator=gen)
+    for bias in (True, False):
+        if not bias:
+            linear.bias = None
+        panel = PanelLinear(linear, kernel)
+        for rows in range(1, 14):
+            x = wide[:rows, :37]
+            if not torch.allclose(panel(x), F.linear(x, linear.weight, linear.bias), atol=1e-5, rtol=1e-5):
                 return False
     return True
 
@@ -273,10 +304,9 @@ def _checked_kernel(kind, agrees, cache_dir: Path, what: str, reference: str, in
     return None
 
 
-def small_linear_kernel(cache_dir: Path) -> SmallLinearKernel | None:
-    """The compiled small-batch linear, or None (with the reason logged) when it cannot be used here."""
-    return _checked_kernel(SmallLinearKernel, _small_linear_agrees, cache_dir, "small-batch linears", "F.linear",
-                           "oneDNN")
+def linear_kernel(cache_dir: Path) -> LinearKernel | None:
+    """The compiled linear, or None (with the reason logged) when it cannot be used here."""
+    return _checked_kernel(LinearKernel, _linear_agrees, cache_dir, "linears", "F.linear", "oneDNN")
 
 
 def decode_attention_kernel(cache_dir: Path) -> DecodeAttentionKernel | None:

@@ -1,5 +1,5 @@
 """The C kernels (engine/csrc): decode attention against the torch path of `paged_attention`,
-the small-batch linear against `F.linear`."""
+the linear against `nn.Linear`."""
 
 import pytest
 import torch
@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import PagedKVCache, StepMetadata, paged_attention
-from engine.cpu import SMALL_BATCH_ROWS, PackedLinear, decode_attention_kernel, small_linear_kernel
+from engine.cpu import PackedLinear, PanelLinear, decode_attention_kernel, linear_kernel, pack_linears
 
 
 @pytest.fixture(scope="module")
@@ -80,48 +80,57 @@ def test_build_is_cached(kernel, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def small(kernel):
-    built = small_linear_kernel(kernel.path.parent.parent)  # the same library
+def linear(kernel):
+    built = linear_kernel(kernel.path.parent.parent)  # the same library
     assert built is not None and built.path == kernel.path
     return built
 
 
-@pytest.mark.parametrize("in_features, out_features", [(64, 48), (37, 10), (8, 1), (5, 7), (576, 1536), (2048, 515)])
-def test_small_linear_equals_f_linear(small, in_features, out_features):
-    """Every row count it takes (whole tiles of 3 rows and the partial ones), widths that are no
-    multiple of 8, output counts that are no multiple of 4, with and without bias."""
-    gen = torch.Generator().manual_seed(in_features * out_features)
-    weight = torch.randn(out_features, in_features, generator=gen)
-    bias = torch.randn(out_features, generator=gen)
-    for rows in range(1, SMALL_BATCH_ROWS + 1):
-        x = torch.randn(rows, in_features, generator=gen)
-        for b in (None, bias):
-            torch.testing.assert_close(small(x, weight, b), F.linear(x, weight, b), atol=1e-4, rtol=1e-5)
-
-
-def test_small_linear_reads_strided_rows(small):
-    gen = torch.Generator().manual_seed(3)
-    wide, weight = torch.randn(7, 96, generator=gen), torch.randn(20, 64, generator=gen)
-    rows = wide[:, 16:80]  # a view: rows 96 floats apart
-    assert not rows.is_contiguous()
-    torch.testing.assert_close(small(rows, weight, None), F.linear(rows, weight), atol=1e-4, rtol=1e-5)
-    cols = torch.randn(64, 5, generator=gen).t()  # columns not contiguous: copied first
-    torch.testing.assert_close(small(cols, weight, None), F.linear(cols, weight), atol=1e-4, rtol=1e-5)
-
-
-def test_packed_linear_takes_the_kernel_for_small_batches_only(small, monkeypatch):
-    gen = torch.Generator().manual_seed(4)
-    linear = nn.Linear(40, 24)
+def _layer(in_features: int, out_features: int, bias: bool, seed: int) -> nn.Linear:
+    gen = torch.Generator().manual_seed(seed)
+    layer = nn.Linear(in_features, out_features, bias=bias)
     with torch.no_grad():
-        linear.weight.copy_(torch.randn(24, 40, generator=gen))
-    packed = PackedLinear(linear, small)
-    calls = []
-    monkeypatch.setattr(packed, "small", lambda *a: calls.append(a[0].shape[0]) or small(*a))
-    for rows in (1, SMALL_BATCH_ROWS, SMALL_BATCH_ROWS + 1, 100):
-        x = torch.randn(1, rows, 40, generator=gen)
-        with torch.no_grad():
-            torch.testing.assert_close(packed(x), linear(x), atol=1e-4, rtol=1e-5)
-    assert calls == [1, SMALL_BATCH_ROWS]  # larger steps went to oneDNN
+        layer.weight.copy_(torch.randn(out_features, in_features, generator=gen))
+        if bias:
+            layer.bias.copy_(torch.randn(out_features, generator=gen))
+    return layer
+
+
+@pytest.mark.parametrize("in_features, out_features", [(64, 48), (37, 10), (8, 1), (5, 7), (576, 1536), (2048, 515)])
+def test_linear_kernel_equals_nn_linear(linear, in_features, out_features):
+    """Row counts of decode steps and prefill chunks (whole tiles of 6 rows and every partial
+    one), widths that are no multiple of 8, partial panels, with and without bias."""
+    gen = torch.Generator().manual_seed(1)
+    for bias in (False, True):
+        layer = _layer(in_features, out_features, bias, seed=in_features * out_features)
+        panel = PanelLinear(layer, linear)
+        for rows in [*range(1, 14), 64, 130]:
+            x = torch.randn(rows, in_features, generator=gen)
+            with torch.no_grad():
+                torch.testing.assert_close(panel(x), layer(x), atol=2e-4, rtol=1e-5)
+
+
+def test_linear_kernel_reads_strided_rows_and_batches(linear):
+    layer = _layer(64, 20, True, seed=3)
+    panel = PanelLinear(layer, linear)
+    gen = torch.Generator().manual_seed(3)
+    rows = torch.randn(7, 96, generator=gen)[:, 16:80]  # a view: rows 96 floats apart
+    assert not rows.is_contiguous()
+    cols = torch.randn(64, 5, generator=gen).t()  # columns not contiguous: copied first
+    batch = torch.randn(2, 3, 64, generator=gen)  # [batch, tokens, hidden], as a model calls it
+    with torch.no_grad():
+        for x in (rows, cols, batch):
+            torch.testing.assert_close(panel(x), layer(x), atol=1e-4, rtol=1e-5)
+
+
+def test_float32_linears_run_on_the_kernel_others_on_onednn(linear):
+    model = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
+    assert pack_linears(model, linear) == (2, "C kernel")
+    assert isinstance(model[0], PanelLinear) and isinstance(model[2], PanelLinear)
+    bf16 = nn.Sequential(nn.Linear(16, 8)).to(torch.bfloat16)
+    assert pack_linears(bf16, linear)[1] != "C kernel" and not isinstance(bf16[0], PanelLinear)  # oneDNN or torch
+    plain = nn.Sequential(nn.Linear(16, 8))
+    assert pack_linears(plain, None) == (1, "oneDNN") and isinstance(plain[0], PackedLinear)
 
 
 def test_without_a_compiler_the_engine_says_so_and_uses_torch(tmp_path, monkeypatch, caplog, tiny_model):
@@ -132,10 +141,10 @@ def test_without_a_compiler_the_engine_says_so_and_uses_torch(tmp_path, monkeypa
     monkeypatch.setenv("RILL_CACHE", str(tmp_path))
     with caplog.at_level("INFO", logger="rill.engine"):
         llm = LLM(load_model(str(tiny_model("llama"))), EngineConfig())
-        assert llm.core.runner.decode_kernel is None and not llm.core.small_batch_kernel
+        assert llm.core.runner.decode_kernel is None and llm.core.linears == "oneDNN"
         text = llm.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=8))[0].text
     assert text
     log = caplog.text
     assert "decode attention: the torch path (the C kernel is unavailable: /bin/false failed" in log
-    assert "small-batch linears: oneDNN (the C kernel is unavailable" in log
+    assert "linears: oneDNN (the C kernel is unavailable" in log
     assert "decode attention on the torch path" in log

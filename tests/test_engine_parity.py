@@ -59,7 +59,7 @@ def test_batched_greedy_equals_generate(tiny_model, arch, path_kind):
     assert llm.core.attention_path == path_kind
     if path_kind == "paged":  # decodes go through the C kernel (needs a C compiler, as CI has)
         assert llm.core.runner.decode_kernel is not None, "the decode attention kernel was not built"
-    assert llm.core.small_batch_kernel  # steps of up to 16 rows: the C linear; prefill chunks: oneDNN
+    assert llm.core.linears == "C kernel"  # every linear (needs the C compiler too)
     got = engine_outputs(llm, prompts)
     for n, g, r in zip(PROMPT_LENGTHS, got, refs):
         assert g == r, f"{arch}: prompt of {n} tokens diverged"
@@ -72,8 +72,8 @@ def test_torch_decode_path_equals_generate(tiny_model, arch):
     every linear on oneDNN: the same tokens."""
     path, prompts, refs = prompts_and_refs(tiny_model, arch)
     llm = LLM(load_model(str(path)), EngineConfig(max_num_batched_tokens=128, decode_kernel=False,
-                                                  small_batch_kernel=False))
-    assert llm.core.runner.decode_kernel is None and not llm.core.small_batch_kernel
+                                                  linear_kernel=False))
+    assert llm.core.runner.decode_kernel is None and llm.core.linears == "oneDNN"
     assert engine_outputs(llm, prompts) == refs
 
 
