@@ -130,8 +130,9 @@ class EngineCore:
         self.num_steps = 0
         self.finished_total: Counter[str] = Counter()
         log.info("engine: %s attention path, %d KV blocks of %d tokens (%.1f MiB), max_model_len %d, "
-                 "%d linears repacked for the %s", self.attention_path, self.num_kv_blocks, config.block_size,
-                 self.kv_cache_bytes / 2**20, self.max_model_len, num_packed, self.linears)
+                 "linears on %s", self.attention_path, self.num_kv_blocks, config.block_size,
+                 self.kv_cache_bytes / 2**20, self.max_model_len,
+                 f"the {self.linears} ({num_packed} repacked)" if num_packed else "torch")
 
     def _num_blocks(self, per_block: int, device: torch.device) -> int:
         cfg = self.config
@@ -221,10 +222,12 @@ class EngineCore:
         for chunk in plan:
             seq = chunk.seq
             seq.num_computed_tokens += chunk.num_tokens
+            # prompt tokens this chunk computes for the first time (not cached, not recomputed)
+            first_new = max(seq.num_prompt_tokens_computed, chunk.start)
             prompt_end = min(seq.num_computed_tokens, seq.num_prompt_tokens)
-            if prompt_end > seq.num_prompt_tokens_computed:  # not a recomputation after preemption
-                self.prompt_tokens_total += prompt_end - max(seq.num_prompt_tokens_computed, chunk.start)
-                seq.num_prompt_tokens_computed = prompt_end
+            if prompt_end > first_new:
+                self.prompt_tokens_total += prompt_end - first_new
+            seq.num_prompt_tokens_computed = max(seq.num_prompt_tokens_computed, prompt_end)
             seq.num_cached_blocks = self.allocator.cache_full_blocks(
                 seq.token_ids, seq.block_hashes, seq.block_table, seq.num_computed_tokens, seq.num_cached_blocks)
             if chunk.samples:

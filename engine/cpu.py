@@ -30,7 +30,9 @@ the engine keeps the torch path and says so in its log.
 against the packed oneDNN linear of 1.: 1.2-2.7x on decode steps (1-64 rows: they mostly stream
 the weights, which this does at 12-20 GB/s against oneDNN's 5-12), 0.9-1.3x on prefill chunks;
 SmolLM2's 576 x 49152 output head at one row 7.4 ms against 12.7. The panels replace the weight
-(no second copy). Checked against `F.linear` first; bfloat16 models, or no compiler, keep 1.
+(an output head tied to the input embeddings is the exception: the embedding keeps the original,
+as with oneDNN's packed copy). Checked against `F.linear` first; bfloat16 models, or no
+compiler, keep 1.
 """
 
 from __future__ import annotations
@@ -104,10 +106,12 @@ class PanelLinear(nn.Module):
 def panels_of(weight: torch.Tensor) -> torch.Tensor:
     """[out, in] -> [ceil(out / 16), in, 16]: panel p holds the weights of outputs 16p..16p+15."""
     out_features, in_features = weight.shape
-    num_panels = (out_features + 15) // 16
-    padded = torch.zeros(num_panels * 16, in_features, dtype=torch.float32)
-    padded[:out_features] = weight
-    return padded.view(num_panels, 16, in_features).transpose(1, 2).contiguous()
+    full, rest = divmod(out_features, 16)
+    panels = torch.zeros(full + (rest > 0), in_features, 16, dtype=torch.float32)
+    panels[:full] = weight[:full * 16].view(full, 16, in_features).transpose(1, 2)
+    if rest:
+        panels[full, :, :rest] = weight[full * 16:].t()
+    return panels
 
 
 def _works(dtype: torch.dtype) -> bool:
@@ -131,17 +135,21 @@ def pack_linears(model: nn.Module, kernel: LinearKernel | None = None) -> tuple[
     `PackedLinear`; returns how many were swapped and where they run ("C kernel" or "oneDNN")."""
     targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
                if type(child) is nn.Linear and child.weight.device.type == "cpu" and child.weight.dtype in _DTYPES]
-    if not targets:
+    dtypes = {child.weight.dtype for _, _, child in targets}
+    if len(dtypes) != 1:  # none, or a model of mixed precision: left as it is
         return 0, ""
-    if kernel is not None and targets[0][2].weight.dtype == torch.float32:
-        for parent, name, child in targets:
-            setattr(parent, name, PanelLinear(child, kernel))
-        return len(targets), "C kernel"
-    if not _works(targets[0][2].weight.dtype):
+    (dtype,) = dtypes
+    if kernel is not None and dtype == torch.float32:
+        kind, make = "C kernel", lambda linear: PanelLinear(linear, kernel)
+    elif _works(dtype):
+        kind, make = "oneDNN", PackedLinear
+    else:
         return 0, ""
-    for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child))
-    return len(targets), "oneDNN"
+    count = len(targets)
+    while targets:  # each original weight can go as soon as its replacement exists
+        parent, name, child = targets.pop()
+        setattr(parent, name, make(child))
+    return count, kind
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (glibc malloc.h)
@@ -176,6 +184,8 @@ class LinearKernel:
     def __call__(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
                  out_features: int) -> torch.Tensor:
         """x: [rows, in] float32 (rows may be strided); panels from `panels_of`; bias padded like them."""
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            raise TypeError(f"the C linear takes float32 CPU tensors; given {x.dtype} on {x.device}")
         if x.stride(-1) != 1:
             x = x.contiguous()
         rows = x.shape[0]
@@ -287,9 +297,22 @@ def _linear_agrees(kernel: LinearKernel) -> bool:
     return True
 
 
+_LIBRARIES: dict[Path, tuple[ctypes.CDLL, Path] | Exception] = {}
+
+
 def _library(cache_dir: Path) -> tuple[ctypes.CDLL, Path]:
-    path = _build(cache_dir)
-    return ctypes.CDLL(str(path)), path
+    """The compiled library, built (or found) once per process and cache folder; a failed build
+    is not tried again."""
+    if cache_dir not in _LIBRARIES:
+        try:
+            path = _build(cache_dir)
+            _LIBRARIES[cache_dir] = (ctypes.CDLL(str(path)), path)
+        except Exception as exc:
+            _LIBRARIES[cache_dir] = exc
+    found = _LIBRARIES[cache_dir]
+    if isinstance(found, Exception):
+        raise found
+    return found
 
 
 def _checked_kernel(kind, agrees, cache_dir: Path, what: str, reference: str, instead: str):

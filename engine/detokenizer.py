@@ -14,8 +14,6 @@ over several tokens is never half-emitted.
 
 from __future__ import annotations
 
-import json
-
 
 def replacement_is_final(tokenizer) -> bool:
     """Whether U+FFFD followed by more text stays U+FFFD whatever comes next: true for fast
@@ -26,10 +24,10 @@ def replacement_is_final(tokenizer) -> bool:
     if decoder is None:
         return backend is not None  # no decoder: tokens are joined as they are
     try:
-        state = json.loads(decoder.__getstate__())
+        state = decoder.__getstate__()  # the decoder (and any it chains) as JSON bytes
     except Exception:
         return False
-    return "ByteFallback" not in json.dumps(state)
+    return b'"ByteFallback"' not in state
 
 
 class IncrementalDetokenizer:

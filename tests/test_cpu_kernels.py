@@ -129,8 +129,13 @@ def test_float32_linears_run_on_the_kernel_others_on_onednn(linear):
     assert isinstance(model[0], PanelLinear) and isinstance(model[2], PanelLinear)
     bf16 = nn.Sequential(nn.Linear(16, 8)).to(torch.bfloat16)
     assert pack_linears(bf16, linear)[1] != "C kernel" and not isinstance(bf16[0], PanelLinear)  # oneDNN or torch
-    plain = nn.Sequential(nn.Linear(16, 8))
-    assert pack_linears(plain, None) == (1, "oneDNN") and isinstance(plain[0], PackedLinear)
+    mixed = nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 4).to(torch.bfloat16))
+    assert pack_linears(mixed, linear)[1] != "C kernel" and not isinstance(mixed[0], PanelLinear)
+    with pytest.raises(TypeError, match="float32"):
+        PanelLinear(nn.Linear(16, 8), linear)(torch.ones(2, 16, dtype=torch.bfloat16))
+    if torch.backends.mkldnn.is_available():  # without the C kernel: oneDNN
+        plain = nn.Sequential(nn.Linear(16, 8))
+        assert pack_linears(plain, None) == (1, "oneDNN") and isinstance(plain[0], PackedLinear)
 
 
 def test_without_a_compiler_the_engine_says_so_and_uses_torch(tmp_path, monkeypatch, caplog, tiny_model):

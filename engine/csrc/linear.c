@@ -1,7 +1,7 @@
-/* y = x w^T + bias, float32, for CPUs (built by engine/cpu.py): every nn.Linear of a float32 model
- * on the CPU runs here.
+/* y = x w^T + bias, float32, for CPUs (built by engine/cpu.py): the nn.Linear layers of a float32
+ * model on the CPU run here (EngineConfig packed_linears and linear_kernel, the defaults).
  *
- * The weight is stored once, at load, as panels of 16 output features: panel p holds
+ * The weight is rearranged once, at load, into panels of 16 output features: panel p holds
  * w[16p:16p+16, k] for k = 0..in-1, 16 floats per k, contiguous (the last panel padded with zeros).
  * A tile of up to 6 rows of x times one panel keeps its 6 x 16 outputs in 12 vector registers;
  * each step over k loads 16 weights (two vectors) and broadcasts one x value per row: 12 fused
