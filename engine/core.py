@@ -105,8 +105,8 @@ class EngineCore:
                 kernel = None
                 if config.linear_kernel and model.dtype == torch.float32:
                     kernel = linear_kernel(rill_cache_dir())
-                num_packed, self.linears = pack_linears(model, kernel)
-                self.linears = self.linears or "torch"
+                num_packed, kind = pack_linears(model, kernel)
+                self.linears = kind or "torch"
         if supports_paged_attention(model):
             kernel = None
             if on_cpu and config.decode_kernel and model.dtype == torch.float32:

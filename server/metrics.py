@@ -120,27 +120,28 @@ class _EngineCollector:
         try:
             stats = self.engine.stats()
         except Exception:  # a dead engine must not turn the scrape into a 500
-            yield GaugeMetricFamily("rill_engine_alive", "1 while the engine thread runs, 0 after it died", value=0.0)
+            yield _family("rill_engine_alive", 0.0)
             return
-        yield GaugeMetricFamily("rill_requests_running", "requests the engine is running now",
-                                value=stats.num_running)
-        yield GaugeMetricFamily("rill_requests_waiting", "requests waiting for a batch slot or KV blocks",
-                                value=stats.num_waiting)
-        yield GaugeMetricFamily("rill_kv_cache_usage_ratio", "fraction of KV cache blocks in use (0..1)",
-                                value=float(stats.kv_usage))
-        yield GaugeMetricFamily("rill_kv_cache_blocks", "KV cache blocks allocated in all",
-                                value=stats.num_kv_blocks)
-        yield GaugeMetricFamily("rill_engine_alive", "1 while the engine thread runs, 0 after it died",
-                                value=1.0 if getattr(self.engine, "alive", True) else 0.0)
-        yield CounterMetricFamily("rill_preemptions", "running requests preempted (recomputed later)",
-                                  value=stats.num_preemptions)
-        yield CounterMetricFamily("rill_engine_steps", "engine steps (batched forwards) run",
-                                  value=stats.num_steps)
-        yield CounterMetricFamily("rill_prefix_cache_queried_tokens", "prompt tokens looked up in the prefix cache",
-                                  value=stats.prefix_cache_queried_tokens)
-        yield CounterMetricFamily("rill_prefix_cache_hit_tokens",
-                                  "prompt tokens found in the prefix cache (K/V reused, not computed)",
-                                  value=stats.prefix_cache_hit_tokens)
+        yield _family("rill_requests_running", stats.num_running)
+        yield _family("rill_requests_waiting", stats.num_waiting)
+        yield _family("rill_kv_cache_usage_ratio", float(stats.kv_usage))
+        yield _family("rill_kv_cache_blocks", stats.num_kv_blocks)
+        yield _family("rill_engine_alive", 1.0 if getattr(self.engine, "alive", True) else 0.0)
+        yield _family("rill_preemptions_total", stats.num_preemptions)
+        yield _family("rill_engine_steps_total", stats.num_steps)
+        yield _family("rill_prefix_cache_queried_tokens_total", stats.prefix_cache_queried_tokens)
+        yield _family("rill_prefix_cache_hit_tokens_total", stats.prefix_cache_hit_tokens)
+
+
+_DOC = {name: (kind, text) for name, kind, text in METRICS_DOC}
+
+
+def _family(name: str, value: float):
+    """A gauge or counter of the engine's, with the type and help METRICS_DOC gives it."""
+    kind, text = _DOC[name]
+    if kind == "counter":  # prometheus_client adds the _total suffix itself
+        return CounterMetricFamily(name.removesuffix("_total"), text, value=value)
+    return GaugeMetricFamily(name, text, value=value)
 
 
 @dataclass(slots=True)
