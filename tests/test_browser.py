@@ -25,15 +25,17 @@ XSS = "<img src=x onerror=alert(1)>"
 WAIT_S = 180.0  # generous: CI machines are slow and busy; no test asserts a duration
 
 
-def until(condition, timeout: float = WAIT_S, interval: float = 0.1, message: str = "condition"):
-    """Polls `condition()` until it returns something truthy; returns that, or fails with `message`."""
+def until(condition, timeout: float = WAIT_S, interval: float = 0.1, message="condition"):
+    """Polls `condition()` until it returns something truthy; returns that, or fails with `message`
+    (a string, or a function called at the failure, so that it can say what the page shows then)."""
     deadline = time.monotonic() + timeout
     while True:
         result = condition()
         if result:
             return result
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {message}")
+            raise AssertionError(f"timed out after {timeout:g} s waiting for "
+                                 f"{message() if callable(message) else message}")
         time.sleep(interval)
 
 
@@ -56,9 +58,10 @@ def metric(url: str, name: str, **labels) -> float:
 
 @pytest.fixture(scope="module")
 def browser():
-    if not os.path.exists(CHROMIUM):
-        pytest.skip(f"Debian's chromium is not installed at {CHROMIUM} (`make setup` installs it with apt where "
-                    "it can); the browser tests need it and never download a browser")
+    if not os.path.exists(CHROMIUM):  # loud: a suite that skips the page in silence says nothing about it
+        pytest.fail(f"Debian's chromium is not installed at {CHROMIUM}: the browser tests need it and never "
+                    "download a browser. `make setup` installs it with apt (as root); or run `make test-fast`, "
+                    "which leaves the browser and embedded-model tests out", pytrace=False)
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
@@ -108,6 +111,20 @@ class Page:
         users = self.page.locator("#rill-chatbot [data-testid='user']")
         return users.last.inner_text() if users.count() else ""
 
+    def open_settings(self):
+        """Opens "System prompt and sampling" and waits until Gradio has finished rendering it.
+
+        Gradio mounts a closed accordion's children when it opens, then, one animation frame later,
+        applies their stored values to them again (`render_previously_invisible_children`). A value
+        typed inside that frame is overwritten with the default: Playwright types within ~10 ms of
+        the box appearing, a visitor cannot. So wait for the box, then for two frames."""
+        self.page.click("#rill-settings .label-wrap")
+        self.page.locator("#rill-settings input[type=range]").last.wait_for(state="visible")
+        self.page.evaluate("() => new Promise(done => requestAnimationFrame(() => requestAnimationFrame(done)))")
+
+    def close_settings(self):
+        self.page.click("#rill-settings .label-wrap")
+
     def set_slider(self, elem_id: str, value: str):
         """Types `value` into the slider's number box, leaves the box (Gradio applies it on input and on
         blur) and waits until the slider's range input shows it: the value the page will send."""
@@ -115,7 +132,7 @@ class Page:
         box.fill(value)
         box.press("Tab")
         until(lambda: self.slider(elem_id) == float(value), timeout=30,
-              message=f"{elem_id} to show {value} (it shows {self.slider(elem_id)})")
+              message=lambda: f"{elem_id} to show {value} (it shows {self.slider(elem_id)})")
 
     def slider(self, elem_id: str) -> float:
         return float(self.page.locator(f"#{elem_id} input[type=range]").input_value())
@@ -142,7 +159,7 @@ def test_answer_grows_and_stop_aborts_it(visitor, embedded_server, shots):
     assert health["model"] in header and f"{health['max_model_len']} tokens" in header
     aborted_before = metric(url, "rill_requests_finished_total", route="gradio", finish_reason="abort")
 
-    visitor.page.click("#rill-settings .label-wrap")
+    visitor.open_settings()
     visitor.set_slider("rill-temperature", "0")
     visitor.set_slider("rill-repetition-penalty", "1")
     # greedy, this answer runs about 360 tokens: prose, then a code block
@@ -157,7 +174,7 @@ def test_answer_grows_and_stop_aborts_it(visitor, embedded_server, shots):
 
     until(grown_three_times, message="the answer to grow three times")
     until(lambda: grown_three_times() and lengths[-1] >= 420, message="a few lines of answer for the screenshot")
-    visitor.page.click("#rill-settings .label-wrap")  # fold the settings back for the picture
+    visitor.close_settings()  # fold the settings back for the picture
     visitor.page.screenshot(path=str(shots / "chat.png"))
     assert visitor.page.locator("#rill-stop").is_visible()
     assert metric(url, "rill_requests_running") >= 1
@@ -197,7 +214,7 @@ def test_html_in_messages_and_answers_is_shown_as_text(visitor, embedded_server)
     url = embedded_server.url
     prompt = f"Write this HTML tag as-is: {XSS}"
     settings = {"rill-temperature": "0", "rill-repetition-penalty": "1", "rill-max-new-tokens": "60"}
-    visitor.page.click("#rill-settings .label-wrap")
+    visitor.open_settings()
     for elem_id, value in settings.items():
         visitor.set_slider(elem_id, value)
     assert {elem_id: visitor.slider(elem_id) for elem_id in settings} == {k: float(v) for k, v in settings.items()}
