@@ -36,7 +36,7 @@ class Option:
     flag: str
     env: tuple[str, ...]
     dest: str
-    kind: type | str  # int, float, str, "bool", "size", "auth", "list"
+    kind: type | str  # int, float, str, "bool", "size", "bytes", "auth", "list"
     default: object
     help: str
     metavar: str | None = None
@@ -56,8 +56,11 @@ OPTIONS: tuple[Option, ...] = (
            "address to bind (a Space sets GRADIO_SERVER_NAME=0.0.0.0)", "H"),
     Option("--port", ("GRADIO_SERVER_PORT", "PORT"), "port", int, 7860, "port to serve on", "P"),
     Option("--api-key", ("API_KEY",), "api_key", str, None,
-           "require `Authorization: Bearer KEY` on /chat and /v1 (set it as a Space secret)", "KEY"),
-    Option("--ui-auth", ("UI_AUTH",), "ui_auth", "auth", None, "protect the page with Gradio's login", "USER:PASS"),
+           "close every route that reaches the model: /chat and /v1 need `Authorization: Bearer KEY`, the page "
+           "and its Gradio API a login with KEY as password (set it as a Space secret)", "KEY"),
+    Option("--ui-auth", ("UI_AUTH",), "ui_auth", "auth", None,
+           "put Gradio's login on the page and its API with this user and password (with --api-key: as well as "
+           "the key)", "USER:PASS"),
     Option("--cors-origins", ("CORS_ORIGINS",), "cors_origins", "list", (),
            "comma-separated origins allowed to call the API from a browser (CORS is off by default)", "O1,O2"),
     Option("--max-body-bytes", ("MAX_BODY_BYTES",), "max_body_bytes", int, 1_000_000,
@@ -67,6 +70,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("--resume-window", ("RESUME_WINDOW",), "resume_window", float, 30.0,
            "seconds a disconnected /chat stream keeps generating and stays resumable at GET /chat/{id} "
            "(0 = abort at once)", "S"),
+    Option("--resume-max-streams", ("RESUME_MAX_STREAMS",), "resume_max_streams", int, 1024,
+           "resumable /chat streams kept at most; past it the oldest finished one is dropped", "N"),
+    Option("--resume-max-bytes", ("RESUME_MAX_BYTES",), "resume_max_bytes", "bytes", 64 * 2**20,
+           "memory the resumable streams may hold (e.g. 64MiB); past it the oldest finished one is dropped", "SIZE"),
     Option("--shutdown-timeout", ("SHUTDOWN_TIMEOUT",), "shutdown_timeout", float, 30.0,
            "on SIGTERM, seconds running streams get to finish before the server exits", "S"),
     Option("--max-new-tokens", ("MAX_NEW_TOKENS",), "default_max_new_tokens", int, 512,
@@ -105,6 +112,14 @@ def parse_size(text: str) -> float:
     return number * _UNITS[unit]
 
 
+def parse_bytes(text: str) -> int:
+    """"64MiB" -> 67108864: a whole number of bytes (no fraction)."""
+    value = parse_size(text)
+    if value < 1 or value != int(value):
+        raise ValueError(f"expected a whole number of bytes like 64MiB or 1000000, got {text!r}")
+    return int(value)
+
+
 def parse_auth(text: str) -> tuple[str, str]:
     user, sep, password = text.partition(":")
     if not sep or not user or not password:
@@ -136,7 +151,7 @@ def _parse_float(text: str) -> float:
 
 
 def _converter(kind):
-    parse = {"size": parse_size, "auth": parse_auth, "bool": parse_bool, int: _parse_int, float: _parse_float,
+    parse = {"size": parse_size, "bytes": parse_bytes, "auth": parse_auth, "bool": parse_bool, int: _parse_int, float: _parse_float,
              "list": lambda t: tuple(s.strip() for s in t.split(",") if s.strip())}.get(kind)
     if parse is None:
         return kind
@@ -198,7 +213,8 @@ def parse_settings(argv: list[str] | None = None, environ: dict[str, str] | None
     except TypeError as exc:  # pragma: no cover - Settings and OPTIONS out of step
         parser.error(str(exc))
     for name, low in (("port", 0), ("max_num_seqs", 1), ("max_queue", 0), ("max_body_bytes", 1),
-                      ("default_max_new_tokens", 1), ("block_size", 1), ("max_num_batched_tokens", 1)):
+                      ("default_max_new_tokens", 1), ("block_size", 1), ("max_num_batched_tokens", 1),
+                      ("resume_max_streams", 1), ("resume_max_bytes", 1)):
         if getattr(settings, name) < low:
             parser.error(f"--{name.replace('_', '-')} must be >= {low}. Given: {getattr(settings, name)}")
     if settings.log_format not in ("text", "json"):
@@ -296,11 +312,15 @@ def _slow_queue_polling(demo) -> None:
                                                 PROGRESS_POLL_S)
 
 
+_LOGIN_MESSAGE = "This server needs its API key: any user name, the key as password."
+
+
 def build_app(engine, settings: Settings):
     """FastAPI app with the API routes first, then the Gradio page at "/" (so /chat, /v1, /health win)."""
     import gradio as gr
 
     from server import create_app
+    from server.middleware import page_login
 
     app = create_app(engine, settings)
     demo = build_demo(engine, settings, metrics=getattr(app.state, "metrics", None))
@@ -310,7 +330,9 @@ def build_app(engine, settings: Settings):
         mount_kwargs = dict(getattr(ui, "MOUNT_KWARGS", {}) or {})
     except ImportError:
         pass
-    app = gr.mount_gradio_app(app, demo, path="/", auth=settings.ui_auth, server_name=settings.host,
+    # With an API key the page is closed too: its Gradio API reaches the same model as /chat.
+    app = gr.mount_gradio_app(app, demo, path="/", auth=page_login(settings.api_key, settings.ui_auth),
+                              auth_message=_LOGIN_MESSAGE if settings.api_key else None, server_name=settings.host,
                               server_port=settings.port, footer_links=["api"], ssr_mode=False, **mount_kwargs)
     _slow_queue_polling(demo)
     return app

@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator
 
 from engine.request import FinishReason, InvalidRequest, QueueFull, RequestOutput, SamplingParams, new_request_id
-from server.errors import ApiError, queue_full_error
+from server.errors import ApiError, public_engine_error, queue_full_error
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _ALIVE_CHECK_S = 1.0  # how often a waiting reader checks that the engine thread still runs
@@ -149,7 +149,7 @@ class Generation:
                 if out.finished:
                     self._remaining.discard(out.index)
                     if out.finish_reason == FinishReason.ERROR:
-                        raise RequestFailed(f"Generation failed inside the engine: {out.error or 'unknown error'}")
+                        raise RequestFailed(f"Generation failed inside the engine: {public_engine_error(out.error)}")
                 yield out
             self.finished = not self._remaining
         finally:

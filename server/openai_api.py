@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 
 from engine.request import FinishReason, RequestOutput, SamplingParams
 from server.chat import run_while_connected
-from server.errors import ApiError, error_body
+from server.errors import ApiError, error_body, internal_error_message
 from server.generation import Generation, RequestFailed, admission, request_id_from
 from server.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from server.sse import event_stream_response
@@ -196,7 +196,7 @@ def _error_chunk(path: str, exc: Exception) -> dict:
         if exc.code == "timeout":
             body["error"]["type"] = "timeout_error"
     else:
-        body = error_body(path, 500, f"Internal error: {type(exc).__name__}: {exc}")
+        body = error_body(path, 500, internal_error_message(), code="internal_error")  # the caller logged it
     return {"event": "error", "data": json.dumps(body)}
 
 
