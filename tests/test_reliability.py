@@ -215,7 +215,7 @@ def test_stream_cut_after_event_k_resumes_with_exactly_the_rest(tiny_server):
     expected = chat_greedy(url, body["prompt"], 300)
     k = 7
     with httpx.stream("POST", f"{url}/chat", json=body, timeout=120) as response:
-        request_id = response.headers["x-request-id"]
+        request_id, token = response.headers["x-request-id"], response.headers["x-resume-token"]
         first = []
         for event in SSEReader(response):
             first.append(event)
@@ -226,16 +226,19 @@ def test_stream_cut_after_event_k_resumes_with_exactly_the_rest(tiny_server):
     engine = wait_idle(url, timeout=10)
     assert engine["finished_total"].get("abort", 0) >= 1
     assert httpx.get(f"{url}/health").json()["resumable_streams"] >= 1
-    with httpx.stream("GET", f"{url}/chat/{request_id}", headers={"Last-Event-ID": str(k)}, timeout=120) as response:
+    with httpx.stream("GET", f"{url}/chat/{request_id}", headers={"Last-Event-ID": str(k), "x-resume-token": token},
+                      timeout=120) as response:
         assert response.status_code == 200
         rest = list(SSEReader(response))
     assert rest[0].id == str(k + 1) and rest[-1].event == "end"
     assert chat_text(first) + chat_text(rest) == expected
     assert usage_of(rest)["completion_tokens"] == 300
-    # EventSource sends Last-Event-ID itself on reconnects; a first GET can pass it in the query
-    again = parse_sse(httpx.get(f"{url}/chat/{request_id}", params={"last_event_id": 0}, timeout=120).content)
+    # EventSource sends Last-Event-ID itself on reconnects but no headers of ours; a first GET can
+    # pass both in the query
+    again = parse_sse(httpx.get(f"{url}/chat/{request_id}", params={"last_event_id": 0, "resume_token": token},
+                                timeout=120).content)
     assert chat_text(again) == expected
-    bad = httpx.get(f"{url}/chat/{request_id}", headers={"Last-Event-ID": "seven"}, timeout=30)
+    bad = httpx.get(f"{url}/chat/{request_id}", headers={"Last-Event-ID": "seven", "x-resume-token": token}, timeout=30)
     assert bad.status_code == 400 and "Last-Event-ID" in bad.json()["error"]
 
 
@@ -243,16 +246,16 @@ def test_resuming_after_the_window_is_404_and_the_request_is_freed(tiny_server):
     url = tiny_server.url  # --resume-window 5
     with httpx.stream("POST", f"{url}/chat", json={"prompt": "Talk.", "max_new_tokens": 900, "temperature": 0},
                       timeout=120) as response:
-        request_id = response.headers["x-request-id"]
+        request_id, token = response.headers["x-request-id"], response.headers["x-resume-token"]
         for i, _ in enumerate(SSEReader(response)):
             if i == 2:
                 break
     deadline = time.monotonic() + 60  # the window is 5 s; wait until the server dropped the stream
     while time.monotonic() < deadline and httpx.get(f"{url}/health", timeout=10).json()["resumable_streams"]:
         time.sleep(0.2)
-    late = httpx.get(f"{url}/chat/{request_id}", headers={"Last-Event-ID": "3"}, timeout=30)
+    late = httpx.get(f"{url}/chat/{request_id}", headers={"Last-Event-ID": "3", "x-resume-token": token}, timeout=30)
     assert late.status_code == 404
-    assert request_id in late.json()["error"] and "resume window" in late.json()["error"]
+    assert "resume window" in late.json()["error"] and "x-resume-token" in late.json()["error"]
     wait_idle(url, timeout=30)
     missing = httpx.get(f"{url}/chat/never-existed", timeout=30)
     assert missing.status_code == 404
@@ -266,7 +269,7 @@ def guarded(server_with):
     return server_with("--api-key", "sekret-key", "--max-body-bytes", "4096", "--request-timeout", "2")
 
 
-def test_api_key_is_required_on_chat_and_v1_but_not_on_the_page(guarded):
+def test_api_key_is_required_on_chat_and_v1(guarded):
     url = guarded.url
     before = httpx.get(f"{url}/health", timeout=10).json()["engine"]["prompt_tokens_total"]
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret-key"}):
@@ -278,7 +281,7 @@ def test_api_key_is_required_on_chat_and_v1_but_not_on_the_page(guarded):
         assert v1.json()["error"]["type"] == "authentication_error" and v1.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(f"{url}/v1/models", timeout=30).status_code == 401
     assert httpx.get(f"{url}/health", timeout=10).json()["engine"]["prompt_tokens_total"] == before  # no model work
-    assert httpx.get(f"{url}/", timeout=30).status_code == 200  # the page stays public
+    assert httpx.get(f"{url}/config", timeout=30).status_code == 401  # the page's API too (tests/test_access.py)
     good = httpx.post(f"{url}/chat", json={"prompt": "Hi", "max_new_tokens": 2, "stream": False}, timeout=60,
                       headers={"Authorization": "Bearer sekret-key"})
     assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 2
