@@ -75,7 +75,7 @@ class ResumableStream:
         self._on_orphan = on_orphan  # the last reader left an unfinished stream
         self._on_grow = on_grow  # the registry's byte count
         self._expiry: asyncio.TimerHandle | None = None
-        self._positions: dict[int, int] = {}  # reader -> events it has been given (by id)
+        self._positions: dict[object, int] = {}  # reader -> events it has been given (by id)
         self.expired = False
         # what a continuation needs, and where the generation stands
         self.prompt_ids: list[int] = []
@@ -135,9 +135,11 @@ class ResumableStream:
         return freed
 
     def _free_read_events(self) -> None:
-        if self.resumable:
+        """Once nobody can come back for them: free the events every reader present has read
+        (none while no reader is there: the first one may not have attached yet)."""
+        if self.resumable or not self._positions:
             return
-        low = min(self._positions.values(), default=self.num_events)
+        low = min(self._positions.values())
         if low > self.dropped:
             del self.events[: low - self.dropped]
             self.dropped = low
@@ -175,7 +177,7 @@ class ResumableStream:
         """The events with id > `after`, then the rest live until the end event; each item is
         the list of events that were ready together (sent as one chunk)."""
         self.readers += 1
-        reader = id(object())
+        reader = object()
         self.cancel_expiry()
         try:
             position = max(0, after, self.dropped)
