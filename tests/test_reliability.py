@@ -366,7 +366,7 @@ def test_engine_death_gives_error_events_and_health_503(guarded, server_with):
         for event in SSEReader(response):
             seen.append(event)
             if len(seen) == 1:
-                assert httpx.post(f"{url}/_test/kill-engine", timeout=10).status_code == 200
+                assert httpx.post(f"{url}/_test/kill-engine", headers=auth, timeout=10).status_code == 200
     assert [e.event for e in seen[-2:]] == ["error", "end"]
     assert "engine" in json.loads(seen[-2].data)["error"]
     health = httpx.get(f"{url}/health", timeout=10)
