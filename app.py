@@ -151,8 +151,8 @@ def _parse_float(text: str) -> float:
 
 
 def _converter(kind):
-    parse = {"size": parse_size, "bytes": parse_bytes, "auth": parse_auth, "bool": parse_bool, int: _parse_int, float: _parse_float,
-             "list": lambda t: tuple(s.strip() for s in t.split(",") if s.strip())}.get(kind)
+    parse = {"size": parse_size, "bytes": parse_bytes, "auth": parse_auth, "bool": parse_bool, int: _parse_int,
+             float: _parse_float, "list": lambda t: tuple(s.strip() for s in t.split(",") if s.strip())}.get(kind)
     if parse is None:
         return kind
 
