@@ -252,7 +252,8 @@ def test_an_engine_failure_reaches_clients_without_the_exception_text(keyed, ser
      "The engine failed while running this request; the server log has the details."),
     ("The engine stopped: EngineKilled: killed by the test hook /_test/kill-engine",
      "The engine stopped; the server log has the details."),
-    ("Detokenizing the output failed: UnicodeDecodeError: ", "Detokenizing the output failed; the server log has the details."),
+    ("Detokenizing the output failed: UnicodeDecodeError: ",
+     "Detokenizing the output failed; the server log has the details."),
     ("The model produced non-finite (NaN or inf) logits for this request.",
      "The model produced non-finite (NaN or inf) logits for this request."),  # the engine's own words stay
     (None, "unknown error"),
