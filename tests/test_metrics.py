@@ -11,7 +11,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.request import FinishReason, RequestOutput
-from server.metrics import METRICS_DOC, RequestMetrics, install_metrics, log_request
+from engine.telemetry import METRICS_DOC, RequestMetrics, log_request
+from server.metrics import install_metrics
 
 
 @dataclass
