@@ -44,16 +44,21 @@ class ChatSettings:
     repetition_penalty: float = 1.1
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """Raises `ChatError` with the engine's message (what was wrong, allowed, given)."""
+        """Raises `ChatError` with the engine's message (what was wrong, allowed, given). Values go
+        to `SamplingParams` as they came (it checks type, finiteness and range), except that a
+        whole float such as a slider's 50.0 counts as the integer it is."""
         try:
-            top_k = int(self.top_k)
-            if top_k != self.top_k:
-                raise InvalidRequest(f"`top_k` must be an integer >= 0 (0 = off). Given: {self.top_k!r}")
-            return SamplingParams(max_tokens=max_tokens, temperature=float(self.temperature),
-                                  top_p=float(self.top_p), top_k=top_k,
-                                  repetition_penalty=float(self.repetition_penalty))
-        except (InvalidRequest, TypeError, ValueError, OverflowError) as exc:
+            return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+                                  top_k=_whole(self.top_k), repetition_penalty=self.repetition_penalty)
+        except InvalidRequest as exc:
             raise ChatError(str(exc)) from exc
+
+
+def _whole(value):
+    """50.0 -> 50; anything else unchanged."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
 
 
 # --- HTML escaping outside code -------------------------------------------------------------------
