@@ -43,7 +43,7 @@ def _stop_list(value: str | list[str] | None) -> list[str]:
 class ChatBody(BaseModel):
     """`POST /chat`: the seed's `{"prompt", "stream", "max_new_tokens", "temperature"}`, extended."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     prompt: str | None = Field(None, description="one user message (sent through the chat template unless `raw`)")
     messages: list[ChatMessage] | None = Field(None, description="a whole conversation instead of `prompt`")
     system: str | None = Field(None, description="a system message put before the conversation")
@@ -112,7 +112,7 @@ class StreamOptions(BaseModel):
 class _SamplingFields(BaseModel):
     """The sampling settings both OpenAI routes share, with the common extensions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
     model: str | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)

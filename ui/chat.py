@@ -326,7 +326,9 @@ def stream_answer(engine, metrics, route: str, history: list[dict], message: str
     `watch(streamer)` is called once the request is admitted (e.g. to abort it when the visitor's
     tab closes); what it returns is called when the request ends.
     """
-    if not isinstance(message, str) or not message.strip():
+    if not isinstance(message, str):
+        raise ChatError(f"`message` must be a string. Given: {type(message).__name__}")
+    if not message.strip():
         raise ChatError("The message is empty: type something to send.")
     if not isinstance(settings.system_prompt, str):
         raise ChatError(f"`system_prompt` must be a string. Given: {type(settings.system_prompt).__name__}")
