@@ -1,6 +1,6 @@
 """Does one request with hostile stop strings slow the other streams down?
 
-    python -m bench.stop_strings [--model DIR] [--tokens 120]
+    python -m bench.stop_strings [--model DIR] [--tokens 40] [--rounds 3]
 
 One greedy stream (the victim) is timed token by token: alone, then beside a request with `n` at
 its maximum (16) and no stops (what batching 16 more samples costs), then beside the same request
@@ -9,8 +9,10 @@ engine's automaton, and last beside that request matched by the matcher rill had
 quadratic scan of every stop's prefixes per token, kept here as the baseline). Prints the
 victim's inter-token latency in each case and its ratio to the stream alone; the target is the
 hostile request within 1.5x. The stops are runs of the character the model emits most, so
-their prefixes keep matching. Without `--model` it builds the tests' tiny random Llama (no
-download), whose forward is cheap, so matching costs show rather than hide behind the model.
+their prefixes keep matching. The four cases run in turn, `--rounds` times, so that a change
+in the machine's load falls on all of them alike. Without `--model` it uses the benchmark Llama
+(bench/model.py, built once); `--model tiny` builds the tests' tiny random Llama, whose forward
+is so cheap that any per-token cost beside the model shows.
 """
 
 from __future__ import annotations
@@ -98,16 +100,21 @@ def most_common_character(engine: AsyncEngine, prompt_ids: list[int]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="a model folder (default: build the tests' tiny random Llama)")
-    parser.add_argument("--tokens", type=int, default=120, help="tokens the victim stream is timed over")
+    parser.add_argument("--model", help="a model folder, or `tiny` (default: the benchmark Llama)")
+    parser.add_argument("--tokens", type=int, default=40, help="tokens the victim stream is timed over, per round")
+    parser.add_argument("--rounds", type=int, default=3, help="times each case runs, in turn with the others")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     args = parser.parse_args()
-    if args.model:
-        model_dir = Path(args.model)
-    else:
+    if args.model == "tiny":
         from tests.tiny_models import TINY_VOCAB, build_tiny_model, build_tokenizer
         model_dir = build_tiny_model("llama", Path(tempfile.mkdtemp(prefix="rill-bench-stops-")) / "llama",
                                      tokenizer=build_tokenizer(TINY_VOCAB))
-    engine = AsyncEngine(load_model(str(model_dir), device="cpu"), EngineConfig(max_num_seqs=32)).start()
+    elif args.model:
+        model_dir = Path(args.model)
+    else:
+        from bench.model import ensure_bench_model
+        model_dir = ensure_bench_model()
+    engine = AsyncEngine(load_model(str(model_dir), device=args.device), EngineConfig(max_num_seqs=32)).start()
     try:
         prompt_ids = engine.encode(PROMPT)
         ch = most_common_character(engine, prompt_ids)
@@ -122,22 +129,23 @@ def main() -> None:
 
         async def run_all():
             await victim_gaps(engine, prompt_ids, 16)  # warm-up
-            results = []
-            for name, hostile, quadratic in cases:
-                original = IncrementalDetokenizer._release
-                if quadratic:
-                    IncrementalDetokenizer._release = quadratic_release
-                try:
-                    results.append((name, await beside(engine, prompt_ids, args.tokens, hostile)))
-                finally:
-                    IncrementalDetokenizer._release = original
+            results = [(name, []) for name, _, _ in cases]
+            for _ in range(args.rounds):
+                for (name, hostile, quadratic), (_, gaps) in zip(cases, results):
+                    original = IncrementalDetokenizer._release
+                    if quadratic:
+                        IncrementalDetokenizer._release = quadratic_release
+                    try:
+                        gaps.extend(await beside(engine, prompt_ids, args.tokens, hostile))
+                    finally:
+                        IncrementalDetokenizer._release = original
             return results
 
         results = asyncio.run(run_all())
     finally:
         engine.shutdown()
     alone = statistics.median(results[0][1])
-    print(f"model: {model_dir}  victim: {args.tokens} greedy tokens  stops: runs of {ch!r}")
+    print(f"model: {model_dir}  victim: {args.rounds} x {args.tokens} greedy tokens  stops: runs of {ch!r}")
     print(f"{'victim stream':<46} {'median ITL':>11} {'mean ITL':>10} {'ratio':>7}")
     for name, gaps in results:
         median = statistics.median(gaps)

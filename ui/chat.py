@@ -169,9 +169,8 @@ def to_engine_messages(history, *, escaped: bool) -> list[dict]:
     if not isinstance(history, (list, tuple)):
         raise ChatError("`history` must be a list of messages, [{\"role\": \"user\" | \"assistant\", "
                         f"\"content\": \"...\"}}, ...]. Given: {type(history).__name__}")
-    if len(history) > MAX_HISTORY_MESSAGES:  # before any per-message work
-        check_history([None] * len(history))
-    messages: list[dict] = []
+    _check_history_size(len(history), 0)  # before any per-message work
+    texts: list[tuple[str, str]] = []  # (role, text), checked against the bounds before unescaping
     for item in history:
         if isinstance(item, (list, tuple)) and len(item) == 2 and not isinstance(item, dict):
             pairs = (("user", item[0]), ("assistant", item[1]))
@@ -186,20 +185,22 @@ def to_engine_messages(history, *, escaped: bool) -> list[dict]:
             if role not in ("user", "assistant", "system"):
                 continue
             text = content_text(content)
-            if not text:
-                continue
-            messages.append({"role": role, "content": unescape_html(text) if escaped else text})
-    check_history(messages)
-    return messages
+            if text:
+                texts.append((role, text))
+    _check_history_size(len(texts), sum(len(text) for _, text in texts))
+    return [{"role": role, "content": unescape_html(text) if escaped else text} for role, text in texts]
 
 
-def check_history(messages: list) -> None:
+def check_history(messages: list[dict]) -> None:
     """Raises `ChatError` for a conversation beyond MAX_HISTORY_MESSAGES messages or
     MAX_HISTORY_CHARS characters (what was wrong, what is allowed, what was given)."""
-    if len(messages) > MAX_HISTORY_MESSAGES:
+    _check_history_size(len(messages), sum(len(m["content"]) for m in messages))
+
+
+def _check_history_size(num_messages: int, chars: int) -> None:
+    if num_messages > MAX_HISTORY_MESSAGES:
         raise ChatError(f"The conversation is too long: at most {MAX_HISTORY_MESSAGES} messages are allowed. "
-                        f"Given: {len(messages)} messages. Start a new conversation (Clear).")
-    chars = sum(len(m["content"]) for m in messages)
+                        f"Given: {num_messages} messages. Start a new conversation (Clear).")
     if chars > MAX_HISTORY_CHARS:
         raise ChatError(f"The conversation is too long: at most {MAX_HISTORY_CHARS} characters are allowed in all "
                         f"its messages. Given: {chars} characters. Start a new conversation (Clear).")
