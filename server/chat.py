@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 
 from engine.request import FinishReason, InvalidRequest, SamplingParams
 from server.errors import BODY_FIELDS, ApiError, internal_error_message, log_internal_error
-from server.generation import Generation, RequestFailed, admission, request_id_from
+from server.generation import Generation, RequestFailed, admission, check_prompt_chars, off_loop, request_id_from
 from server.resume import ResumableStream
 from server.schemas import ChatBody
 from server.sse import event_stream_response
@@ -30,7 +30,18 @@ router = APIRouter()
 BODY_FIELDS["/chat"] = list(ChatBody.model_fields)
 
 
+def _check_prompt_size(engine, body: ChatBody) -> None:
+    """400 for a prompt, conversation and system message too long to fit the context in any case."""
+    if body.messages is not None:
+        chars = sum(len(m.content) for m in body.messages)
+        param = "messages"
+    else:
+        chars, param = len(body.prompt), "prompt"
+    check_prompt_chars(engine, chars + len(body.system or ""), param)
+
+
 def _prompt_token_ids(engine, body: ChatBody) -> list[int]:
+    """Tokens of the body's prompt (blocking: call it in a worker thread)."""
     if body.raw:
         return engine.encode(body.prompt)
     if body.messages is not None:
@@ -154,8 +165,9 @@ async def chat(body: ChatBody, request: Request, x_request_id: str | None = Head
     state = request.app.state
     engine, settings = state.engine, state.settings
     request_id = request_id_from(x_request_id)  # a label; resuming needs the record's token too
-    prompt_ids = _prompt_token_ids(engine, body)
     params = _sampling_params(body, settings)
+    _check_prompt_size(engine, body)
+    prompt_ids = await off_loop(_prompt_token_ids, engine, body)
     try:
         gen = Generation(engine, prompt_ids, params, request_id, **admission(request, "chat"))
     except InvalidRequest as exc:  # the engine names OpenAI's `max_tokens`; /chat calls it max_new_tokens
