@@ -48,8 +48,11 @@ class RequestStream(_Sink):
         self._waiter: asyncio.Future | None = None
         self._remaining = n
 
-    def _on_output(self, out: RequestOutput) -> None:  # engine thread, thread consumers only
-        self._queue.put(out)
+    def _on_output(self, out: RequestOutput) -> None:  # engine thread (the dispatch batches async ones per loop)
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._put, out)
+        else:
+            self._queue.put(out)
 
     def _put(self, out: RequestOutput) -> None:  # event loop
         self._items.append(out)
