@@ -166,6 +166,15 @@ class PagedRunner:
         pass
 
 
+def _truncate(cache, length: int) -> None:
+    """Cut every layer of a `DynamicCache` back to `length` tokens (a failed forward may have
+    appended to some layers only)."""
+    for layer in cache.layers:
+        extra = layer.get_seq_length() - length
+        if extra > 0:
+            layer.crop(-extra)
+
+
 class FallbackRunner:
     """One forward per sequence with a `DynamicCache` kept per sequence (models without the interface)."""
 
@@ -197,10 +206,7 @@ class FallbackRunner:
                 )
             except Exception:  # roll back what this run appended, so that a retry starts clean
                 for ran in plan[:done + 1]:
-                    if ran.start == 0:
-                        self.caches[ran.seq.seq_id] = DynamicCache(config=self.model.config)
-                    else:
-                        self.caches[ran.seq.seq_id].crop(ran.start)
+                    _truncate(self.caches[ran.seq.seq_id], ran.start)
                 raise
             if chunk.samples:
                 rows.append(out.logits[0, -1].float())

@@ -31,10 +31,10 @@ def alone(llama):
     return {p: llm.generate([p], PARAMS)[0].outputs[0].token_ids for p in PROMPTS}
 
 
-def poison_id(engine) -> int:
-    """A token id in none of PROMPTS (the faulty request's prompt carries it)."""
-    used = {t for p in PROMPTS for t in engine.encode(p)}
-    return next(t for t in range(100, 1000) if t not in used)
+def poison_id(engine, alone) -> int:
+    """A token id in none of PROMPTS nor their answers (the faulty request's prompt carries it)."""
+    used = {t for p in PROMPTS for t in engine.encode(p) + alone[p]}
+    return next(t for t in range(999, 100, -1) if t not in used)
 
 
 def batched(engine: AsyncEngine, prompts_ids: list[list[int]], params=PARAMS) -> list:
@@ -65,25 +65,30 @@ def texts_alone(engine, alone) -> list[str]:
 # --------------------------------------------------------------------------- the model itself fails
 
 
-def test_a_layer_raising_for_one_sequence_fails_only_that_request(llama, alone):
-    engine = AsyncEngine(load_model(str(llama)), EngineConfig(decode_kernel=False))
-    bad = poison_id(engine)
+@pytest.mark.parametrize("arch", ["llama", "bloom"])  # the paged path; the fallback path (a cache per sequence)
+def test_a_layer_raising_for_one_sequence_fails_only_that_request(tiny_model, arch):
+    path = str(tiny_model(arch))
+    llm = LLM(load_model(path))
+    answers = {p: llm.generate([p], PARAMS)[0].outputs[0].token_ids for p in PROMPTS}
+    engine = AsyncEngine(load_model(path))
+    bad = next(t for t in range(999, 100, -1)
+               if all(t not in engine.encode(p) and t not in answers[p] for p in PROMPTS))
 
     def raise_on_poison(module, args):  # a real exception from inside the model's forward
         if bool((args[0] == bad).any()):
             raise ValueError(f"embedding refused token {bad}")
 
-    engine.loaded.model.model.embed_tokens.register_forward_pre_hook(raise_on_poison)
+    engine.loaded.model.get_input_embeddings().register_forward_pre_hook(raise_on_poison)
     try:
         streamers = batched(engine, [engine.encode(p) for p in PROMPTS[:2]] + [[5, bad, 6, 7]]
                             + [engine.encode(p) for p in PROMPTS[2:]])
         faulty = streamers.pop(2)
         assert faulty.text == "" and faulty.finish_reason is FinishReason.ERROR
         assert "running the model" in faulty.error and "ValueError" in faulty.error
-        assert [s.text for s in streamers] == texts_alone(engine, alone)
+        assert [s.text for s in streamers] == texts_alone(engine, answers)
         assert all(s.finish_reason is FinishReason.LENGTH for s in streamers)
         assert engine.alive and engine.num_restarts == 0
-        assert token_ids_of(engine, PROMPTS[0]) == alone[PROMPTS[0]]
+        assert token_ids_of(engine, PROMPTS[0]) == answers[PROMPTS[0]]
         assert engine.num_admitted == 0 and engine.stats().num_free_kv_blocks == engine.stats().num_kv_blocks
     finally:
         engine.shutdown()
@@ -91,7 +96,7 @@ def test_a_layer_raising_for_one_sequence_fails_only_that_request(llama, alone):
 
 def test_nan_weights_in_one_embedding_row_fail_only_the_request_that_reads_it(llama, alone):
     engine = AsyncEngine(load_model(str(llama)))
-    bad = poison_id(engine)
+    bad = poison_id(engine, alone)
     with torch.no_grad():
         engine.loaded.model.model.embed_tokens.weight[bad] = float("nan")
     try:
