@@ -19,6 +19,7 @@ import os
 import re
 import signal
 import sys
+import threading
 from dataclasses import dataclass
 
 # Before gradio or transformers are imported: nothing phones home unless asked.
@@ -96,6 +97,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("--max-model-len", ("MAX_MODEL_LEN",), "max_model_len", int, None,
            "context limit in tokens (default: the model's)", "N"),
     Option("--seed", ("SEED",), "seed", int, 0, "seed for requests that bring none", "N"),
+    Option("--max-engine-restarts", ("MAX_ENGINE_RESTARTS",), "max_engine_restarts", int, 3,
+           "times the engine is rebuilt in the process after an internal fault within 10 minutes; one more "
+           "and the process exits with status 1 for the Space or supervisor to restart it", "N"),
     Option("--test-hooks", ("RILL_TEST_HOOKS",), "test_hooks", "bool", False, "test suite only", hidden=True),
 )
 
@@ -215,7 +219,8 @@ def parse_settings(argv: list[str] | None = None, environ: dict[str, str] | None
         parser.error(str(exc))
     for name, low in (("port", 0), ("max_num_seqs", 1), ("max_queue", 0), ("max_body_bytes", 1),
                       ("default_max_new_tokens", 1), ("block_size", 1), ("max_num_batched_tokens", 1),
-                      ("resume_max_streams", 1), ("resume_max_bytes", 1)):
+                      ("resume_max_streams", 1), ("resume_max_bytes", 1),
+                      ("max_engine_restarts", 0)):
         if getattr(settings, name) < low:
             parser.error(f"--{name.replace('_', '-')} must be >= {low}. Given: {getattr(settings, name)}")
     if settings.log_format not in ("text", "json"):
@@ -236,7 +241,8 @@ def engine_config(settings: Settings):
     return EngineConfig(block_size=settings.block_size, num_kv_blocks=settings.num_kv_blocks,
                         kv_cache_memory=settings.kv_cache_memory, max_num_seqs=settings.max_num_seqs,
                         max_num_batched_tokens=settings.max_num_batched_tokens, max_queue=settings.max_queue,
-                        max_model_len=settings.max_model_len, seed=settings.seed)
+                        max_model_len=settings.max_model_len, seed=settings.seed,
+                        max_restarts=settings.max_engine_restarts)
 
 
 def fail(message: str) -> None:
@@ -339,8 +345,12 @@ def build_app(engine, settings: Settings):
     return app
 
 
-def serve(app, settings: Settings) -> None:
-    """uvicorn; on SIGTERM it stops accepting and lets streams finish up to --shutdown-timeout, exit 0."""
+def serve(app, settings: Settings, engine=None) -> int:
+    """uvicorn; on SIGTERM it stops accepting and lets streams finish up to --shutdown-timeout, exit 0.
+
+    When the engine dies for good (it rebuilds itself after a fault, --max-engine-restarts times),
+    the server shuts down the same way and the exit status is 1: every consumer already has its
+    error, and a fresh process (the Space's or a supervisor's restart) is the way back."""
     import uvicorn
 
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
@@ -354,6 +364,16 @@ def serve(app, settings: Settings) -> None:
         original(sig, frame)
 
     server.handle_exit = handle_exit
+    engine_failed = threading.Event()
+
+    def on_fatal(exc):  # the engine thread
+        log.critical("the engine stays dead (%s); the server shuts down with exit status 1", type(exc).__name__)
+        engine_failed.set()
+        app.state.shutting_down = True
+        server.should_exit = True  # uvicorn's main loop checks it every 0.1 s
+
+    if engine is not None:
+        engine.on_fatal = on_fatal
     # uvicorn re-raises the signal it caught once it has shut down, after restoring the handler it
     # found: with Python's default handler a SIGTERM would end the process with -15, not 0.
     previous = signal.signal(signal.SIGTERM, lambda sig, frame: None)
@@ -361,6 +381,7 @@ def serve(app, settings: Settings) -> None:
         server.run()
     finally:
         signal.signal(signal.SIGTERM, previous)
+    return 1 if engine_failed.is_set() else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -390,10 +411,10 @@ def main(argv: list[str] | None = None) -> int:
         gc.freeze()
         log.info("serving %s on http://%s:%d (engine: %s attention)", engine.model_name, settings.host,
                  settings.port, getattr(engine, "attention_path", "?"))
-        serve(app, settings)
+        status = serve(app, settings, engine)
     finally:
         engine.shutdown()
-    return 0
+    return status
 
 
 if __name__ == "__main__":

@@ -70,7 +70,8 @@ def create_app(engine, settings: Settings) -> FastAPI:
         alive = bool(engine.alive)
         body = {"status": "ok" if alive else "engine stopped", "model": engine.model_name,
                 "max_model_len": engine.max_model_len, "engine": _engine_stats(engine),
-                "resumable_streams": len(state.resume), "resumable_bytes": state.resume.nbytes}
+                "resumable_streams": len(state.resume), "resumable_bytes": state.resume.nbytes,
+                "engine_restarts": getattr(engine, "num_restarts", 0)}
         return JSONResponse(body, status_code=200 if alive else 503)
 
     @app.get("/ready", summary="200 when the server accepts new requests")

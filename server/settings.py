@@ -23,6 +23,7 @@ class Settings:
     kv_cache_memory: str | None = None  # e.g. "2GiB"; None = the engine's default
     max_model_len: int | None = None  # context limit; None = the model's
     seed: int = 0  # engine seed (requests without their own seed)
+    max_engine_restarts: int = 3  # engine rebuilds after faults within 10 minutes; one more and the process exits 1
     # HTTP
     host: str = "127.0.0.1"
     port: int = 7860

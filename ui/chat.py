@@ -360,6 +360,10 @@ def stream_answer(engine, metrics, route: str, history: list[dict], message: str
         if metrics is not None:
             metrics.error(route, 400)
         raise ChatError(str(exc)) from exc
+    except RuntimeError as exc:  # the engine is not running (rebuilding after a fault, or shutting down)
+        if metrics is not None:
+            metrics.error(route, 503)
+        raise ChatError(str(exc)) from exc
     streamer.timeout = WAIT_POLL_S  # TextIteratorStreamer raises queue.Empty past it; we wait again
     unwatch = watch(streamer) if watch is not None else None
     tracker = metrics.start(route, num_prompt_tokens=len(fitted.prompt_token_ids),
