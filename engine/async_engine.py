@@ -111,8 +111,8 @@ class AsyncEngine:
         if self._stopping:
             return EngineNotRunning("The engine is shutting down; it takes no new requests.")
         if self.dead is not None:
-            return EngineNotRunning(f"The engine is not running: it stopped after an internal error "
-                                    f"({type(self.dead).__name__}) and restarts if it can. Retry in a moment.")
+            return EngineNotRunning("The engine is not running: it stopped after an internal error "
+                                    "and restarts if it can. Retry in a moment.")
         return None
 
     def _admit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None, sink_factory,
@@ -145,7 +145,7 @@ class AsyncEngine:
         except Exception as exc:
             log.error("adding %s failed", request_id, exc_info=exc)
             error = str(exc) if isinstance(exc, InvalidRequest) else (
-                f"The engine failed while adding this request ({type(exc).__name__}); the server log has the details.")
+                "The engine failed while adding this request; the server log has the details.")
             self._dispatch([RequestOutput(request_id, index, [], "", finished=True, finish_reason=FinishReason.ERROR,
                                           error=error) for index in range(params.n)])
 
@@ -228,7 +228,7 @@ class AsyncEngine:
                 if not out.finished:
                     self._dispatch(self.core.abort(
                         out.request_id, FinishReason.ERROR,
-                        f"The engine failed while handing this request's output over ({type(exc).__name__}); "
+                        "The engine failed while handing this request's output over; "
                         "the server log has the details."))
                     continue
             if out.finished:
@@ -291,7 +291,7 @@ class AsyncEngine:
             self._sinks.clear()
             self._commands.clear()  # adds and aborts of the requests ended here
             self._num_admitted = 0
-        error = (f"The engine stopped after an internal error ({type(exc).__name__}) and could not finish this "
+        error = ("The engine stopped after an internal error and could not finish this "
                  "request; it restarts if it can. Send the request again in a moment.")
         for request_id, sink in sinks:
             for index in range(sink.num_unfinished):

@@ -301,7 +301,7 @@ class EngineCore:
         """Finish `seq` with an error naming the stage that failed; the traceback goes to the log."""
         log.error("%s failed for %s", stage, seq.seq_id, exc_info=exc)
         return self._finish(seq, FinishReason.ERROR,
-                            f"The engine failed while {stage} this request ({type(exc).__name__}); "
+                            f"The engine failed while {stage} this request; "
                             "the other requests were not affected. The server log has the details.", [])
 
     def _forward(self, plan: list[ScheduledChunk], outputs: list[RequestOutput]):
