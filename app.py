@@ -277,8 +277,11 @@ def _fallback_demo(engine, settings: Settings):
             if isinstance(content, str):
                 messages.append({"role": turn["role"], "content": content})
         messages.append({"role": "user", "content": message})
-        params = SamplingParams(max_tokens=int(max_new_tokens), temperature=float(temperature),
-                                top_p=float(top_p), top_k=int(top_k), repetition_penalty=float(repetition_penalty))
+        try:  # SamplingParams checks every value (type, finite, range) and says what was wrong
+            params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                    repetition_penalty=repetition_penalty)
+        except (ValueError, TypeError) as exc:
+            raise gr.Error(str(exc)) from None
         text = ""
         async for out in engine.generate(engine.encode_chat(messages), params):
             if out.finish_reason is not None and out.finish_reason.value == "error":

@@ -1,5 +1,5 @@
-"""ASGI middleware for the API routes (`/chat...`, `/v1/...`, `/_test/...`): API key, then body
-size; and the page's login (`page_login`), which app.py gives Gradio.
+"""ASGI middleware: the API key on the API routes (`/chat...`, `/v1/...`, `/_test/...`), the body
+size limit on every request body, the page's Gradio API included; and the page's login (`page_login`), which app.py gives Gradio.
 
 Both checks answer before the body is parsed, so a refused request costs no model work. With an
 API key every route that reaches the model is closed: these routes by the `Authorization`
@@ -52,7 +52,8 @@ def page_login(api_key: str | None, ui_auth: tuple[str, str] | None):
 
 
 class ApiGuard:
-    """`Authorization: Bearer <key>` when a key is set (401), and `--max-body-bytes` (413)."""
+    """`Authorization: Bearer <key>` on the API routes when a key is set (401), and `--max-body-bytes`
+    on every request body, the page's Gradio API included (413)."""
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int):
         self.app = app
@@ -60,11 +61,11 @@ class ApiGuard:
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not is_api_path(scope["path"]):
+        if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
         headers = dict(scope["headers"])
-        if self.api_key is not None:
+        if self.api_key is not None and is_api_path(path):  # the page's routes: Gradio's login
             given = headers.get(b"authorization", b"")
             scheme, _, token = given.partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
