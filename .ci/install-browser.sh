@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Debian's Chromium for the browser tests (Playwright drives it; no browser download).
-# Fails, with the reason, when it is missing and cannot be installed: `make test` runs the browser
+# Fails, with the reason, when it is missing and cannot be installed: `make test` runs this (`make browser`) and the browser
 # tests and must not pass without them (`make test-fast` leaves them out).
 set -uo pipefail
 CHROMIUM=/usr/bin/chromium
