@@ -86,7 +86,10 @@ async def _pump(gen: Generation, record: ResumableStream) -> None:
                 if finish_reason == FinishReason.ABORT and record.suspending:
                     record.suspend()  # nobody reads it: a reader who comes back continues it
                     return
-        record.append("usage", json.dumps(_usage(gen, completion_tokens, finish_reason)))
+        if record.stop_error is not None:  # the server stopped it (its reader fell too far behind)
+            record.append("error", json.dumps({"error": record.stop_error, "code": "slow_reader"}))
+        else:
+            record.append("usage", json.dumps(_usage(gen, completion_tokens, finish_reason)))
     except RequestFailed as exc:
         record.append("error", json.dumps({"error": exc.message, "code": exc.code}))
     except asyncio.CancelledError:
@@ -102,11 +105,16 @@ async def _pump(gen: Generation, record: ResumableStream) -> None:
     record.finish()
 
 
+def _start_pump(state, gen: Generation, record: ResumableStream) -> None:
+    record.engine_request_id = gen.request_id  # what the registry aborts when nobody reads
+    record.pump = state.spawn(_pump(gen, record))
+
+
 async def _continue(request: Request, record: ResumableStream) -> None:
     """A reader came back to a suspended stream: continue its generation from the last token."""
     if record.suspending and record.pump is not None:
         await asyncio.shield(record.pump)  # the abort lands within one engine step
-    if not record.suspended:
+    if not record.suspended or record.expired:
         return
     record.suspended = False  # before any await: a second reader must not continue it twice
     try:
@@ -115,7 +123,10 @@ async def _continue(request: Request, record: ResumableStream) -> None:
     except BaseException:
         record.suspended = True
         raise
-    record.pump = request.app.state.spawn(_pump(gen, record))
+    # The window's timer must not end the continuation before this reader attaches (which
+    # happens once the response starts); it waits for a reader as a new stream does.
+    record.await_first_reader()
+    _start_pump(request.app.state, gen, record)
 
 
 async def _collect(gen: Generation, request: Request) -> tuple[str, int, object]:
@@ -179,7 +190,7 @@ async def chat(body: ChatBody, request: Request, x_request_id: str | None = Head
         return JSONResponse({"response": text, "usage": _usage(gen, completion_tokens, finish_reason),
                              "request_id": request_id}, headers={"x-request-id": request_id})
     record = state.resume.create(request_id, prompt_ids, params)
-    record.pump = state.spawn(_pump(gen, record))
+    _start_pump(state, gen, record)
     headers = {RESUME_TOKEN_HEADER: record.token} if record.token is not None else None
     return event_stream_response(_follow(record, 0), request_id, headers=headers)
 

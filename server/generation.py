@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import re
+import secrets
 import time
 from collections.abc import AsyncIterator
 
-from engine.request import (MAX_CHARS_PER_TOKEN, FinishReason, InvalidRequest, QueueFull, RequestOutput,
+from engine.request import (MAX_CHARS_PER_TOKEN, FinishReason, QueueFull, RequestOutput,
                             SamplingParams, new_request_id, prompt_char_limit)
 from server.errors import ApiError, public_engine_error, queue_full_error
 
@@ -77,16 +78,27 @@ def retry_after_seconds(engine) -> int:
     return 1
 
 
-class Generation:
-    """A request admitted into the engine, with its stream and deadline."""
+def new_engine_request_id() -> str:
+    """The engine's key for one admission: fresh every time (a continuation gets a new one too),
+    never the client's label, so no client can collide with, probe or block another's request."""
+    return f"srv-{secrets.token_hex(12)}"
 
-    def __init__(self, engine, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+
+class Generation:
+    """A request admitted into the engine, with its stream and deadline.
+
+    `label` is the request id the client sees (its `x-request-id`, or the server's): headers,
+    logs and metrics. The engine knows the request by `request_id`, made here for every
+    admission; labels may repeat, engine ids never do."""
+
+    def __init__(self, engine, prompt_token_ids: list[int], params: SamplingParams, label: str,
                  timeout: float = 0.0, on_admit=None, metrics=None, route: str = "chat",
                  prior_output_ids: list[int] = ()):
         self.engine = engine
         self.metrics = metrics  # engine.telemetry.RequestMetrics, or None
         self.route = route  # metrics label
-        self.request_id = request_id
+        self.label = label  # the client-facing request id; not unique, not a key
+        self.request_id = new_engine_request_id()  # the engine's key for this admission
         self.params = params
         self.num_prompt_tokens = len(prompt_token_ids)
         self.started = time.monotonic()
@@ -95,27 +107,23 @@ class Generation:
         self.finished = False  # every sample reached finished=True
         self._tick: asyncio.TimerHandle | None = None  # wakes the reader every second (see _next)
         self._stopped = False
-        self._admit(engine, prompt_token_ids, params, request_id, on_admit, prior_output_ids)  # errors: see handlers
+        self._admit(engine, prompt_token_ids, params, on_admit, prior_output_ids)  # errors: see handlers
         self._remaining = set(range(params.n))
 
-    def _admit(self, engine, prompt_token_ids, params, request_id, on_admit, prior_output_ids) -> None:
+    def _admit(self, engine, prompt_token_ids, params, on_admit, prior_output_ids) -> None:
         if not engine.alive:
             raise ApiError(503, "The engine is not running; the server cannot generate. Check /health.",
                            code="engine_dead")
         engine.check_prompt(prompt_token_ids, params)
         try:
-            self.stream = engine.add_request(prompt_token_ids, params, request_id=request_id,
+            self.stream = engine.add_request(prompt_token_ids, params, request_id=self.request_id,
                                              prior_output_ids=prior_output_ids)
         except QueueFull as exc:
             raise queue_full_error(exc, retry_after_seconds(engine)) from None
-        except InvalidRequest as exc:
-            if exc.param == "request_id":  # a live request already has this id
-                raise ApiError(409, f"{exc} Send another `x-request-id`.", param="x-request-id") from None
-            raise
         except RuntimeError as exc:  # the engine stopped between the check above and now
             raise ApiError(503, f"{exc} Check /health.", code="engine_dead") from None
         if on_admit is not None:
-            on_admit(request_id)  # test hook; the engine applies it before its next step
+            on_admit(self.request_id)  # test hook; the engine applies it before its next step
 
     async def _next(self) -> RequestOutput | None:
         """The next delta, None at the end; a tick wakes the wait every second to check the
@@ -154,7 +162,7 @@ class Generation:
         Recorded in the metrics (one log line per request) when the app has them."""
         if self.metrics is None:
             return self._deltas()
-        return self.metrics.track(self.route, self._deltas(), request_id=self.request_id,
+        return self.metrics.track(self.route, self._deltas(), request_id=self.label,
                                   num_prompt_tokens=self.num_prompt_tokens, arrival_time=self.started)
 
     async def _deltas(self) -> AsyncIterator[RequestOutput]:

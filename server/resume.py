@@ -24,6 +24,11 @@ went past `max_bytes`) stops being resumable. Its reader keeps getting every eve
 events it has read are freed as it goes; its token stops working (404); if its reader
 leaves, the request is aborted as with `--resume-window 0`. A stream created that way has
 no token at all, so the client knows from the first response that it cannot resume.
+
+Such a stream still counts what it holds: the events its reader has not read yet. A reader
+that stops reading (and stays connected) would otherwise let them pile up without end; past
+`backlog_limit(max_bytes)` the request is stopped, and the reader, if it reads on, gets the
+events up to there, an error event saying why, and the end.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ _RECORD_BYTES = 2048  # the record itself, its asyncio objects and its sampling 
 
 DEFAULT_MAX_STREAMS = 1024
 DEFAULT_MAX_BYTES = 64 * 2**20
+MAX_BACKLOG_BYTES = 4 * 2**20  # unread events of a stream that is not resumable: ~13,000 tokens' worth
 
 
 def new_resume_token() -> str:
@@ -53,6 +59,16 @@ def new_resume_token() -> str:
 
 def event_bytes(data: str) -> int:
     return _EVENT_BYTES + sys.getsizeof(data)
+
+
+def backlog_limit(max_bytes: int) -> int:
+    """The unread bytes a stream that is no longer resumable may hold before it is stopped."""
+    return min(max_bytes, MAX_BACKLOG_BYTES)
+
+
+def slow_reader_message(limit: int) -> str:
+    return (f"The stream was stopped: its reader fell more than {limit} bytes of events behind (it stopped "
+            "reading). Read the stream as it arrives, or send `\"stream\": false`.")
 
 
 class ResumableStream:
@@ -66,7 +82,10 @@ class ResumableStream:
         self.window = window  # seconds it stays resumable with nobody reading
         self.events: list[dict] = []  # event dicts for server/sse.py; events[k-1-dropped] has id k
         self.dropped = 0  # events freed from the front (only once the stream is not resumable)
-        self.nbytes = 0  # the estimated memory it holds (see the module docstring)
+        self.nbytes = 0  # the estimated memory it holds (see the module docstring); unread events once not resumable
+        self.backlog_limit: int | None = None  # once not resumable: the most `nbytes` may reach (then: stopped)
+        self.stop_error: str | None = None  # why the server stopped the request, for the reader's error event
+        self._on_backlog: Callable[["ResumableStream"], None] | None = None  # called once past backlog_limit
         self.done = False  # the last event (end) is in `events`
         self.readers = 0  # connections following the stream now
         self.created = time.monotonic()
@@ -84,6 +103,7 @@ class ResumableStream:
         self.suspending = False  # the engine request is being aborted because nobody reads it
         self.suspended = False  # it was: a reader who comes back continues it
         self.pump: asyncio.Task | None = None  # the task reading the engine request now
+        self.engine_request_id: str | None = None  # the engine's id of that request (never the label)
 
     @property
     def resumable(self) -> bool:
@@ -111,6 +131,9 @@ class ResumableStream:
             item["event"] = event
         self.events.append(item)
         self._grow(event_bytes(data))
+        if (self.backlog_limit is not None and self.nbytes > self.backlog_limit and self.stop_error is None
+                and self._on_backlog is not None):
+            self._on_backlog(self)
         self._notify()
 
     def add_output(self, token_ids: list[int]) -> None:
@@ -125,14 +148,15 @@ class ResumableStream:
         if self._on_grow is not None:
             self._on_grow(self, nbytes)
 
-    def make_unresumable(self) -> int:
-        """Forget the token and free what the readers have read; returns the bytes it no longer counts."""
+    def make_unresumable(self, backlog_limit: int, on_backlog: Callable[["ResumableStream"], None]) -> None:
+        """Forget the token and free what the readers have read; from now on `nbytes` counts the
+        unread events, and `on_backlog` is called once they pass `backlog_limit`."""
         self.token = None
         self._on_grow = None
         self.prompt_ids, self.output_ids = [], []
-        freed, self.nbytes = self.nbytes, 0
+        self.backlog_limit, self._on_backlog = backlog_limit, on_backlog
         self._free_read_events()
-        return freed
+        self.nbytes = sum(event_bytes(item["data"]) for item in self.events)
 
     def _free_read_events(self) -> None:
         """Once nobody can come back for them: free the events every reader present has read
@@ -141,6 +165,8 @@ class ResumableStream:
             return
         low = min(self._positions.values())
         if low > self.dropped:
+            read = self.events[: low - self.dropped]
+            self.nbytes -= sum(event_bytes(item["data"]) for item in read)
             del self.events[: low - self.dropped]
             self.dropped = low
 
@@ -161,6 +187,12 @@ class ResumableStream:
             self._expire()
         else:
             self._expiry = asyncio.get_running_loop().call_later(self.window, self._expire)
+
+    def await_first_reader(self) -> None:
+        """Generation (re)starts before its reader attaches: expire only if none comes within
+        the window, or a short grace when resuming is off (the window's own timer is replaced)."""
+        self.cancel_expiry()
+        self._expiry = asyncio.get_running_loop().call_later(max(self.window, _FIRST_READER_GRACE_S), self._expire)
 
     def cancel_expiry(self) -> None:
         if self._expiry is not None:
@@ -214,7 +246,6 @@ class ResumeRegistry:
         self._streams: dict[str, ResumableStream] = {}  # token -> stream, oldest first
         self._by_id: dict[str, list[ResumableStream]] = {}  # request id -> its streams (labels may repeat)
         self.nbytes = 0  # what the registered streams hold, estimated
-        self.num_dropped = 0  # streams dropped for the bounds (not by the window)
 
     def create(self, request_id: str, prompt_ids: list[int], params) -> ResumableStream:
         """The record of a new stream; `prompt_ids` and `params` let a reader who comes back continue it.
@@ -230,11 +261,10 @@ class ResumeRegistry:
             self._by_id.setdefault(request_id, []).append(stream)
             self.nbytes += stream.nbytes
         else:
-            stream.make_unresumable()
+            stream.make_unresumable(backlog_limit(self.max_bytes), self._backlog_full)
         # If no reader ever attaches (the client left before the response started), the stream
         # still expires: after the window, or a short grace when resuming is off.
-        loop = asyncio.get_running_loop()
-        stream._expiry = loop.call_later(max(self.window, _FIRST_READER_GRACE_S), stream._expire)
+        stream.await_first_reader()
         return stream
 
     def lookup(self, request_id: str, token: str | None) -> ResumableStream | None:
@@ -258,7 +288,7 @@ class ResumeRegistry:
             self._make_room(keep=stream)
             if self.nbytes > self.max_bytes:  # only live streams left: this one stops being resumable
                 self._forget(stream)
-                stream.make_unresumable()
+                stream.make_unresumable(backlog_limit(self.max_bytes), self._backlog_full)
 
     def _make_room(self, extra_streams: int = 0, extra_bytes: int = 0, keep: ResumableStream | None = None) -> None:
         """Drop idle streams, finished ones oldest first, then suspended ones, until the bounds hold."""
@@ -277,7 +307,6 @@ class ResumeRegistry:
                 stream.cancel_expiry()
                 stream.expired = True
                 self._forget(stream)
-                self.num_dropped += 1
                 stream._notify()
 
     def _forget(self, stream: ResumableStream) -> None:
@@ -293,10 +322,20 @@ class ResumeRegistry:
     def _orphan(self, stream: ResumableStream) -> None:
         if stream.resumable:
             stream.suspending = True  # kept (for the window): its owner may come back
-        self._abort(stream.request_id)
+        self._abort_engine_request(stream)
 
     def _expire(self, stream: ResumableStream) -> None:
         self._forget(stream)
         if not stream.done and not stream.suspended and not stream.suspending:
-            self._abort(stream.request_id)  # nobody ever read it
+            self._abort_engine_request(stream)  # nobody ever read it
         stream._notify()
+
+    def _backlog_full(self, stream: ResumableStream) -> None:
+        """A stream nobody can resume holds too many unread events: stop its request (the pump
+        then ends the stream with `stop_error`)."""
+        stream.stop_error = slow_reader_message(stream.backlog_limit)
+        self._abort_engine_request(stream)
+
+    def _abort_engine_request(self, stream: ResumableStream) -> None:
+        if stream.engine_request_id is not None:
+            self._abort(stream.engine_request_id)

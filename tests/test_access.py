@@ -16,7 +16,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from server.errors import public_engine_error
-from tests.servers import SSEReader, chat_text, parse_sse, run_server, usage_of
+from tests.servers import SSEReader, chat_text, parse_sse, run_server, usage_of, wait_idle
 
 KEY = "edge-test-key-5b1e9c"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -116,6 +116,32 @@ def test_a_client_given_request_id_is_a_label_not_a_key(tiny_server):
         assert again.status_code == 200 and wire(parse_sse(again.content)) == events
     plain = httpx.post(f"{url}/chat", json={"prompt": "Hi", "max_new_tokens": 2, "stream": False}, timeout=60)
     assert plain.status_code == 200 and "x-resume-token" not in plain.headers  # nothing to resume
+
+
+def test_a_label_in_use_blocks_nobody_and_tells_nothing(tiny_server):
+    """The engine keys requests by ids of its own: two live requests may share a label, and a
+    request sent with another stream's label neither learns of it nor keeps it from resuming."""
+    url = tiny_server.url
+    body = {"prompt": STORY, "max_new_tokens": 120}
+    expected = greedy(url, body)["response"]
+    headers, first = stream(url, body, headers={"x-request-id": "victim-label"}, keep=4)
+    token = headers["x-resume-token"]
+    wait_idle(url, timeout=10)  # nobody reads it: aborted in the engine, kept resumable
+    long_body = {"prompt": "Talk for a long time.", "max_new_tokens": 400, "temperature": 0}
+    with httpx.stream("POST", f"{url}/chat", json=long_body, headers={"x-request-id": "victim-label"},
+                      timeout=120) as squatter:
+        assert squatter.status_code == 200  # not 409: the label says nothing about who else has it
+        events = iter(SSEReader(squatter))
+        assert next(events).event == "message"  # it runs now, under the victim's label
+        twin = httpx.post(f"{url}/chat", json={"prompt": "Hi", "max_new_tokens": 3, "stream": False},
+                          headers={"x-request-id": "victim-label"}, timeout=60)
+        assert twin.status_code == 200 and twin.json()["usage"]["completion_tokens"] == 3
+        rest = resume(url, "victim-label", token, after=4)  # continues in the engine beside the squatter
+        assert rest.status_code == 200, rest.text
+        assert chat_text(first) + chat_text(parse_sse(rest.content)) == expected
+        assert parse_sse(rest.content)[-1].event == "end"
+        squatter_events = list(events)
+    assert squatter_events[-1].event == "end" and usage_of(squatter_events)["completion_tokens"] == 400
 
 
 # --------------------------------------------------------------------------- the bounds
