@@ -8,7 +8,8 @@ request's outputs from a queue the engine thread fills: an `asyncio.Queue` throu
 Faults. `EngineCore.step()` fails only the requests a fault concerns. A fault that escapes it
 (or output dispatch) leaves the core's state unknown, so the engine "dies": every consumer gets
 an error end at once, then the thread rebuilds the core from the loaded model (no reload; a few
-seconds at most) and serves again. Rebuilding in the process keeps the weights in memory and the
+seconds at most; the same number of KV blocks) and serves again. A forward that fails for every
+sequence several steps in a row is such a fault too (`core.ModelBroken`). Rebuilding in the process keeps the weights in memory and the
 page's visitors connected, where a process restart would reload the model for minutes. A fault
 that comes back is not fixed by rebuilding (a broken device, a corrupt model): past
 `config.max_restarts` deaths within `RESTART_WINDOW_S`, or when the rebuild itself fails, the
@@ -19,6 +20,7 @@ Space or supervisor to start it afresh.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -232,10 +234,10 @@ class AsyncEngine:
                         "the server log has the details."))
                     continue
             if out.finished:
-                sink.num_unfinished -= 1
+                sink.unfinished.discard(out.index)
                 with self._lock:
                     self._num_admitted -= 1
-                    if sink.num_unfinished == 0:
+                    if not sink.unfinished:
                         del self._sinks[out.request_id]
         for loop, batch in by_loop.items():
             try:
@@ -294,7 +296,7 @@ class AsyncEngine:
         error = ("The engine stopped after an internal error and could not finish this "
                  "request; it restarts if it can. Send the request again in a moment.")
         for request_id, sink in sinks:
-            for index in range(sink.num_unfinished):
+            for index in sorted(sink.unfinished):  # the samples that had not finished
                 try:
                     sink._on_output(RequestOutput(request_id, index, [], "", finished=True,
                                                   finish_reason=FinishReason.ERROR, error=error))
@@ -310,14 +312,20 @@ class AsyncEngine:
                       len(self._deaths), RESTART_WINDOW_S, self.config.max_restarts)
             return False
         log.warning("rebuilding the engine (restart %d)", self.num_restarts + 1)
+        old = self.core
         try:
-            self.core.close()  # its KV cache goes before the new one is sized and allocated
-            self.core = EngineCore(self.loaded.model, self.loaded.tokenizer, self.config, self.loaded.context_length)
+            old.close()  # its KV cache goes before the new one is allocated
+            # The same pool size: sized from free memory again, it would find the old pool's memory
+            # still held (the allocator keeps it) and shrink at every restart.
+            config = dataclasses.replace(self.config, num_kv_blocks=old.num_kv_blocks)
+            self.core = EngineCore(self.loaded.model, self.loaded.tokenizer, config, self.loaded.context_length)
+            self.core.linears = old.linears  # the model's linears were repacked by the first core, not this one
         except Exception:
             log.exception("rebuilding the engine failed; it stays dead")
             return False
         self.num_restarts += 1
         with self._lock:
             self.dead = None
-        log.warning("the engine runs again (restart %d)", self.num_restarts)
+        log.warning("the engine runs again (restart %d): %d KV blocks, linears on %s", self.num_restarts,
+                    self.core.num_kv_blocks, self.core.linears)
         return True

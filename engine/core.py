@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import Counter
@@ -143,6 +144,18 @@ def eos_token_ids(model, tokenizer) -> list[int]:
     return [ids] if isinstance(ids, int) else list(ids)
 
 
+def _is_token_id(value, vocab_size: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab_size
+
+
+MAX_FAILED_STEPS = 3  # steps in a row whose forward fails for every sequence: the model is broken
+
+
+class ModelBroken(RuntimeError):
+    """The forward failed for every sequence of several steps in a row: the engine must die
+    (and be rebuilt, within its max_restarts), since no request can be served."""
+
+
 class EngineCore:
     """Owns the model, the KV cache and the queues; `step()` advances every running sequence."""
 
@@ -213,6 +226,12 @@ class EngineCore:
         n = len(prompt_token_ids)
         if n == 0:
             raise InvalidRequest("The prompt is empty: it must contain at least 1 token. Given: 0 tokens", "prompt")
+        vocab = self.vocab_size
+        if not all(_is_token_id(t, vocab) for t in prompt_token_ids):
+            position, bad = next((i, t) for i, t in enumerate(prompt_token_ids)
+                                 if not _is_token_id(t, vocab))
+            raise InvalidRequest(f"Prompt token ids must be integers in [0, {vocab}) (this model's vocabulary of "
+                                 f"{vocab} tokens). Given: {bad!r} at position {position}.", "prompt")
         if n + params.max_tokens > self.max_model_len:
             raise InvalidRequest(
                 f"The prompt ({n} tokens) plus max_tokens ({params.max_tokens}) is {n + params.max_tokens} "
@@ -224,6 +243,11 @@ class EngineCore:
                 f"The prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds the KV cache "
                 f"({capacity} tokens in all). Lower max_tokens or start the server with a larger --kv-cache-memory.",
                 "max_tokens")
+
+    @functools.cached_property
+    def vocab_size(self) -> int:
+        """Token ids the model can embed: [0, vocab_size)."""
+        return self.model.get_input_embeddings().num_embeddings
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prior_output_ids: list[int] = ()) -> list[Sequence]:
@@ -272,13 +296,22 @@ class EngineCore:
         (the engine goes on): a forward that raises is retried one sequence at a time so that only
         the sequence whose own forward raises fails; a failure in one sequence's bookkeeping,
         sampling or output processing fails that sequence. What escapes (a fault in the scheduler
-        or in failing a request) leaves the engine's state unknown: the caller rebuilds it."""
+        or in failing a request) leaves the engine's state unknown: the caller rebuilds it. So does
+        a forward that fails for every sequence in MAX_FAILED_STEPS steps in a row (`ModelBroken`):
+        then the model or its device is broken, not one request."""
         plan = self.scheduler.schedule()
         if not plan:
             return []
         self.num_steps += 1
         outputs: list[RequestOutput] = []
         logits, plan = self._forward(plan, outputs)
+        if plan:
+            self.num_failed_steps = 0
+        else:
+            self.num_failed_steps += 1
+            if self.num_failed_steps >= MAX_FAILED_STEPS:
+                raise ModelBroken(f"The model's forward failed for every sequence in {self.num_failed_steps} "
+                                  "steps in a row; the model or its device is broken.")
         sampling: list[ScheduledChunk] = []
         for chunk in plan:
             try:
@@ -296,6 +329,8 @@ class EngineCore:
                 except Exception as exc:  # e.g. a tokenizer error: this request fails alone
                     outputs.append(self._fail(seq, "detokenizing the output of", exc))
         return outputs
+
+    num_failed_steps = 0  # consecutive steps whose forward failed for every sequence
 
     def _fail(self, seq: Sequence, stage: str, exc: BaseException) -> RequestOutput:
         """Finish `seq` with an error naming the stage that failed; the traceback goes to the log."""

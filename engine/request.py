@@ -72,7 +72,9 @@ class SamplingParams:
     """How to sample one request. Frozen and validated at construction: every field is checked
     (type, finite, range), and the error names the field, what is allowed and what was given.
 
-    temperature 0 means greedy (argmax), which matches `model.generate(do_sample=False)`.
+    temperature 0 means greedy (argmax), which matches `model.generate(do_sample=False)`; any
+    temperature above 0 samples, a tiny one (1e-40) as sharply as greedy, never with NaN (see
+    `Sampler`).
     """
 
     max_tokens: int = 16  # new tokens at most; the request finishes with "length" there

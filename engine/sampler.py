@@ -110,7 +110,12 @@ class Sampler:
 
     def _sample(self, logits, seqs, params, temps) -> torch.Tensor:
         rows, vocab = logits.shape
-        logits = logits / torch.where(temps == 0, torch.ones_like(temps), temps)[:, None]
+        # Scaled from each row's maximum: (logits - max) / t is <= 0 with its top entries at 0 for
+        # every t > 0, so a tiny temperature sharpens towards greedy instead of overflowing (l / 1e-40
+        # is inf, softmax of inf is NaN: token 0 forever).
+        top = logits.max(dim=-1, keepdim=True).values
+        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+        logits = (logits - top) / torch.where(temps == 0, torch.ones_like(temps), temps)[:, None]
         top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
         top_p = torch.tensor([p.top_p for p in params])
         min_p = torch.tensor([p.min_p for p in params])

@@ -24,7 +24,7 @@ class _TextSinkMixin(_Sink):
     def _init_sink(self, engine: "AsyncEngine", request_id: str):
         self.engine = engine
         self.request_id = request_id
-        self.num_unfinished = 1
+        self.unfinished = {0}
         self.finish_reason: FinishReason | None = None
         self.error: str | None = None
         self.num_prompt_tokens = 0

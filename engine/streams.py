@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 class _Sink:
     """Where the engine thread puts one request's outputs."""
 
-    num_unfinished: int  # samples still running
+    unfinished: set[int]  # indices of the samples still running (the engine thread removes them)
 
     def _on_output(self, out: RequestOutput) -> None:  # engine thread
         raise NotImplementedError
@@ -38,7 +38,7 @@ class RequestStream(_Sink):
         self.engine = engine
         self.request_id = request_id
         self.n = n  # samples; the iterators count finishes against this
-        self.num_unfinished = n  # samples still running (lowered by the engine thread)
+        self.unfinished = set(range(n))  # samples still running (the engine thread removes them)
         try:
             self._loop = asyncio.get_running_loop()
         except RuntimeError:

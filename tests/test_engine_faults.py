@@ -279,6 +279,118 @@ def test_past_max_restarts_the_engine_stays_dead_and_calls_on_fatal(llama):
         engine.shutdown()
 
 
+def test_a_forward_failing_for_everyone_three_steps_in_a_row_kills_the_engine(llama):
+    """A broken device fails every forward: after MAX_FAILED_STEPS such steps the engine dies, so
+    that max_restarts and on_fatal apply, instead of failing every request forever while alive."""
+    from engine.core import MAX_FAILED_STEPS, ModelBroken
+
+    engine = AsyncEngine(load_model(str(llama)), EngineConfig(max_restarts=0))
+    fatal = []
+    done = threading.Event()
+    engine.on_fatal = lambda exc: (fatal.append(exc), done.set())
+
+    def broken_device(module, args):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    hook = engine.loaded.model.get_input_embeddings().register_forward_pre_hook(broken_device)
+    try:
+        engine.start()
+        errors = []
+        for i in range(MAX_FAILED_STEPS):  # one request at a time: each step fails for all it runs
+            streamer = engine.text_streamer(engine.encode(f"request {i}"), PARAMS, timeout=60)
+            assert "".join(streamer) == "" and streamer.finish_reason is FinishReason.ERROR
+            errors.append(streamer.error)
+        assert all("running the model" in e for e in errors[:-1])
+        assert "engine stopped" in errors[-1]  # the last one ends with the engine
+        assert done.wait(30) and isinstance(fatal[0], ModelBroken)
+        assert f"every sequence in {MAX_FAILED_STEPS} steps in a row" in str(fatal[0])
+        assert not engine.alive
+    finally:
+        hook.remove()
+        engine.shutdown()
+
+
+def test_a_forward_failing_now_and_then_does_not_count_as_broken(llama, alone):
+    from engine.core import MAX_FAILED_STEPS
+
+    engine = AsyncEngine(load_model(str(llama)), EngineConfig(max_restarts=0))
+    failing = {"on": True}
+
+    def sometimes(module, args):
+        if failing["on"]:
+            raise RuntimeError("transient")
+
+    hook = engine.loaded.model.get_input_embeddings().register_forward_pre_hook(sometimes)
+    try:
+        engine.start()
+        for _ in range(MAX_FAILED_STEPS):  # a failing step, then a good one: the count starts again
+            failing["on"] = True
+            streamer = engine.text_streamer(engine.encode("fails"), PARAMS, timeout=60)
+            assert "".join(streamer) == "" and streamer.finish_reason is FinishReason.ERROR
+            failing["on"] = False
+            assert token_ids_of(engine, PROMPTS[0]) == alone[PROMPTS[0]]
+        assert engine.alive and engine.num_restarts == 0
+    finally:
+        hook.remove()
+        engine.shutdown()
+
+
+def test_a_rebuilt_engine_keeps_its_kv_pool_size_and_linears(llama, monkeypatch):
+    """The old pool's memory is still held when the new core is sized (the allocator keeps it):
+    sized from free memory again, each restart would shrink the pool."""
+    from engine import core
+
+    free = iter([1 << 30, 256 << 20, 64 << 20])  # what free memory reads at each sizing
+    monkeypatch.setattr(core, "free_memory_bytes", lambda device, *args: next(free))
+    engine = AsyncEngine(load_model(str(llama)), EngineConfig(kv_cache_memory=0.5)).start()
+    try:
+        blocks, linears = engine.core.num_kv_blocks, engine.core.linears
+        for restart in (1, 2):
+            _kill(engine)
+            engine.core.has_work = lambda: True  # dies at its next loop, with nothing running
+            assert wait_until(lambda: engine.num_restarts == restart and engine.alive), "no rebuild"
+            assert engine.core.num_kv_blocks == blocks and engine.stats().num_kv_blocks == blocks
+            assert engine.core.linears == linears
+        assert token_ids_of(engine, PROMPTS[0])  # and it serves
+    finally:
+        engine.shutdown()
+
+
+def test_engine_death_ends_the_samples_still_running_under_their_own_index(llama):
+    """Sample 0 of an n=3 request stops early (a stop token only it draws, found offline with the
+    same seed); the engine then dies: samples 1 and 2 get the error end, not 0 twice."""
+    llm = LLM(load_model(str(llama)))
+    prompt = llm.tokenizer.encode("Tell me a story", add_special_tokens=False)
+    for seed in range(50):
+        sampled = SamplingParams(max_tokens=300, temperature=5.0, seed=seed, n=3, ignore_eos=True)
+        outs = llm.generate([prompt], sampled)[0].outputs
+        others = set(outs[1].token_ids) | set(outs[2].token_ids)
+        stop = next((t for t in outs[0].token_ids[:3] if t not in others), None)
+        if stop is not None:
+            break
+    assert stop is not None, "no seed gives sample 0 a stop token of its own"
+    params = SamplingParams(max_tokens=300, temperature=5.0, seed=seed, n=3, ignore_eos=True,
+                            stop_token_ids=(stop,))
+    engine = AsyncEngine(load_model(str(llama))).start()
+    ends: dict[int, list] = {}
+
+    async def consume():
+        async for out in engine.add_request(prompt, params):
+            if out.finished:
+                ends.setdefault(out.index, []).append(out)
+                if out.index == 0:
+                    _kill(engine)
+
+    try:
+        asyncio.run(asyncio.wait_for(consume(), 60))
+        assert sorted(ends) == [0, 1, 2] and all(len(v) == 1 for v in ends.values())
+        assert ends[0][0].finish_reason is FinishReason.STOP
+        for index in (1, 2):
+            assert ends[index][0].finish_reason is FinishReason.ERROR and "engine stopped" in ends[index][0].error
+    finally:
+        engine.shutdown()
+
+
 # --------------------------------------------------------------------------- memory
 
 

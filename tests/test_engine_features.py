@@ -284,6 +284,35 @@ def test_queue_full_and_invalid_prompt(llama):
         eng.check_prompt([], p)
 
 
+def test_prompt_token_ids_outside_the_vocabulary_are_refused(llama, llm):
+    from engine import InvalidRequest
+
+    vocab = llm.core.vocab_size
+    for bad, position in (([-1], 0), ([5, vocab], 1), ([5, 6, 10**6], 2), ([5, True], 1)):
+        with pytest.raises(InvalidRequest) as err:
+            llm.generate([bad], SamplingParams(max_tokens=2))
+        assert str(err.value) == (f"Prompt token ids must be integers in [0, {vocab}) (this model's vocabulary of "
+                                  f"{vocab} tokens). Given: {bad[position]!r} at position {position}.")
+        assert err.value.param == "prompt"
+    eng = AsyncEngine(load_model(str(llama)))  # not started: refused before anything is queued
+    with pytest.raises(InvalidRequest, match=r"in \[0, \d+\).*Given: 1000000 at position 0"):
+        eng.add_request([10**6], SamplingParams(max_tokens=2))
+    assert eng.num_admitted == 0
+    assert llm.generate([[5, vocab - 1]], SamplingParams(max_tokens=2))[0].outputs[0].token_ids  # the edge is fine
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-30, 1e-8])
+def test_a_tiny_temperature_samples_like_greedy_never_nan(llm, temperature):
+    prompt = "Tell me about the sea"
+    expected = greedy(llm, prompt, max_tokens=16, ignore_eos=True).token_ids
+    for seed in (None, 3):
+        params = SamplingParams(max_tokens=16, temperature=temperature, seed=seed, ignore_eos=True,
+                                top_p=0.9, top_k=40)
+        assert llm.generate([prompt], params)[0].token_ids == expected
+        plain = SamplingParams(max_tokens=16, temperature=temperature, seed=seed, ignore_eos=True)
+        assert llm.generate([prompt], plain)[0].token_ids == expected
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"temperature": -1}, "`temperature` must be a number in [0, 100] (0 = greedy). Given: -1"),
     ({"top_p": 0}, "`top_p` must be in (0, 1]. Given: 0"),
