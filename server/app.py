@@ -96,7 +96,8 @@ def create_app(engine, settings: Settings) -> FastAPI:
         except Exception:
             log.exception("metrics could not be installed; serving without /metrics")
 
-    app.add_middleware(ApiGuard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(ApiGuard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
+                       test_hooks=settings.test_hooks)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["x-request-id", "x-resume-token"])

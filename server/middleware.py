@@ -1,4 +1,5 @@
-"""ASGI middleware: the API key on the API routes (`/chat...`, `/v1/...`, `/_test/...`), the body
+"""ASGI middleware: the API key on the API routes (`/chat...`, `/v1/...`, and `/_test/...` when the
+test hooks exist: without them those paths are not routes, and answer 404 like any unknown path), the body
 size limit on every request body, the page's Gradio API included; and the page's login (`page_login`), which app.py gives Gradio.
 
 Both checks answer before the body is parsed, so a refused request costs no model work. With an
@@ -15,11 +16,13 @@ import json
 
 from server.errors import count_error, error_body
 
-_API_PREFIXES = ("/chat", "/v1", "/_test")
+_API_PREFIXES = ("/chat", "/v1")
+_TEST_HOOK_PREFIX = "/_test"
 
 
-def is_api_path(path: str) -> bool:
-    return any(path == p or path.startswith(p + "/") for p in _API_PREFIXES)
+def is_api_path(path: str, test_hooks: bool = False) -> bool:
+    prefixes = (*_API_PREFIXES, _TEST_HOOK_PREFIX) if test_hooks else _API_PREFIXES
+    return any(path == p or path.startswith(p + "/") for p in prefixes)
 
 
 async def _send_json(send, path: str, status: int, message: str, *, code: str | None = None,
@@ -55,17 +58,18 @@ class ApiGuard:
     """`Authorization: Bearer <key>` on the API routes when a key is set (401), and `--max-body-bytes`
     on every request body, the page's Gradio API included (413)."""
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int):
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, test_hooks: bool = False):
         self.app = app
         self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
+        self.test_hooks = test_hooks  # /_test/... are routes (and need the key) only with the hooks
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
         headers = dict(scope["headers"])
-        if self.api_key is not None and is_api_path(path):  # the page's routes: Gradio's login
+        if self.api_key is not None and is_api_path(path, self.test_hooks):  # the page's routes: Gradio's login
             given = headers.get(b"authorization", b"")
             scheme, _, token = given.partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):

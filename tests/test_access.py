@@ -210,6 +210,15 @@ def test_test_hooks_do_not_exist_without_the_flag(bounded):
     assert greedy(url, {"prompt": "Hi", "max_new_tokens": 2})["usage"]["completion_tokens"] == 2
 
 
+def test_without_the_flag_the_test_hooks_do_not_exist_with_a_key_either(tiny_llama_path):
+    with run_server("--model", str(tiny_llama_path), "--api-key", KEY, test_hooks=False) as server:
+        for hook in ("/_test/kill-engine", "/_test/raise"):
+            for headers in (None, AUTH):  # no 401 first: the answer is the same as for any unknown path
+                assert httpx.post(f"{server.url}{hook}", headers=headers, timeout=30).status_code == 404
+        assert httpx.post(f"{server.url}/chat", json={"prompt": "Hi"}, timeout=30).status_code == 401
+        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
 def test_test_hooks_need_the_key_and_a_500_says_nothing_of_the_inside(keyed):
     url = keyed.url
     for hook in ("/_test/kill-engine", "/_test/raise"):
