@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
+from jinja2.exceptions import TemplateError, TemplateSyntaxError
+
+from engine.request import InvalidRequest
+
 
 def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of a conversation through the model's chat template ("role: content" lines without one)."""
+    """Token ids of a conversation through the model's chat template ("role: content" lines without one).
+
+    Raises InvalidRequest with the template's own message when the template refuses the
+    conversation (its `raise_exception(...)`, e.g. roles that do not alternate). A template that
+    does not even parse is the server's fault and raises as it is."""
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt)
+        except TemplateSyntaxError:
+            raise
+        except TemplateError as exc:
+            raise InvalidRequest(f"The model's chat template refused this conversation: {exc}", "messages") from None
     else:
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
         if add_generation_prompt:

@@ -208,14 +208,19 @@ def _conversation(words_per_message: list[int]) -> list[dict]:
     return [{"role": roles[i % 2], "content": " ".join(["w"] * n)} for i, n in enumerate(words_per_message)]
 
 
-def _fewest_dropped(engine, history, message, max_new_tokens):
-    """The old algorithm: drop one turn at a time, render each time."""
+def _turns_of(history: list[dict]) -> list[list[dict]]:
     turns = []
     for m in history:
         if m["role"] == "user" or not turns:
             turns.append([m])
         else:
             turns[-1].append(m)
+    return turns
+
+
+def _fewest_dropped(engine, history, message, max_new_tokens):
+    """The old algorithm: drop one turn at a time, render each time."""
+    turns = _turns_of(history)
     for dropped in range(len(turns) + 1):
         kept = [m for turn in turns[dropped:] for m in turn]
         if len(engine.encode_chat(kept + [{"role": "user", "content": message}])) + max_new_tokens <= engine.max_model_len:
@@ -235,7 +240,8 @@ def test_trimming_drops_the_fewest_oldest_turns_like_one_at_a_time(words, contex
         return
     expected = _fewest_dropped(WordEngine(context), history, "the question", answer)
     assert fitted.dropped_turns == expected
-    assert fitted.messages[-1] == {"role": "user", "content": "the question"}
+    kept = [m for turn in _turns_of(history)[expected:] for m in turn] + [{"role": "user", "content": "the question"}]
+    assert fitted.prompt_token_ids == engine.encode_chat(kept)  # the kept turns and the message, nothing else
     assert len(fitted.prompt_token_ids) + fitted.max_tokens <= context
 
 
@@ -245,7 +251,9 @@ def test_a_long_history_costs_a_logarithmic_number_of_renders():
     fitted = fit_to_context(engine, history, "now?", "be brief", 50)
     assert fitted.dropped_turns == 500 - 12  # 12 turns of 12 tokens + system, message and answer fit
     assert engine.renders <= 2 + math.ceil(math.log2(501))
-    assert fitted.messages[0] == {"role": "system", "content": "be brief"}
+    kept = [m for turn in _turns_of(history)[500 - 12:] for m in turn]
+    assert fitted.prompt_token_ids == WordEngine(200).encode_chat(
+        [{"role": "system", "content": "be brief"}] + kept + [{"role": "user", "content": "now?"}])
 
 
 def test_turns_beyond_the_character_bound_are_dropped_without_rendering_them():

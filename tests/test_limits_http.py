@@ -223,3 +223,47 @@ def test_a_gradio_api_body_past_the_body_limit_is_a_413_before_gradio_parses_it(
         assert response.status_code == 413, response.text
         assert "The request body is too large: at most 1000000 bytes are allowed" in response.text
     assert_still_answers(url)
+
+
+# --------------------------------------------------------------------------- a chat template that refuses
+
+ALTERNATE = "Conversation roles must alternate user/assistant/user/assistant/..."
+STRICT_TEMPLATE = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+                   "{{ raise_exception('" + ALTERNATE + "') }}{% endif %}"
+                   "{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+                   "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def strict_server(server_with, tiny_llama_path, tmp_path_factory):
+    """The tiny Llama with a chat template that raises on roles that do not alternate."""
+    import shutil
+
+    folder = tmp_path_factory.mktemp("strict") / "llama"
+    shutil.copytree(tiny_llama_path, folder)
+    (folder / "chat_template.jinja").write_text(STRICT_TEMPLATE)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return server_with(model=folder)
+
+
+def test_a_conversation_the_chat_template_refuses_is_a_400_with_the_templates_message(strict_server):
+    url = strict_server.url
+    twice = [{"role": "user", "content": "Hi"}, {"role": "user", "content": "Hi again"}]
+    for path, body in (("/chat", {"messages": twice, "stream": False}), ("/chat", {"messages": twice}),
+                       ("/v1/chat/completions", {"messages": twice, "max_tokens": 4})):
+        response = httpx.post(f"{url}{path}", json=body, timeout=60)
+        assert response.status_code == 400, (path, response.text)
+        assert _error_text(response) == f"The model's chat template refused this conversation: {ALTERNATE}"
+    fine = httpx.post(f"{url}/chat", json={"messages": twice[:1], "max_new_tokens": 3, "stream": False}, timeout=60)
+    assert fine.status_code == 200 and fine.json()["usage"]["completion_tokens"] == 3
+
+    from gradio_client import Client
+
+    client = Client(url + "/", verbose=False)
+    with pytest.raises(Exception) as caught:  # the page: the same message, as a Gradio error
+        client.predict(message="Hi again", history=twice[:1] + [{"role": "user", "content": "and"}],
+                       max_new_tokens=3, api_name="/chat")
+    assert ALTERNATE in str(caught.value)
+    assert client.predict(message="Hi", history=[], max_new_tokens=3, api_name="/chat")  # and it still answers

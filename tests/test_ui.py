@@ -189,9 +189,10 @@ def test_long_conversation_drops_oldest_turns_first():
     engine = FakeChatEngine(max_model_len=60)
     history = _turn(1) + _turn(2) + _turn(3)  # 9 tokens per message
     fitted = fit_to_context(engine, history, "last question", "be brief", max_new_tokens=20)
-    kept = fitted.messages
-    assert kept in engine.prompts  # what the engine tokenized
     assert fitted.dropped_turns == 2
+    kept = ([{"role": "system", "content": "be brief"}] + history[2 * fitted.dropped_turns:]
+            + [{"role": "user", "content": "last question"}])
+    assert kept in engine.prompts and fitted.prompt_token_ids == engine.encode_chat(kept)  # what it tokenized
     assert [m["content"].split()[:2] for m in kept] == [["be", "brief"], ["question", "3"], ["answer", "3"],
                                                         ["last", "question"]]
     assert len(fitted.prompt_token_ids) + 20 <= 60
@@ -347,3 +348,18 @@ def test_status_panel_counts_what_the_page_streamed():
     assert "| Running requests | 0 |" in markdown
     assert list(ttft.columns) == ["time", "TTFT (s)"] and len(ttft) == 1
     assert list(throughput.columns) == ["time", "tokens/s"] and len(throughput) == status.HISTORY_S / status.THROUGHPUT_BIN_S
+
+
+def test_status_panel_shows_visitors_a_fixed_message_when_the_engine_cannot_be_read(caplog):
+    from ui.status import ENGINE_UNAVAILABLE, status_markdown
+
+    class BrokenEngine:
+        alive = False
+
+        def stats(self):
+            raise RuntimeError("allocator state at /srv/rill/engine/kv_cache.py:88 is corrupt")
+
+    text = status_markdown(BrokenEngine(), SimpleNamespace())
+    assert text == ENGINE_UNAVAILABLE
+    assert "RuntimeError" not in text and "/srv" not in text
+    assert "/srv/rill/engine/kv_cache.py:88" in caplog.text  # the owner finds it in the log

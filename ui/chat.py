@@ -213,7 +213,6 @@ class FittedPrompt:
     prompt_token_ids: list[int]
     dropped_turns: int
     max_tokens: int  # the answer's token budget (max_new_tokens, or less where the context is short)
-    messages: list[dict]  # what the prompt holds: [system] + the kept turns + the message
 
 
 def _turns(messages: list[dict]) -> list[list[dict]]:
@@ -252,13 +251,16 @@ def fit_to_context(engine, history: list[dict], message: str, system_prompt: str
     while chars > char_limit:  # these oldest turns cannot fit whatever they tokenize to
         chars -= turn_chars[first]
         first += 1
-    rendered: dict[int, tuple[list[dict], list[int]]] = {}
+    rendered: dict[int, list[int]] = {}  # turns dropped -> the prompt's token ids
 
     def render(dropped: int) -> list[int]:
         if dropped not in rendered:
             messages = system + [m for turn in turns[dropped:] for m in turn] + user
-            rendered[dropped] = (messages, engine.encode_chat(messages))
-        return rendered[dropped][1]
+            try:
+                rendered[dropped] = engine.encode_chat(messages)
+            except InvalidRequest as exc:  # the chat template refused the conversation: say why
+                raise ChatError(str(exc)) from None
+        return rendered[dropped]
 
     def fits(dropped: int) -> bool:
         return len(render(dropped)) + max_new_tokens <= context
@@ -273,7 +275,7 @@ def fit_to_context(engine, history: list[dict], message: str, system_prompt: str
             raise ChatError(f"The message is too long: with the system prompt it takes {len(ids)} tokens, "
                             f"and the model's context holds {context} tokens in all (prompt and answer). "
                             "Shorten the message or the system prompt.")
-        return FittedPrompt(ids, dropped, room, rendered[dropped][0])  # the answer is cut short to fit
+        return FittedPrompt(ids, dropped, room)  # the answer is cut short to fit
     else:
         too_few, enough = first, len(turns)  # fits(too_few) is false, fits(enough) true
         while enough - too_few > 1:
@@ -283,8 +285,7 @@ def fit_to_context(engine, history: list[dict], message: str, system_prompt: str
             else:
                 too_few = middle
         dropped = enough
-    messages, ids = rendered[dropped]
-    return FittedPrompt(ids, dropped, max_new_tokens, messages)
+    return FittedPrompt(rendered[dropped], dropped, max_new_tokens)
 
 
 # --- streaming -------------------------------------------------------------------------------------

@@ -7,7 +7,13 @@ which every route and the page feed.
 
 from __future__ import annotations
 
+import logging
+
 import pandas as pd
+
+log = logging.getLogger("rill.ui")
+ENGINE_UNAVAILABLE = ("**Engine unavailable**: its statistics cannot be read now. "
+                      "The server log has the reason.")
 
 THROUGHPUT_BIN_S = 5.0  # one point of the throughput plot per this many seconds
 HISTORY_S = 300.0  # the plots show the last five minutes
@@ -18,8 +24,9 @@ def status_markdown(engine, recent) -> str:
     alive = getattr(engine, "alive", True)
     try:
         stats = engine.stats()
-    except Exception as exc:  # the panel still answers when the engine is gone
-        return f"**Engine unavailable**: {type(exc).__name__}: {exc}"
+    except Exception:  # the panel still answers when the engine is gone; visitors get no exception text
+        log.warning("the status panel could not read the engine's statistics", exc_info=True)
+        return ENGINE_UNAVAILABLE
     used_blocks = stats.num_kv_blocks - stats.num_free_kv_blocks
     ttft = "–" if recent.mean_ttft_s is None else f"{recent.mean_ttft_s:.2f} s"
     rows = [
