@@ -28,6 +28,7 @@ from engine.request import (
     Sequence,
 )
 from engine.cpu import decode_attention_kernel, keep_freed_memory, linear_kernel, pack_linears
+from engine.quant import QuantLinear
 from engine.runner import FallbackRunner, PagedRunner, RequestFault, kv_geometry, supports_paged_attention
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledChunk, Scheduler
@@ -107,6 +108,10 @@ class EngineCore:
                     kernel = linear_kernel(rill_cache_dir())
                 num_packed, kind = pack_linears(model, kernel)
                 self.linears = kind or "torch"
+            kinds = sorted({m.kind for m in model.modules() if isinstance(m, QuantLinear)})
+            if kinds:  # weights kept as blocks (engine/quant.py): the rest, if any, as above
+                self.linears = f"{'/'.join(kinds)} blocks (C kernel)" + (f", the rest on the {self.linears}"
+                                                                         if num_packed else "")
         if supports_paged_attention(model):
             kernel = None
             if on_cpu and config.decode_kernel and model.dtype == torch.float32:
@@ -132,7 +137,7 @@ class EngineCore:
         log.info("engine: %s attention path, %d KV blocks of %d tokens (%.1f MiB), max_model_len %d, "
                  "linears on %s", self.attention_path, self.num_kv_blocks, config.block_size,
                  self.kv_cache_bytes / 2**20, self.max_model_len,
-                 f"the {self.linears} ({num_packed} repacked)" if num_packed else "torch")
+                 f"the {self.linears} ({num_packed} repacked)" if num_packed else self.linears)
 
     def _num_blocks(self, per_block: int, device: torch.device) -> int:
         cfg = self.config
