@@ -19,6 +19,7 @@ import os
 import re
 import signal
 import sys
+import threading
 from dataclasses import dataclass
 
 # Before gradio or transformers are imported: nothing phones home unless asked.
@@ -36,7 +37,7 @@ class Option:
     flag: str
     env: tuple[str, ...]
     dest: str
-    kind: type | str  # int, float, str, "bool", "size", "auth", "list"
+    kind: type | str  # int, float, str, "bool", "size", "bytes", "auth", "list"
     default: object
     help: str
     metavar: str | None = None
@@ -56,8 +57,11 @@ OPTIONS: tuple[Option, ...] = (
            "address to bind (a Space sets GRADIO_SERVER_NAME=0.0.0.0)", "H"),
     Option("--port", ("GRADIO_SERVER_PORT", "PORT"), "port", int, 7860, "port to serve on", "P"),
     Option("--api-key", ("API_KEY",), "api_key", str, None,
-           "require `Authorization: Bearer KEY` on /chat and /v1 (set it as a Space secret)", "KEY"),
-    Option("--ui-auth", ("UI_AUTH",), "ui_auth", "auth", None, "protect the page with Gradio's login", "USER:PASS"),
+           "close every route that reaches the model: /chat and /v1 need `Authorization: Bearer KEY`, the page "
+           "and its Gradio API a login with KEY as password (set it as a Space secret)", "KEY"),
+    Option("--ui-auth", ("UI_AUTH",), "ui_auth", "auth", None,
+           "put Gradio's login on the page and its API with this user and password (with --api-key: as well as "
+           "the key)", "USER:PASS"),
     Option("--cors-origins", ("CORS_ORIGINS",), "cors_origins", "list", (),
            "comma-separated origins allowed to call the API from a browser (CORS is off by default)", "O1,O2"),
     Option("--max-body-bytes", ("MAX_BODY_BYTES",), "max_body_bytes", int, 1_000_000,
@@ -67,6 +71,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("--resume-window", ("RESUME_WINDOW",), "resume_window", float, 30.0,
            "seconds a disconnected /chat stream keeps generating and stays resumable at GET /chat/{id} "
            "(0 = abort at once)", "S"),
+    Option("--resume-max-streams", ("RESUME_MAX_STREAMS",), "resume_max_streams", int, 1024,
+           "resumable /chat streams kept at most; past it the oldest finished one is dropped", "N"),
+    Option("--resume-max-bytes", ("RESUME_MAX_BYTES",), "resume_max_bytes", "bytes", 64 * 2**20,
+           "memory the resumable streams may hold (e.g. 64MiB); past it the oldest finished one is dropped",
+           "SIZE"),
     Option("--shutdown-timeout", ("SHUTDOWN_TIMEOUT",), "shutdown_timeout", float, 30.0,
            "on SIGTERM, seconds running streams get to finish before the server exits", "S"),
     Option("--max-new-tokens", ("MAX_NEW_TOKENS",), "default_max_new_tokens", int, 512,
@@ -88,6 +97,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("--max-model-len", ("MAX_MODEL_LEN",), "max_model_len", int, None,
            "context limit in tokens (default: the model's)", "N"),
     Option("--seed", ("SEED",), "seed", int, 0, "seed for requests that bring none", "N"),
+    Option("--max-engine-restarts", ("MAX_ENGINE_RESTARTS",), "max_engine_restarts", int, 3,
+           "times the engine is rebuilt in the process after an internal fault within 10 minutes; one more "
+           "and the process exits with status 1 for the Space or supervisor to restart it", "N"),
     Option("--test-hooks", ("RILL_TEST_HOOKS",), "test_hooks", "bool", False, "test suite only", hidden=True),
 )
 
@@ -103,6 +115,14 @@ def parse_size(text: str) -> float:
         raise ValueError(f"expected bytes like 2GiB, 512MB, 1000000 or a fraction like 0.5, got {text!r}")
     number, unit = float(match.group(1)), (match.group(2) or "").upper()
     return number * _UNITS[unit]
+
+
+def parse_bytes(text: str) -> int:
+    """"64MiB" -> 67108864: a whole number of bytes (no fraction)."""
+    value = parse_size(text)
+    if value < 1 or value != int(value):
+        raise ValueError(f"expected a whole number of bytes like 64MiB or 1000000, got {text!r}")
+    return int(value)
 
 
 def parse_auth(text: str) -> tuple[str, str]:
@@ -136,8 +156,8 @@ def _parse_float(text: str) -> float:
 
 
 def _converter(kind):
-    parse = {"size": parse_size, "auth": parse_auth, "bool": parse_bool, int: _parse_int, float: _parse_float,
-             "list": lambda t: tuple(s.strip() for s in t.split(",") if s.strip())}.get(kind)
+    parse = {"size": parse_size, "bytes": parse_bytes, "auth": parse_auth, "bool": parse_bool, int: _parse_int,
+             float: _parse_float, "list": lambda t: tuple(s.strip() for s in t.split(",") if s.strip())}.get(kind)
     if parse is None:
         return kind
 
@@ -198,7 +218,9 @@ def parse_settings(argv: list[str] | None = None, environ: dict[str, str] | None
     except TypeError as exc:  # pragma: no cover - Settings and OPTIONS out of step
         parser.error(str(exc))
     for name, low in (("port", 0), ("max_num_seqs", 1), ("max_queue", 0), ("max_body_bytes", 1),
-                      ("default_max_new_tokens", 1), ("block_size", 1), ("max_num_batched_tokens", 1)):
+                      ("default_max_new_tokens", 1), ("block_size", 1), ("max_num_batched_tokens", 1),
+                      ("resume_max_streams", 1), ("resume_max_bytes", 1),
+                      ("max_engine_restarts", 0)):
         if getattr(settings, name) < low:
             parser.error(f"--{name.replace('_', '-')} must be >= {low}. Given: {getattr(settings, name)}")
     if settings.log_format not in ("text", "json"):
@@ -219,7 +241,8 @@ def engine_config(settings: Settings):
     return EngineConfig(block_size=settings.block_size, num_kv_blocks=settings.num_kv_blocks,
                         kv_cache_memory=settings.kv_cache_memory, max_num_seqs=settings.max_num_seqs,
                         max_num_batched_tokens=settings.max_num_batched_tokens, max_queue=settings.max_queue,
-                        max_model_len=settings.max_model_len, seed=settings.seed)
+                        max_model_len=settings.max_model_len, seed=settings.seed,
+                        max_restarts=settings.max_engine_restarts)
 
 
 def fail(message: str) -> None:
@@ -254,8 +277,11 @@ def _fallback_demo(engine, settings: Settings):
             if isinstance(content, str):
                 messages.append({"role": turn["role"], "content": content})
         messages.append({"role": "user", "content": message})
-        params = SamplingParams(max_tokens=int(max_new_tokens), temperature=float(temperature),
-                                top_p=float(top_p), top_k=int(top_k), repetition_penalty=float(repetition_penalty))
+        try:  # SamplingParams checks every value (type, finite, range) and says what was wrong
+            params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                    repetition_penalty=repetition_penalty)
+        except (ValueError, TypeError) as exc:
+            raise gr.Error(str(exc)) from None
         text = ""
         async for out in engine.generate(engine.encode_chat(messages), params):
             if out.finish_reason is not None and out.finish_reason.value == "error":
@@ -296,11 +322,15 @@ def _slow_queue_polling(demo) -> None:
                                                 PROGRESS_POLL_S)
 
 
+_LOGIN_MESSAGE = "This server needs its API key: any user name, the key as password."
+
+
 def build_app(engine, settings: Settings):
     """FastAPI app with the API routes first, then the Gradio page at "/" (so /chat, /v1, /health win)."""
     import gradio as gr
 
     from server import create_app
+    from server.middleware import page_login
 
     app = create_app(engine, settings)
     demo = build_demo(engine, settings, metrics=getattr(app.state, "metrics", None))
@@ -310,14 +340,20 @@ def build_app(engine, settings: Settings):
         mount_kwargs = dict(getattr(ui, "MOUNT_KWARGS", {}) or {})
     except ImportError:
         pass
-    app = gr.mount_gradio_app(app, demo, path="/", auth=settings.ui_auth, server_name=settings.host,
+    # With an API key the page is closed too: its Gradio API reaches the same model as /chat.
+    app = gr.mount_gradio_app(app, demo, path="/", auth=page_login(settings.api_key, settings.ui_auth),
+                              auth_message=_LOGIN_MESSAGE if settings.api_key else None, server_name=settings.host,
                               server_port=settings.port, footer_links=["api"], ssr_mode=False, **mount_kwargs)
     _slow_queue_polling(demo)
     return app
 
 
-def serve(app, settings: Settings) -> None:
-    """uvicorn; on SIGTERM it stops accepting and lets streams finish up to --shutdown-timeout, exit 0."""
+def serve(app, settings: Settings, engine=None) -> int:
+    """uvicorn; on SIGTERM it stops accepting and lets streams finish up to --shutdown-timeout, exit 0.
+
+    When the engine dies for good (it rebuilds itself after a fault, --max-engine-restarts times),
+    the server shuts down the same way and the exit status is 1: every consumer already has its
+    error, and a fresh process (the Space's or a supervisor's restart) is the way back."""
     import uvicorn
 
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
@@ -331,6 +367,16 @@ def serve(app, settings: Settings) -> None:
         original(sig, frame)
 
     server.handle_exit = handle_exit
+    engine_failed = threading.Event()
+
+    def on_fatal(exc):  # the engine thread
+        log.critical("the engine stays dead (%s); the server shuts down with exit status 1", type(exc).__name__)
+        engine_failed.set()
+        app.state.shutting_down = True
+        server.should_exit = True  # uvicorn's main loop checks it every 0.1 s
+
+    if engine is not None:
+        engine.on_fatal = on_fatal
     # uvicorn re-raises the signal it caught once it has shut down, after restoring the handler it
     # found: with Python's default handler a SIGTERM would end the process with -15, not 0.
     previous = signal.signal(signal.SIGTERM, lambda sig, frame: None)
@@ -338,6 +384,7 @@ def serve(app, settings: Settings) -> None:
         server.run()
     finally:
         signal.signal(signal.SIGTERM, previous)
+    return 1 if engine_failed.is_set() else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -367,10 +414,10 @@ def main(argv: list[str] | None = None) -> int:
         gc.freeze()
         log.info("serving %s on http://%s:%d (engine: %s attention)", engine.model_name, settings.host,
                  settings.port, getattr(engine, "attention_path", "?"))
-        serve(app, settings)
+        status = serve(app, settings, engine)
     finally:
         engine.shutdown()
-    return 0
+    return status
 
 
 if __name__ == "__main__":

@@ -21,7 +21,10 @@ def __getattr__(name):  # torch-free imports of the records above stay cheap
     if name == "EngineConfig":
         from engine.config import EngineConfig
         return EngineConfig
-    if name in ("AsyncEngine", "LLM"):
-        from engine import streams
-        return getattr(streams, name)
+    if name == "AsyncEngine":
+        from engine.async_engine import AsyncEngine
+        return AsyncEngine
+    if name == "LLM":
+        from engine.llm import LLM
+        return LLM
     raise AttributeError(name)

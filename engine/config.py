@@ -21,6 +21,7 @@ class EngineConfig:
     prefix_caching: bool = True  # share the KV blocks of common prompt prefixes between requests
     decode_kernel: bool = True  # on CPU (float32), decode attention in a C kernel built once into $RILL_CACHE
     linear_kernel: bool = True  # on CPU (float32), linears in a C kernel of the same library (else oneDNN)
+    max_restarts: int = 3  # core rebuilds after faults within 10 minutes; one more death and it stays dead
 
     def __post_init__(self):
         def need(ok: bool, what: str, given) -> None:
@@ -34,4 +35,5 @@ class EngineConfig:
         need(self.max_num_seqs >= 1, "max_num_seqs must be >= 1", self.max_num_seqs)
         need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1", self.max_num_batched_tokens)
         need(self.max_queue >= 0, "max_queue must be >= 0", self.max_queue)
+        need(self.max_restarts >= 0, "max_restarts must be >= 0", self.max_restarts)
         need(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2", self.max_model_len)

@@ -11,6 +11,7 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -29,7 +30,7 @@ from engine.request import (
 )
 from engine.cpu import decode_attention_kernel, keep_freed_memory, linear_kernel, pack_linears
 from engine.quant import QuantLinear
-from engine.runner import FallbackRunner, PagedRunner, RequestFault, kv_geometry, supports_paged_attention
+from engine.runner import FallbackRunner, PagedRunner, kv_geometry, supports_paged_attention
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledChunk, Scheduler
 
@@ -63,17 +64,75 @@ def model_context_length(config) -> int:
     return 2048
 
 
-def _free_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+MEMINFO_PATH = Path("/proc/meminfo")  # the host's memory
+CGROUP_ROOT = Path("/sys/fs/cgroup")  # the container's limit: v2 files at the root, v1 under memory/
+_NO_LIMIT = 1 << 60  # cgroup v1 says "no limit" with a page-rounded 2**63
+
+
+def _read_number(path: Path) -> int | None:
+    """The integer in a one-line file; None if absent or unreadable; _NO_LIMIT for "max"."""
     try:
-        with open("/proc/meminfo") as f:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    if text == "max":
+        return _NO_LIMIT
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def _stat_value(path: Path, key: str) -> int:
+    try:
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def container_free_memory(cgroup_root: Path = CGROUP_ROOT) -> int | None:
+    """Bytes the container's memory limit still allows: the limit less the working set (usage
+    less reclaimable page cache), from cgroup v2 (`memory.max`) or v1 (`memory.limit_in_bytes`).
+    None when there is no limit."""
+    for folder, limit_file, usage_file, inactive_key in (
+            ("", "memory.max", "memory.current", "inactive_file"),
+            ("memory", "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")):
+        base = cgroup_root / folder
+        limit = _read_number(base / limit_file)
+        if limit is None:
+            continue
+        if limit >= _NO_LIMIT:
+            return None
+        usage = _read_number(base / usage_file) or 0
+        working_set = max(0, usage - _stat_value(base / "memory.stat", inactive_key))
+        return max(0, limit - working_set)
+    return None
+
+
+def host_free_memory(meminfo_path: Path = MEMINFO_PATH) -> int | None:
+    try:
+        with open(meminfo_path) as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
-    except OSError:
+    except (OSError, ValueError):
         pass
-    return 4 << 30
+    return None
+
+
+def free_memory_bytes(device: torch.device, meminfo_path: Path | None = None, cgroup_root: Path | None = None) -> int:
+    """Memory a KV cache on `device` may take: the GPU's free memory, or on CPU the smaller of the
+    host's available memory and what the container's limit leaves (a Space is a container with a
+    limit far below its host's memory); 4 GiB when neither is known."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    known = [m for m in (host_free_memory(meminfo_path or MEMINFO_PATH),
+                         container_free_memory(cgroup_root or CGROUP_ROOT)) if m is not None]
+    return min(known) if known else 4 << 30
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
@@ -144,11 +203,11 @@ class EngineCore:
         if cfg.num_kv_blocks:
             return cfg.num_kv_blocks
         if cfg.kv_cache_memory:
-            budget = cfg.kv_cache_memory if cfg.kv_cache_memory > 1 else cfg.kv_cache_memory * _free_memory_bytes(device)
+            budget = cfg.kv_cache_memory if cfg.kv_cache_memory > 1 else cfg.kv_cache_memory * free_memory_bytes(device)
             return max(2, int(budget // per_block))
         # Enough for every running sequence at full context, capped at a quarter of free memory.
         wanted = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
-        return max(2, min(wanted, int(_free_memory_bytes(device) * 0.25 // per_block)))
+        return max(2, min(wanted, int(free_memory_bytes(device) * 0.25 // per_block)))
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -179,19 +238,20 @@ class EngineCore:
         self.check_prompt(prompt_token_ids, params, prior_output_ids)
         if request_id in self.by_request:
             raise InvalidRequest(f"Request id {request_id!r} is already running; ids must be unique.", "request_id")
-        seqs = []
+        made = []  # everything is built before anything is registered: a failure leaves no trace
         for index in range(params.n):
             seq = Sequence(seq_id=f"{request_id}#{index}", request_id=request_id, index=index,
                            token_ids=list(prompt_token_ids) + list(prior_output_ids),
                            num_prompt_tokens=len(prompt_token_ids), params=params)
-            self.seqs[seq.seq_id] = seq
             detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens,
                                            self.replacement_is_final)
             detok.prime(list(prior_output_ids))
+            made.append((seq, detok))
+        for seq, detok in made:
+            self.seqs[seq.seq_id] = seq
             self.detokenizers[seq.seq_id] = detok
             self.scheduler.add(seq)
-            seqs.append(seq)
-        self.by_request[request_id] = seqs
+        self.by_request[request_id] = seqs = [seq for seq, _ in made]
         return seqs
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT, error: str | None = None) -> list[RequestOutput]:
@@ -206,56 +266,120 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def close(self) -> None:
+        """Let go of the KV cache tensors (a rebuilt core allocates its own); no step after this."""
+        self.runner = None
+
     # ---- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One iteration. A fault fails only the requests it concerns, with an error saying where
+        (the engine goes on): a forward that raises is retried one sequence at a time so that only
+        the sequence whose own forward raises fails; a failure in one sequence's bookkeeping,
+        sampling or output processing fails that sequence. What escapes (a fault in the scheduler
+        or in failing a request) leaves the engine's state unknown: the caller rebuilds it."""
         plan = self.scheduler.schedule()
         if not plan:
             return []
         self.num_steps += 1
-        try:
-            logits = self.runner.run(plan)
-        except RequestFault as fault:
-            log.warning("%s", fault)
-            seq = self.seqs[fault.seq_id]
-            return [self._finish(seq, FinishReason.ERROR, "The engine failed while running this request.", [])]
-        except Exception as exc:  # a forward that fails takes only its batch down, not the engine
-            log.exception("forward failed; failing the %d sequences of this batch", len(plan))
-            message = f"The engine failed while running this request: {type(exc).__name__}: {exc}"
-            return [self._finish(c.seq, FinishReason.ERROR, message, []) for c in plan]
+        outputs: list[RequestOutput] = []
+        logits, plan = self._forward(plan, outputs)
         sampling: list[ScheduledChunk] = []
         for chunk in plan:
-            seq = chunk.seq
-            seq.num_computed_tokens += chunk.num_tokens
-            # prompt tokens this chunk computes for the first time (not cached, not recomputed)
-            first_new = max(seq.num_prompt_tokens_computed, chunk.start)
-            prompt_end = min(seq.num_computed_tokens, seq.num_prompt_tokens)
-            if prompt_end > first_new:
-                self.prompt_tokens_total += prompt_end - first_new
-            seq.num_prompt_tokens_computed = max(seq.num_prompt_tokens_computed, prompt_end)
-            seq.num_cached_blocks = self.allocator.cache_full_blocks(
-                seq.token_ids, seq.block_hashes, seq.block_table, seq.num_computed_tokens, seq.num_cached_blocks)
+            try:
+                self._advance(chunk)
+            except Exception as exc:
+                outputs.append(self._fail(chunk.seq, "recording the computed tokens of", exc))
+                continue
             if chunk.samples:
                 sampling.append(chunk)
-        if not sampling:  # a step of prompt chunks that all continue next step
-            return []
-        seqs = [c.seq for c in sampling]
-        result = self.sampler.sample(logits, seqs)
-        bad = set(result.bad_rows)
-        outputs = []
-        now = time.monotonic()
-        for row, seq in enumerate(seqs):
-            if row in bad:
-                outputs.append(self._finish(seq, FinishReason.ERROR,
-                                            "The model produced non-finite (NaN or inf) logits for this request.", []))
-                continue
-            try:
-                outputs.append(self._append_token(seq, result.token_ids[row], result.logprobs[row], now))
-            except Exception as exc:  # e.g. a tokenizer error: this request fails alone
-                log.exception("output processing failed for %s", seq.seq_id)
-                outputs.append(self._finish(seq, FinishReason.ERROR,
-                                            f"Detokenizing the output failed: {type(exc).__name__}: {exc}", []))
+        if sampling:
+            now = time.monotonic()
+            for seq, token_id, logprob in self._sample(logits, plan, sampling, outputs):
+                try:
+                    outputs.append(self._append_token(seq, token_id, logprob, now))
+                except Exception as exc:  # e.g. a tokenizer error: this request fails alone
+                    outputs.append(self._fail(seq, "detokenizing the output of", exc))
         return outputs
+
+    def _fail(self, seq: Sequence, stage: str, exc: BaseException) -> RequestOutput:
+        """Finish `seq` with an error naming the stage that failed; the traceback goes to the log."""
+        log.error("%s failed for %s", stage, seq.seq_id, exc_info=exc)
+        return self._finish(seq, FinishReason.ERROR,
+                            f"The engine failed while {stage} this request; "
+                            "the other requests were not affected. The server log has the details.", [])
+
+    def _forward(self, plan: list[ScheduledChunk], outputs: list[RequestOutput]):
+        """(logits [sampling chunks of the kept plan, vocab], the kept plan). When the batch's
+        forward raises, each chunk runs alone: the ones that still raise fail, the rest go on.
+        A failed forward leaves nothing a later one depends on (the paged cache's slots are
+        written again; the fallback runner rolls its caches back), so the retry computes the
+        same K/V and logits as an answer computed alone."""
+        try:
+            return self.runner.run(plan), plan
+        except Exception as exc:
+            if len(plan) == 1:
+                outputs.append(self._fail(plan[0].seq, "running the model on", exc))
+                return None, []
+            log.warning("a forward of %d sequences failed (%s: %s); running them one at a time",
+                        len(plan), type(exc).__name__, exc)
+        kept, rows = [], []
+        for chunk in plan:
+            try:
+                logits = self.runner.run([chunk])
+            except Exception as exc:
+                outputs.append(self._fail(chunk.seq, "running the model on", exc))
+                continue
+            kept.append(chunk)
+            if chunk.samples:
+                rows.append(logits)
+        return (torch.cat(rows) if rows else None), kept
+
+    def _advance(self, chunk: ScheduledChunk) -> None:
+        """After the forward: the chunk's tokens are computed; name the blocks they filled."""
+        seq = chunk.seq
+        seq.num_computed_tokens += chunk.num_tokens
+        # prompt tokens this chunk computes for the first time (not cached, not recomputed)
+        first_new = max(seq.num_prompt_tokens_computed, chunk.start)
+        prompt_end = min(seq.num_computed_tokens, seq.num_prompt_tokens)
+        if prompt_end > first_new:
+            self.prompt_tokens_total += prompt_end - first_new
+        seq.num_prompt_tokens_computed = max(seq.num_prompt_tokens_computed, prompt_end)
+        seq.num_cached_blocks = self.allocator.cache_full_blocks(
+            seq.token_ids, seq.block_hashes, seq.block_table, seq.num_computed_tokens, seq.num_cached_blocks)
+
+    def _sample(self, logits: torch.Tensor, plan: list[ScheduledChunk], sampling: list[ScheduledChunk],
+                outputs: list[RequestOutput]) -> list[tuple[Sequence, int, object]]:
+        """(seq, token id, logprob) of each sampling chunk still alive; a row whose logits are not
+        finite fails. When the batched sampling raises, each row samples alone."""
+        # logits has one row per sampling chunk of `plan`; keep those whose chunk was not failed since
+        sampling_rows = {id(c): row for row, c in enumerate(c for c in plan if c.samples)}
+        index = [sampling_rows[id(c)] for c in sampling]
+        if len(index) != logits.shape[0]:
+            logits = logits[index]
+        seqs = [c.seq for c in sampling]
+        try:
+            results = [(self.sampler.sample(logits, seqs), range(len(seqs)))]
+        except Exception as exc:
+            log.warning("sampling %d sequences failed (%s: %s); sampling them one at a time",
+                        len(seqs), type(exc).__name__, exc)
+            results = []
+            for row, seq in enumerate(seqs):
+                try:
+                    results.append((self.sampler.sample(logits[row:row + 1], [seq]), [row]))
+                except Exception as exc:
+                    outputs.append(self._fail(seq, "sampling the next token of", exc))
+        sampled = []
+        for result, rows in results:
+            bad = set(result.bad_rows)
+            for i, row in enumerate(rows):
+                seq = seqs[row]
+                if i in bad:
+                    outputs.append(self._finish(seq, FinishReason.ERROR,
+                                                "The model produced non-finite (NaN or inf) logits for this request.", []))
+                else:
+                    sampled.append((seq, result.token_ids[i], result.logprobs[i]))
+        return sampled
 
     def _append_token(self, seq: Sequence, token_id: int, logprob, now: float) -> RequestOutput:
         params = seq.params

@@ -9,10 +9,14 @@ run of byte tokens from U+FFFD into text at its last byte, keeps holding them (t
 that turns invalid after some of its characters were shown reads as all U+FFFD in a decode
 of the whole output, while the stream keeps what it showed: broken output only).
 Text that could be the beginning of a stop string is also held back, so a stop string spread
-over several tokens is never half-emitted.
+over several tokens is never half-emitted. Stop strings are found by `StopMatcher`, an
+Aho-Corasick automaton fed each new character once: a token costs time linear in its text,
+whatever the number and length of the stops.
 """
 
 from __future__ import annotations
+
+import functools
 
 
 def replacement_is_final(tokenizer) -> bool:
@@ -28,6 +32,103 @@ def replacement_is_final(tokenizer) -> bool:
     except Exception:
         return False
     return b'"ByteFallback"' not in state
+
+
+class StopAutomaton:
+    """The Aho-Corasick automaton of a set of stop strings (immutable; shared by a request's samples).
+
+    A node is a prefix of some stop; `depth[node]` is its length, `fail[node]` the node of its
+    longest proper suffix that is also a prefix of a stop, `match[node]` the length of the
+    longest stop that is a suffix of it (0 = none). Built in time linear in the stops' total length.
+    """
+
+    __slots__ = ("goto", "fail", "depth", "match", "longest")
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.goto: dict[tuple[int, str], int] = {}  # (node, character) -> child node (trie edges only)
+        self.fail = [0]
+        self.depth = [0]
+        self.match = [0]
+        self.longest = max((len(s) for s in stops), default=0)
+        for stop in stops:
+            node = 0
+            for ch in stop:
+                child = self.goto.get((node, ch))
+                if child is None:
+                    child = len(self.depth)
+                    self.goto[(node, ch)] = child
+                    self.fail.append(0)
+                    self.depth.append(self.depth[node] + 1)
+                    self.match.append(0)
+                node = child
+            self.match[node] = len(stop)
+        children: dict[int, list[tuple[str, int]]] = {}
+        for (parent, ch), child in self.goto.items():
+            children.setdefault(parent, []).append((ch, child))
+        frontier = [child for _, child in children.get(0, ())]  # depth 1: fail to the root
+        while frontier:  # breadth first: a node's fail link is set before its children need it
+            next_frontier = []
+            for node in frontier:
+                for ch, child in children.get(node, ()):
+                    self.fail[child] = self.step(self.fail[node], ch)
+                    if not self.match[child]:
+                        self.match[child] = self.match[self.fail[child]]
+                    next_frontier.append(child)
+            frontier = next_frontier
+
+    def step(self, node: int, ch: str) -> int:
+        """The node after reading `ch` at `node` (amortized O(1) over a text)."""
+        goto = self.goto
+        while True:
+            child = goto.get((node, ch))
+            if child is not None:
+                return child
+            if node == 0:
+                return 0
+            node = self.fail[node]
+
+
+@functools.lru_cache(maxsize=32)
+def stop_automaton(stops: tuple[str, ...]) -> StopAutomaton:
+    """One automaton per distinct set of stops (the n samples of a request share it)."""
+    return StopAutomaton(stops)
+
+
+class StopMatcher:
+    """Streams text through a `StopAutomaton`: finds the earliest stop string and says how much
+    of the text's tail could still begin one."""
+
+    __slots__ = ("automaton", "node", "scanned")
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.automaton = stop_automaton(tuple(stops))
+        self.node = 0  # the longest tail of the text read so far that is a prefix of a stop
+        self.scanned = 0  # characters of the text read so far
+
+    def feed(self, text: str, start: int) -> int | None:
+        """Reads `text[start:]` (the text given before is `text[:start]`); returns where the
+        earliest stop string that ends in the new part begins, or None."""
+        automaton = self.automaton
+        step, match, longest = automaton.step, automaton.match, automaton.longest
+        node = self.node
+        best: int | None = None
+        for position in range(start, len(text)):
+            if best is not None and position + 1 - longest >= best:
+                break  # no stop ending here or later can begin before `best`
+            node = step(node, text[position])
+            length = match[node]
+            if length:
+                begin = position + 1 - length  # the longest stop ending here begins first
+                if best is None or begin < best:
+                    best = begin
+        self.node = node
+        self.scanned = len(text)
+        return best
+
+    @property
+    def partial(self) -> int:
+        """Length of the longest tail of the text that is a proper prefix of a stop string."""
+        return self.automaton.depth[self.node]
 
 
 class IncrementalDetokenizer:
@@ -46,6 +147,7 @@ class IncrementalDetokenizer:
         self.text = ""  # all text decoded so far (stop string excluded once found)
         self.emitted = 0  # characters of `text` handed out
         self.stop = stop
+        self.stop_matcher = StopMatcher(stop) if stop else None
         self.stopped = False  # a stop string was found; `text` ends right before it
 
     def _decode(self, ids: list[int]) -> str:
@@ -90,26 +192,15 @@ class IncrementalDetokenizer:
         return self._release(final=True)
 
     def _release(self, final: bool) -> str:
-        if self.stop and not self.stopped:
-            longest = max(len(s) for s in self.stop)
-            search_from = max(0, self.emitted - longest)
-            hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
-            if hits:
-                self.text = self.text[:min(hits)]
+        matcher = self.stop_matcher
+        if matcher is not None and not self.stopped:
+            hit = matcher.feed(self.text, matcher.scanned)
+            if hit is not None:
+                self.text = self.text[:hit]
                 self.stopped = True
         end = len(self.text)
-        if self.stop and not self.stopped and not final:
-            end -= self._partial_stop_len()
+        if matcher is not None and not self.stopped and not final:
+            end -= matcher.partial
         delta = self.text[self.emitted:end] if end > self.emitted else ""
         self.emitted = max(self.emitted, end)
         return delta
-
-    def _partial_stop_len(self) -> int:
-        """Length of the longest tail of `text` that is a proper prefix of a stop string."""
-        best = 0
-        for s in self.stop:
-            for k in range(min(len(s) - 1, len(self.text)), best, -1):
-                if self.text.endswith(s[:k]):
-                    best = k
-                    break
-        return best

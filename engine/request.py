@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -23,14 +24,53 @@ class QueueFull(RuntimeError):
     """The waiting queue is at `max_queue`: the caller should answer 429 and retry later."""
 
 
+MAX_STOP_STRINGS = 16  # stop strings per request
+MAX_STOP_LENGTH = 256  # characters per stop string
+MAX_N = 16  # samples per request
+MAX_SEED = 2**63 - 1  # seeds are 64-bit signed integers (a sample's generator gets seed + index)
+MIN_SEED = -(2**63)
+MAX_TEMPERATURE = 100.0
+MAX_REPETITION_PENALTY = 100.0
+MAX_TOKEN_ID = 2**31 - 1
+MAX_CHARS_PER_TOKEN = 16  # no real text averages more characters per token than this
+
+
+def prompt_char_limit(max_model_len: int) -> int:
+    """The most characters a prompt (or a conversation) may have before it is tokenized: at
+    `MAX_CHARS_PER_TOKEN` characters per token, anything longer cannot fit the context, so it is
+    refused without spending the tokenizer's time on it."""
+    return int(max_model_len) * MAX_CHARS_PER_TOKEN
+
+
 def _check(ok: bool, param: str, allowed: str, given) -> None:
     if not ok:
-        raise InvalidRequest(f"`{param}` must be {allowed}. Given: {given!r}", param=param)
+        raise InvalidRequest(f"`{param}` must be {allowed}. Given: {_shown(given)}", param=param)
+
+
+def _shown(value) -> str:
+    """`value` for an error message, cut short (a 1 MB string is not echoed back)."""
+    text = repr(value)
+    return text if len(text) <= 200 else f"{text[:200]}... ({len(text)} characters)"
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    """A finite int or float (not a bool, not inf or NaN)."""
+    return _is_int(value) or (isinstance(value, float) and math.isfinite(value))
+
+
+def _real(value, param: str, low: float, high: float, *, low_open: bool = False, allowed: str) -> None:
+    ok = _is_real(value) and (low < value if low_open else low <= value) and value <= high
+    _check(ok, param, allowed, value)
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """How to sample one request. Frozen and validated at construction.
+    """How to sample one request. Frozen and validated at construction: every field is checked
+    (type, finite, range), and the error names the field, what is allowed and what was given.
 
     temperature 0 means greedy (argmax), which matches `model.generate(do_sample=False)`.
     """
@@ -53,29 +93,43 @@ class SamplingParams:
     skip_special_tokens: bool = True  # in the detokenized text
 
     def __post_init__(self):
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
+        stop, stop_ids = self.stop, self.stop_token_ids
+        if isinstance(stop, str):
+            object.__setattr__(self, "stop", (stop,))
+        elif stop is None or isinstance(stop, (list, tuple)):
+            object.__setattr__(self, "stop", tuple(stop or ()))
         else:
-            object.__setattr__(self, "stop", tuple(self.stop or ()))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
-        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "an integer >= 1", self.max_tokens)
-        _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+            _check(False, "stop", "a string or a list of strings", stop)
+        _check(stop_ids is None or isinstance(stop_ids, (list, tuple)), "stop_token_ids",
+               "a list of token ids", stop_ids)
+        object.__setattr__(self, "stop_token_ids", tuple(stop_ids or ()))
+        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an integer >= 1", self.max_tokens)
+        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
                "min_tokens", f"an integer between 0 and max_tokens ({self.max_tokens})", self.min_tokens)
-        _check(self.temperature >= 0 and self.temperature == self.temperature, "temperature", ">= 0", self.temperature)
-        _check(0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
-        _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "an integer >= 0 (0 = off)", self.top_k)
-        _check(0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
-        _check(self.repetition_penalty > 0, "repetition_penalty", "> 0", self.repetition_penalty)
-        _check(-2 <= self.presence_penalty <= 2, "presence_penalty", "in [-2, 2]", self.presence_penalty)
-        _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "in [-2, 2]", self.frequency_penalty)
-        _check(self.seed is None or isinstance(self.seed, int), "seed", "an integer or null", self.seed)
-        _check(len(self.stop) <= 16 and all(isinstance(s, str) and s for s in self.stop),
-               "stop", "at most 16 non-empty strings", list(self.stop))
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-               "stop_token_ids", "non-negative integers", list(self.stop_token_ids))
-        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+        _real(self.temperature, "temperature", 0, MAX_TEMPERATURE,
+              allowed=f"a number in [0, {MAX_TEMPERATURE:g}] (0 = greedy)")
+        _real(self.top_p, "top_p", 0, 1, low_open=True, allowed="in (0, 1]")
+        _check(_is_int(self.top_k) and self.top_k >= 0, "top_k", "an integer >= 0 (0 = off)", self.top_k)
+        _real(self.min_p, "min_p", 0, 1, allowed="in [0, 1]")
+        _real(self.repetition_penalty, "repetition_penalty", 0, MAX_REPETITION_PENALTY, low_open=True,
+              allowed=f"a number in (0, {MAX_REPETITION_PENALTY:g}] (1 = off)")
+        _real(self.presence_penalty, "presence_penalty", -2, 2, allowed="in [-2, 2]")
+        _real(self.frequency_penalty, "frequency_penalty", -2, 2, allowed="in [-2, 2]")
+        _check(self.seed is None or (_is_int(self.seed) and MIN_SEED <= self.seed <= MAX_SEED), "seed",
+               "null or an integer that fits in 64 bits (-2**63 to 2**63 - 1)", self.seed)
+        _check(len(self.stop) <= MAX_STOP_STRINGS and all(isinstance(s, str) and s for s in self.stop),
+               "stop", f"at most {MAX_STOP_STRINGS} non-empty strings", list(self.stop))
+        for s in self.stop:
+            _check(len(s) <= MAX_STOP_LENGTH, "stop", f"strings of at most {MAX_STOP_LENGTH} characters each "
+                   f"(one is {len(s)} characters)", s)
+        _check(all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in self.stop_token_ids),
+               "stop_token_ids", "non-negative integer token ids", list(self.stop_token_ids))
+        _check(isinstance(self.ignore_eos, bool), "ignore_eos", "true or false", self.ignore_eos)
+        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
                "logprobs", "null or an integer between 0 and 20", self.logprobs)
-        _check(isinstance(self.n, int) and 1 <= self.n <= 16, "n", "an integer between 1 and 16", self.n)
+        _check(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"an integer between 1 and {MAX_N}", self.n)
+        _check(isinstance(self.skip_special_tokens, bool), "skip_special_tokens", "true or false",
+               self.skip_special_tokens)
 
     @property
     def greedy(self) -> bool:

@@ -6,7 +6,8 @@ sequences are admitted while the budget, `max_num_seqs` and free KV blocks allow
 sequence first takes the cached blocks of its longest known prefix (`BlockAllocator.match_prefix`)
 and only computes the rest. When a running sequence cannot get a block, the most recently
 admitted one is preempted: its blocks are freed and it goes back to the front of the queue to
-be recomputed later.
+be recomputed later. A step that preempted admits nobody: the free blocks it left would go to the
+waiting queue's head (often the victim itself), only to be taken back the next step (thrashing).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         plan: list[ScheduledChunk] = []
         scheduled: set[int] = set()
+        num_preemptions = self.num_preemptions
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -74,6 +76,8 @@ class Scheduler:
                 i += 1
                 continue
             # seq was preempted: running shrank, the same index now holds the next one
+        if self.num_preemptions != num_preemptions:
+            return plan  # memory ran short this step: admitting now would take the victim's blocks again
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             looked_up = seq.num_computed_tokens == 0

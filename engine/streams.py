@@ -1,53 +1,21 @@
-"""The engine thread and what consumers read: per-request streams, text streamers, `LLM`.
+"""What an asynchronous or thread consumer reads: one request's deltas, in order.
 
-One thread owns the model and runs `EngineCore.step()` in a loop. Other threads (the event
-loop of the HTTP routes, Gradio's workers) only enqueue commands (add, abort) and read their
-request's outputs from a queue the engine thread fills: an `asyncio.Queue` through
-`loop.call_soon_threadsafe` for asynchronous consumers, a `queue.Queue` for threads.
+Outputs reach a stream from the engine thread (`engine.async_engine`): through the stream's
+event loop (`loop.call_soon_threadsafe`, one hand-over per step and loop) when the stream was
+made inside one, through a `queue.Queue` otherwise.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import queue
-import threading
-import time
 from collections import deque
-from typing import AsyncIterator, Iterator
+from typing import TYPE_CHECKING, AsyncIterator, Iterator
 
-from transformers import AsyncTextIteratorStreamer, TextIteratorStreamer
+from engine.request import RequestOutput
 
-from engine.config import EngineConfig
-from engine.core import EngineCore, EngineStats
-from engine.request import (
-    CompletionOutput,
-    FinishReason,
-    GenerationResult,
-    InvalidRequest,
-    QueueFull,
-    RequestOutput,
-    SamplingParams,
-    new_request_id,
-)
-
-log = logging.getLogger("rill.engine")
-
-
-def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of a conversation through the model's chat template ("role: content" lines without one)."""
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    else:
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
-        if add_generation_prompt:
-            text += "assistant:"
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
-def _one_sample(params: SamplingParams) -> None:
-    if params.n != 1:
-        raise InvalidRequest(f"A text streamer carries one sample: `n` must be 1. Given: {params.n}", "n")
+if TYPE_CHECKING:
+    from engine.async_engine import AsyncEngine
 
 
 class _Sink:
@@ -80,8 +48,11 @@ class RequestStream(_Sink):
         self._waiter: asyncio.Future | None = None
         self._remaining = n
 
-    def _on_output(self, out: RequestOutput) -> None:  # engine thread, thread consumers only
-        self._queue.put(out)
+    def _on_output(self, out: RequestOutput) -> None:  # engine thread (the dispatch batches async ones per loop)
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._put, out)
+        else:
+            self._queue.put(out)
 
     def _put(self, out: RequestOutput) -> None:  # event loop
         self._items.append(out)
@@ -133,297 +104,3 @@ class RequestStream(_Sink):
 def _deliver(batch: list[tuple[RequestStream, RequestOutput]]) -> None:
     for stream, out in batch:
         stream._put(out)
-
-
-class _TextSinkMixin(_Sink):
-    """What both text streamers record besides the text: how the request ended, and its size."""
-
-    def _init_sink(self, engine: "AsyncEngine", request_id: str):
-        self.engine = engine
-        self.request_id = request_id
-        self.num_unfinished = 1
-        self.finish_reason: FinishReason | None = None
-        self.error: str | None = None
-        self.num_prompt_tokens = 0
-        self.num_output_tokens = 0
-        self.first_token_time: float | None = None
-        self.arrival_time: float | None = None
-        self.scheduled_time: float | None = None
-
-    def _on_output(self, out: RequestOutput) -> None:  # engine thread
-        self.num_prompt_tokens = out.num_prompt_tokens
-        self.num_output_tokens = out.num_output_tokens
-        self.first_token_time = out.first_token_time
-        self.arrival_time, self.scheduled_time = out.arrival_time, out.scheduled_time
-        if out.finished:
-            self.finish_reason, self.error = out.finish_reason, out.error
-        if out.text:
-            self.on_finalized_text(out.text)
-        if out.finished:
-            self.on_finalized_text("", stream_end=True)
-
-    def abort(self) -> bool:
-        return self.engine.abort(self.request_id)
-
-
-class RequestTextStreamer(_TextSinkMixin, TextIteratorStreamer):
-    """A `TextIteratorStreamer` fed by the engine thread: `for piece in streamer` in any thread."""
-
-    def __init__(self, engine: "AsyncEngine", request_id: str, timeout: float | None = None):
-        TextIteratorStreamer.__init__(self, engine.tokenizer, skip_prompt=True, timeout=timeout)
-        self._init_sink(engine, request_id)
-
-    def on_finalized_text(self, text: str, stream_end: bool = False):
-        if text:
-            self.text_queue.put(text, timeout=self.timeout)
-        if stream_end:
-            self.text_queue.put(self.stop_signal, timeout=self.timeout)
-
-
-class RequestAsyncTextStreamer(_TextSinkMixin, AsyncTextIteratorStreamer):
-    """An `AsyncTextIteratorStreamer` fed by the engine thread: `async for piece in streamer`."""
-
-    def __init__(self, engine: "AsyncEngine", request_id: str, timeout: float | None = None):
-        AsyncTextIteratorStreamer.__init__(self, engine.tokenizer, skip_prompt=True, timeout=timeout)
-        self._init_sink(engine, request_id)
-
-    def on_finalized_text(self, text: str, stream_end: bool = False):
-        if text:
-            self.loop.call_soon_threadsafe(self.text_queue.put_nowait, text)
-        if stream_end:
-            self.loop.call_soon_threadsafe(self.text_queue.put_nowait, self.stop_signal)
-
-
-class AsyncEngine:
-    """The engine behind the server: a thread that steps `EngineCore` while there is work.
-
-    Thread-safe entry points: `add_request`, `abort`, `inject_fault`, `stats`, the streamers.
-    """
-
-    def __init__(self, loaded, config: EngineConfig | None = None):
-        self.loaded = loaded
-        self.config = config or EngineConfig()
-        self.tokenizer = loaded.tokenizer
-        self.model_name = loaded.name
-        self.core = EngineCore(loaded.model, loaded.tokenizer, self.config, loaded.context_length)
-        self.max_model_len = self.core.max_model_len
-        self.attention_path = self.core.attention_path
-        self._commands: deque = deque()  # callables run by the engine thread before its next step
-        self._wakeup = threading.Event()
-        self._lock = threading.Lock()
-        self._sinks: dict[str, _Sink] = {}  # request_id -> where its outputs go
-        self._num_admitted = 0  # sequences added and not finished (running + waiting + pending)
-        self._thread: threading.Thread | None = None
-        self._stopping = False
-        self.dead: BaseException | None = None  # why the engine thread died, if it did
-        self.step_time_total = 0.0  # seconds in core.step()
-        self.dispatch_time_total = 0.0  # seconds handing outputs to consumers
-
-    # ---- lifecycle ------------------------------------------------------------------------
-
-    def start(self) -> "AsyncEngine":
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="rill-engine", daemon=True)
-            self._thread.start()
-        return self
-
-    def shutdown(self, timeout: float | None = 5.0) -> None:
-        self._stopping = True
-        self._wakeup.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-
-    @property
-    def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.dead is None
-
-    # ---- requests -------------------------------------------------------------------------
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return encode_chat(self.tokenizer, messages, add_generation_prompt)
-
-    def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.core.check_prompt(prompt_token_ids, params)
-
-    def _admit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None, sink_factory,
-               prior_output_ids: list[int] = ()):
-        if self.dead is not None or self._stopping:
-            raise RuntimeError("The engine is not running.")
-        self.core.check_prompt(prompt_token_ids, params, prior_output_ids)
-        request_id = request_id or new_request_id()
-        capacity = self.config.max_num_seqs + self.config.max_queue
-        with self._lock:
-            if request_id in self._sinks:
-                raise InvalidRequest(f"Request id {request_id!r} is already in use.", "request_id")
-            if self._num_admitted + params.n > capacity:
-                raise QueueFull(f"The server is at capacity ({self.config.max_num_seqs} running and "
-                                f"{self.config.max_queue} waiting). Retry in a moment.")
-            self._num_admitted += params.n
-            sink = sink_factory(request_id)
-            self._sinks[request_id] = sink
-            prior = list(prior_output_ids)
-            self._commands.append(lambda: self.core.add_request(request_id, list(prompt_token_ids), params, prior))
-        self._wakeup.set()
-        return sink
-
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None, prior_output_ids: list[int] = ()) -> RequestStream:
-        """Queue a request; raises InvalidRequest (400) or QueueFull (429). `prior_output_ids`:
-        continue from output already produced (see `EngineCore.add_request`)."""
-        return self._admit(prompt_token_ids, params, request_id, lambda rid: RequestStream(self, rid, params.n),
-                           prior_output_ids)
-
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Add a request and yield its deltas; aborts it if the consumer goes away first."""
-        stream = self.add_request(prompt_token_ids, params, request_id)
-        finished = False
-        try:
-            async for out in stream:
-                yield out
-            finished = True
-        finally:
-            if not finished:
-                self.abort(stream.request_id)
-
-    def text_streamer(self, prompt_token_ids: list[int], params: SamplingParams,
-                      request_id: str | None = None, timeout: float | None = None) -> RequestTextStreamer:
-        _one_sample(params)
-        return self._admit(prompt_token_ids, params, request_id, lambda rid: RequestTextStreamer(self, rid, timeout))
-
-    def async_text_streamer(self, prompt_token_ids: list[int], params: SamplingParams,
-                            request_id: str | None = None, timeout: float | None = None) -> RequestAsyncTextStreamer:
-        _one_sample(params)
-        return self._admit(prompt_token_ids, params, request_id,
-                           lambda rid: RequestAsyncTextStreamer(self, rid, timeout))
-
-    def abort(self, request_id: str) -> bool:
-        """End a request; its KV blocks are freed before the next step. False if unknown or done."""
-        with self._lock:
-            if request_id not in self._sinks:
-                return False
-            self._commands.append(lambda: self._dispatch(self.core.abort(request_id)))
-        self._wakeup.set()
-        return True
-
-    def inject_fault(self, request_id: str) -> bool:
-        """Test hook: the next forward that includes this request raises; only it fails."""
-        with self._lock:
-            if request_id not in self._sinks:
-                return False
-            self._commands.append(lambda: self.core.inject_fault(request_id))
-        self._wakeup.set()
-        return True
-
-    def stats(self) -> EngineStats:
-        core = self.core.stats()
-        pending = max(0, self._num_admitted - core.num_running - core.num_waiting)  # adds not yet applied
-        core.num_waiting += pending
-        return core
-
-    # ---- the engine thread ----------------------------------------------------------------
-
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}  # async RequestStreams: one hand-over per loop
-        for out in outputs:
-            sink = self._sinks.get(out.request_id)
-            if sink is None:
-                continue
-            loop = sink._loop if isinstance(sink, RequestStream) else None
-            try:
-                if loop is not None:
-                    by_loop.setdefault(loop, []).append((sink, out))
-                else:
-                    sink._on_output(out)
-            except Exception:  # the consumer is gone: stop its request
-                if not out.finished:
-                    self._dispatch(self.core.abort(out.request_id))
-                    continue
-            if out.finished:
-                sink.num_unfinished -= 1
-                with self._lock:
-                    self._num_admitted -= 1
-                    if sink.num_unfinished == 0:
-                        del self._sinks[out.request_id]
-        for loop, batch in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_deliver, batch)
-            except RuntimeError:  # that event loop is closed: its requests have nobody to read them
-                for stream, out in batch:
-                    if not out.finished:
-                        self._commands.append(lambda rid=stream.request_id: self._dispatch(self.core.abort(rid)))
-
-    def _run_commands(self) -> None:
-        while self._commands:
-            command = self._commands.popleft()
-            try:
-                command()
-            except Exception:  # a bad add must not kill the loop; the request was checked before
-                log.exception("engine command failed")
-
-    def _run(self) -> None:
-        try:
-            while not self._stopping:
-                self._run_commands()
-                if not self.core.has_work():
-                    self._wakeup.wait(0.5)
-                    self._wakeup.clear()
-                    continue
-                t0 = time.perf_counter()
-                outputs = self.core.step()
-                t1 = time.perf_counter()
-                self._dispatch(outputs)
-                self.step_time_total += t1 - t0
-                self.dispatch_time_total += time.perf_counter() - t1
-        except BaseException as exc:  # noqa: BLE001 - the loop died: tell every consumer
-            self.dead = exc
-            log.exception("the engine loop died")
-            with self._lock:
-                sinks = list(self._sinks.items())
-                self._sinks.clear()
-            for request_id, sink in sinks:
-                for index in range(sink.num_unfinished):
-                    sink._on_output(RequestOutput(request_id, index, [], "", finished=True,
-                                                  finish_reason=FinishReason.ERROR,
-                                                  error=f"The engine stopped: {type(exc).__name__}: {exc}"))
-
-
-class LLM:
-    """Offline batches: `LLM(model).generate(prompts, SamplingParams(...))`, no threads."""
-
-    def __init__(self, model, config: EngineConfig | None = None, **load_kwargs):
-        if isinstance(model, (str, bytes)) or model is None or hasattr(model, "__fspath__"):
-            from engine.loading import load_model
-            model = load_model(model, **load_kwargs)
-        self.loaded = model
-        self.tokenizer = model.tokenizer
-        self.core = EngineCore(model.model, model.tokenizer, config, model.context_length)
-
-    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[GenerationResult]:
-        """Strings are tokenized raw (no chat template); lists of ints are token ids."""
-        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-        params = params or SamplingParams()
-        all_params = params if isinstance(params, list) else [params] * len(prompts)
-        results: dict[str, GenerationResult] = {}
-        for prompt, p in zip(prompts, all_params):
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
-            rid = new_request_id()
-            self.core.add_request(rid, ids, p)
-            results[rid] = GenerationResult(rid, ids, [CompletionOutput(i, "", [], None, [] if p.logprobs is not None else None)
-                                                       for i in range(p.n)])
-        while self.core.has_work():
-            for out in self.core.step():
-                c = results[out.request_id].outputs[out.index]
-                c.text += out.text
-                c.token_ids.extend(out.token_ids)
-                if out.logprobs and c.logprobs is not None:
-                    c.logprobs.extend(out.logprobs)
-                if out.finished:
-                    c.finish_reason = out.finish_reason
-        return list(results.values())
-
-    def chat(self, conversations: list[list[dict]], params: SamplingParams | None = None) -> list[GenerationResult]:
-        return self.generate([encode_chat(self.tokenizer, c) for c in conversations], params)

@@ -22,8 +22,9 @@ log = logging.getLogger("rill.server")
 def _engine_stats(engine) -> dict:
     try:
         stats = engine.stats()
-    except Exception as exc:  # the engine may be dead; health still answers
-        return {"error": f"{type(exc).__name__}: {exc}"}
+    except Exception:  # the engine may be dead; health still answers (the reason is in the log)
+        log.warning("engine stats unavailable", exc_info=True)
+        return {"error": "engine statistics are unavailable"}
     return {
         "num_running": stats.num_running,
         "num_waiting": stats.num_waiting,
@@ -48,7 +49,8 @@ def create_app(engine, settings: Settings) -> FastAPI:
     state.settings = settings
     state.started_at = int(time.time())
     state.shutting_down = False
-    state.resume = ResumeRegistry(settings.resume_window, engine.abort)
+    state.resume = ResumeRegistry(settings.resume_window, engine.abort, max_streams=settings.resume_max_streams,
+                                  max_bytes=settings.resume_max_bytes)
     state.tasks = set()  # background pump tasks, kept referenced until they finish
 
     def spawn(coro) -> asyncio.Task:
@@ -68,7 +70,8 @@ def create_app(engine, settings: Settings) -> FastAPI:
         alive = bool(engine.alive)
         body = {"status": "ok" if alive else "engine stopped", "model": engine.model_name,
                 "max_model_len": engine.max_model_len, "engine": _engine_stats(engine),
-                "resumable_streams": len(state.resume)}
+                "resumable_streams": len(state.resume), "resumable_bytes": state.resume.nbytes,
+                "engine_restarts": getattr(engine, "num_restarts", 0)}
         return JSONResponse(body, status_code=200 if alive else 503)
 
     @app.get("/ready", summary="200 when the server accepts new requests")
@@ -96,7 +99,7 @@ def create_app(engine, settings: Settings) -> FastAPI:
     app.add_middleware(ApiGuard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["*"],
-                           allow_headers=["*"], expose_headers=["x-request-id"])
+                           allow_headers=["*"], expose_headers=["x-request-id", "x-resume-token"])
     return app
 
 
@@ -104,9 +107,20 @@ class EngineKilled(RuntimeError):
     """Raised inside the engine thread by the test hook that kills the engine loop."""
 
 
+class InjectedFailure(RuntimeError):
+    """Raised by the test hook that proves a route's unexpected failure tells the client nothing."""
+
+
 def _install_test_hooks(app: FastAPI, engine) -> None:
-    """--test-hooks only: `POST /_test/kill-engine` makes the engine loop die at its next step,
-    so the suite can check /health's 503 and the error events of in-flight streams."""
+    """--test-hooks only (without the flag these routes do not exist; with an API key they need it,
+    like every route): `POST /_test/kill-engine` makes the engine loop die at its next step, so the
+    suite can check /health's 503 and the error events of in-flight streams; `POST /_test/raise`
+    fails inside a route with an exception whose text names a file, so the suite can check that
+    a 500's body carries none of it."""
+
+    @app.post("/_test/raise", include_in_schema=False)
+    async def raise_inside():
+        raise InjectedFailure("secret detail from /srv/rill/server/app.py line 1")
 
     @app.post("/_test/kill-engine", include_in_schema=False)
     async def kill_engine():

@@ -4,7 +4,8 @@ Wire format of a stream: one event per text piece (`id: k`, `data: <piece>`), th
 `event: usage` (JSON: prompt_tokens, completion_tokens, finish_reason), then `event: end` with
 `data: [DONE]`. A failure after the stream started is `event: error` (JSON `{"error": ...}`)
 followed by the end event. Every event has an increasing `id:`; a client that lost the
-connection reconnects to `GET /chat/{request_id}` with `Last-Event-ID` and gets the rest.
+connection reconnects to `GET /chat/{request_id}` with `Last-Event-ID` and the
+`x-resume-token` its stream's response carried, and gets the rest. Anyone else gets 404.
 """
 
 from __future__ import annotations
@@ -17,17 +18,30 @@ from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import JSONResponse
 
 from engine.request import FinishReason, InvalidRequest, SamplingParams
-from server.errors import BODY_FIELDS, ApiError
-from server.generation import Generation, RequestFailed, admission, request_id_from
+from server.errors import BODY_FIELDS, ApiError, internal_error_message, log_internal_error
+from server.generation import Generation, RequestFailed, admission, check_prompt_chars, off_loop, request_id_from
 from server.resume import ResumableStream
 from server.schemas import ChatBody
 from server.sse import event_stream_response
+
+RESUME_TOKEN_HEADER = "x-resume-token"  # in a stream's response, and in the request that resumes it
 
 router = APIRouter()
 BODY_FIELDS["/chat"] = list(ChatBody.model_fields)
 
 
+def _check_prompt_size(engine, body: ChatBody) -> None:
+    """400 for a prompt, conversation and system message too long to fit the context in any case."""
+    if body.messages is not None:
+        chars = sum(len(m.content) for m in body.messages)
+        param = "messages"
+    else:
+        chars, param = len(body.prompt), "prompt"
+    check_prompt_chars(engine, chars + len(body.system or ""), param)
+
+
 def _prompt_token_ids(engine, body: ChatBody) -> list[int]:
+    """Tokens of the body's prompt (blocking: call it in a worker thread)."""
     if body.raw:
         return engine.encode(body.prompt)
     if body.messages is not None:
@@ -63,7 +77,7 @@ async def _pump(gen: Generation, record: ResumableStream) -> None:
     finish_reason = None
     try:
         async for out in gen.deltas():
-            record.output_ids.extend(out.token_ids)
+            record.add_output(out.token_ids)
             if out.text:
                 record.append(None, out.text)
             completion_tokens = out.num_output_tokens
@@ -82,8 +96,8 @@ async def _pump(gen: Generation, record: ResumableStream) -> None:
         record.finish()
         raise
     except Exception as exc:  # never a silently dropped stream
-        record.append("error", json.dumps({"error": f"Internal error: {type(exc).__name__}: {exc}",
-                                           "code": "internal"}))
+        reference = log_internal_error(f"the /chat stream {record.request_id!r} failed", exc)
+        record.append("error", json.dumps({"error": internal_error_message(reference), "code": "internal"}))
     record.append("end", "[DONE]")
     record.finish()
 
@@ -150,12 +164,10 @@ async def run_while_connected(coro, request: Request, gen: Generation):
 async def chat(body: ChatBody, request: Request, x_request_id: str | None = Header(None)):
     state = request.app.state
     engine, settings = state.engine, state.settings
-    request_id = request_id_from(x_request_id)
-    if request_id in state.resume:
-        raise ApiError(409, f"Request id {request_id!r} is already in use; send another `x-request-id`.",
-                       param="x-request-id")
-    prompt_ids = _prompt_token_ids(engine, body)
+    request_id = request_id_from(x_request_id)  # a label; resuming needs the record's token too
     params = _sampling_params(body, settings)
+    _check_prompt_size(engine, body)
+    prompt_ids = await off_loop(_prompt_token_ids, engine, body)
     try:
         gen = Generation(engine, prompt_ids, params, request_id, **admission(request, "chat"))
     except InvalidRequest as exc:  # the engine names OpenAI's `max_tokens`; /chat calls it max_new_tokens
@@ -168,7 +180,8 @@ async def chat(body: ChatBody, request: Request, x_request_id: str | None = Head
                              "request_id": request_id}, headers={"x-request-id": request_id})
     record = state.resume.create(request_id, prompt_ids, params)
     record.pump = state.spawn(_pump(gen, record))
-    return event_stream_response(_follow(record, 0), request_id)
+    headers = {RESUME_TOKEN_HEADER: record.token} if record.token is not None else None
+    return event_stream_response(_follow(record, 0), request_id, headers=headers)
 
 
 async def _follow(record: ResumableStream, after: int):
@@ -184,15 +197,20 @@ async def chat_wrong_method(request: Request):
                         "to resume a stream).", headers={"Allow": "POST"})
 
 
-@router.get("/chat/{request_id}", summary="Resume a /chat stream after `Last-Event-ID`")
+@router.get("/chat/{request_id}", summary="Resume a /chat stream after `Last-Event-ID` (with its `x-resume-token`)")
 async def resume_chat(request_id: str, request: Request,
                       last_event_id: str | None = Header(None),
-                      last_event_id_query: str | None = Query(None, alias="last_event_id")):
-    record = request.app.state.resume.get(request_id)
-    window = request.app.state.settings.resume_window
-    if record is None:
-        raise ApiError(404, f"No resumable stream {request_id!r}: it never existed, or nobody read it for longer "
-                            f"than the resume window ({window:g} s) and it was dropped.")
+                      last_event_id_query: str | None = Query(None, alias="last_event_id"),
+                      x_resume_token: str | None = Header(None),
+                      resume_token_query: str | None = Query(None, alias="resume_token")):
+    token = x_resume_token if x_resume_token is not None else resume_token_query
+    record = request.app.state.resume.lookup(request_id, token)
+    if record is None:  # one answer for an unknown id and a wrong or missing token: it tells nothing
+        window = request.app.state.settings.resume_window
+        raise ApiError(404, "No resumable stream for this request id and resume token. Only the client that "
+                            f"started a stream can resume it: send the `{RESUME_TOKEN_HEADER}` header its "
+                            "POST /chat response carried, within the resume window "
+                            f"({window:g} s after its last reader left).", code="not_found")
     given = last_event_id if last_event_id is not None else last_event_id_query
     after = 0
     if given not in (None, ""):

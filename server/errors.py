@@ -2,10 +2,15 @@
 
 `/v1/...` answers OpenAI's `{"error": {"message", "type", "param", "code"}}`; every other route
 answers `{"error": "<message>"}`. Messages say what was wrong, what is allowed, what was given.
+An unexpected failure says only that it happened and a reference to find it in the log: no
+exception text, no traceback, no path ever reaches a client.
 """
 
 from __future__ import annotations
 
+import logging
+import re
+import secrets
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -55,6 +60,36 @@ def error_body(path: str, status: int, message: str, param: str | None = None, c
 def error_response(path: str, status: int, message: str, *, param: str | None = None, code: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(error_body(path, status, message, param, code), status_code=status, headers=headers)
+
+
+log = logging.getLogger("rill.server")
+
+
+def internal_error_message(reference: str | None = None) -> str:
+    """What a client is told about a failure the server did not expect."""
+    where = f" (reference {reference})" if reference else ""
+    return f"Internal error: the server could not complete this request{where}; its log has the details."
+
+
+def log_internal_error(what: str, exc: BaseException | None = None) -> str:
+    """Log `exc` (default: the one being handled) with a fresh reference; returns the reference."""
+    reference = secrets.token_hex(4)
+    log.error("%s [reference %s]", what, reference, exc_info=exc or True)
+    return reference
+
+
+# "<what failed>: <ExceptionType>: <its text>", as the engine words a failure it caught.
+_EXCEPTION_TAIL = re.compile(r":\s+[A-Za-z_][\w.]*:(\s.*)?$", re.DOTALL)
+
+
+def public_engine_error(error: str | None) -> str:
+    """An engine error as a client may read it: the engine's own sentence, without the text of the
+    exception under it (which can name files, tensors or internals; the engine logged it)."""
+    text = (error or "").strip()
+    cut = _EXCEPTION_TAIL.search(text)
+    if cut is not None:
+        text = text[: cut.start()].rstrip(" .:") + "; the server log has the details."
+    return text or "unknown error"
 
 
 def queue_full_error(exc: QueueFull, retry_after: int) -> ApiError:
@@ -160,7 +195,6 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
-        import logging
-        logging.getLogger("rill.server").exception("unhandled error on %s", request.url.path)
+        reference = log_internal_error(f"unhandled error on {request.method} {request.url.path}", exc)
         count_error(request.app, request.url.path, 500)
-        return error_response(request.url.path, 500, f"Internal error: {type(exc).__name__}: {exc}")
+        return error_response(request.url.path, 500, internal_error_message(reference), code="internal_error")

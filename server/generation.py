@@ -12,8 +12,9 @@ import re
 import time
 from collections.abc import AsyncIterator
 
-from engine.request import FinishReason, InvalidRequest, QueueFull, RequestOutput, SamplingParams, new_request_id
-from server.errors import ApiError, queue_full_error
+from engine.request import (MAX_CHARS_PER_TOKEN, FinishReason, InvalidRequest, QueueFull, RequestOutput,
+                            SamplingParams, new_request_id, prompt_char_limit)
+from server.errors import ApiError, public_engine_error, queue_full_error
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _ALIVE_CHECK_S = 1.0  # how often a waiting reader checks that the engine thread still runs
@@ -36,6 +37,22 @@ def request_id_from(header_value: str | None) -> str:
         raise ApiError(400, "`x-request-id` must be 1 to 128 characters of letters, digits, '.', '_', ':' or '-'. "
                             f"Given: {header_value[:140]!r}", param="x-request-id")
     return header_value
+
+
+def check_prompt_chars(engine, num_chars: int, param: str) -> None:
+    """400 for a prompt too long to fit the context whatever it tokenizes to, before any tokenizing
+    (which would otherwise cost time in proportion to whatever size the client sent)."""
+    limit = prompt_char_limit(engine.max_model_len)
+    if num_chars > limit:
+        raise ApiError(400, f"`{param}` is too long: it may have at most {limit} characters (the model's context "
+                            f"of {engine.max_model_len} tokens at {MAX_CHARS_PER_TOKEN} characters per token, more "
+                            f"than any text needs). Given: {num_chars} characters.", param=param)
+
+
+async def off_loop(function, *args):
+    """Runs `function(*args)` (tokenizing, rendering a chat template) in a worker thread, so that
+    the event loop keeps serving the other streams meanwhile."""
+    return await asyncio.to_thread(function, *args)
 
 
 def admission(request, route: str) -> dict:
@@ -67,7 +84,7 @@ class Generation:
                  timeout: float = 0.0, on_admit=None, metrics=None, route: str = "chat",
                  prior_output_ids: list[int] = ()):
         self.engine = engine
-        self.metrics = metrics  # server.metrics.RequestMetrics, or None
+        self.metrics = metrics  # engine.telemetry.RequestMetrics, or None
         self.route = route  # metrics label
         self.request_id = request_id
         self.params = params
@@ -149,7 +166,7 @@ class Generation:
                 if out.finished:
                     self._remaining.discard(out.index)
                     if out.finish_reason == FinishReason.ERROR:
-                        raise RequestFailed(f"Generation failed inside the engine: {out.error or 'unknown error'}")
+                        raise RequestFailed(f"Generation failed inside the engine: {public_engine_error(out.error)}")
                 yield out
             self.finished = not self._remaining
         finally:

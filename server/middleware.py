@@ -1,6 +1,11 @@
-"""ASGI middleware for the API routes (`/chat...`, `/v1/...`): API key, then body size.
+"""ASGI middleware: the API key on the API routes (`/chat...`, `/v1/...`, `/_test/...`), the body
+size limit on every request body, the page's Gradio API included; and the page's login (`page_login`), which app.py gives Gradio.
 
-Both answer before the body is parsed, so a refused request costs no model work.
+Both checks answer before the body is parsed, so a refused request costs no model work. With an
+API key every route that reaches the model is closed: these routes by the `Authorization`
+header, the page and its Gradio API (the same model, through `gradio_client`) by Gradio's login,
+which takes the key as password. /health, /ready, /metrics and /docs stay open: they only read
+counters and the schema.
 """
 
 from __future__ import annotations
@@ -10,7 +15,7 @@ import json
 
 from server.errors import count_error, error_body
 
-_API_PREFIXES = ("/chat", "/v1")
+_API_PREFIXES = ("/chat", "/v1", "/_test")
 
 
 def is_api_path(path: str) -> bool:
@@ -28,8 +33,27 @@ async def _send_json(send, path: str, status: int, message: str, *, code: str | 
     await send({"type": "http.response.body", "body": body})
 
 
+def page_login(api_key: str | None, ui_auth: tuple[str, str] | None):
+    """Gradio's `auth` for the page: None (open) without a key and without UI_AUTH; else a check
+    that takes any user name with the API key as password, and UI_AUTH's user with its password."""
+    if api_key is None and ui_auth is None:
+        return None
+    key = api_key.encode() if api_key is not None else None
+    user, password = (ui_auth[0].encode(), ui_auth[1].encode()) if ui_auth is not None else (None, None)
+
+    def check(username: str, given: str) -> bool:
+        given_bytes = (given or "").encode()
+        by_key = key is not None and hmac.compare_digest(given_bytes, key)
+        by_login = (user is not None and hmac.compare_digest((username or "").encode(), user)
+                    and hmac.compare_digest(given_bytes, password))
+        return bool(by_key or by_login)
+
+    return check
+
+
 class ApiGuard:
-    """`Authorization: Bearer <key>` when a key is set (401), and `--max-body-bytes` (413)."""
+    """`Authorization: Bearer <key>` on the API routes when a key is set (401), and `--max-body-bytes`
+    on every request body, the page's Gradio API included (413)."""
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int):
         self.app = app
@@ -37,11 +61,11 @@ class ApiGuard:
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not is_api_path(scope["path"]):
+        if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
         headers = dict(scope["headers"])
-        if self.api_key is not None:
+        if self.api_key is not None and is_api_path(path):  # the page's routes: Gradio's login
             given = headers.get(b"authorization", b"")
             scheme, _, token = given.partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):

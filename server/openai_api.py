@@ -19,8 +19,8 @@ from fastapi.responses import JSONResponse
 
 from engine.request import FinishReason, RequestOutput, SamplingParams
 from server.chat import run_while_connected
-from server.errors import ApiError, error_body
-from server.generation import Generation, RequestFailed, admission, request_id_from
+from server.errors import ApiError, error_body, internal_error_message
+from server.generation import Generation, RequestFailed, admission, check_prompt_chars, off_loop, request_id_from
 from server.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from server.sse import event_stream_response
 
@@ -196,7 +196,7 @@ def _error_chunk(path: str, exc: Exception) -> dict:
         if exc.code == "timeout":
             body["error"]["type"] = "timeout_error"
     else:
-        body = error_body(path, 500, f"Internal error: {type(exc).__name__}: {exc}")
+        body = error_body(path, 500, internal_error_message(), code="internal_error")  # the caller logged it
     return {"event": "error", "data": json.dumps(body)}
 
 
@@ -227,7 +227,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, x_requ
     check_model(state, body.model)
     request_id = request_id_from(x_request_id)
     messages = [{"role": _ROLE_MAP.get(m.role, m.role), "content": m.text()} for m in body.messages]
-    prompt_ids = engine.encode_chat(messages)
+    check_prompt_chars(engine, sum(len(m["content"]) for m in messages), "messages")
+    prompt_ids = await off_loop(engine.encode_chat, messages)
     max_tokens = body.max_completion_tokens or body.max_tokens or _default_max_tokens(engine, len(prompt_ids))
     top_n = body.top_logprobs or 0
     params = _params(body, max_tokens, top_n if body.logprobs else None)
@@ -301,7 +302,11 @@ async def completions(body: CompletionRequest, request: Request, x_request_id: s
     engine = state.engine
     check_model(state, body.model)
     request_id = request_id_from(x_request_id)
-    prompts = [engine.encode(p) if isinstance(p, str) else list(p) for p in body.prompts()]
+    raw_prompts = body.prompts()  # at most MAX_PROMPTS (schemas.py)
+    for p in raw_prompts:
+        if isinstance(p, str):
+            check_prompt_chars(engine, len(p), "prompt")
+    prompts = await off_loop(lambda: [engine.encode(p) if isinstance(p, str) else list(p) for p in raw_prompts])
     vocab = len(engine.tokenizer)
     for ids in prompts:
         bad = [t for t in ids if t >= vocab]

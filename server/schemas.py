@@ -10,8 +10,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from engine.request import MAX_N, MAX_STOP_LENGTH, MAX_STOP_STRINGS
+
 Role = Literal["system", "user", "assistant"]
-MAX_STOP = 16
+MAX_STOP = MAX_STOP_STRINGS
+MAX_PROMPTS = 64  # prompts in one `/v1/completions` list
 
 
 class ChatMessage(BaseModel):
@@ -30,13 +33,17 @@ def _stop_list(value: str | list[str] | None) -> list[str]:
         raise ValueError(f"at most {MAX_STOP} stop strings are allowed, {len(stops)} given")
     if any(s == "" for s in stops):
         raise ValueError("stop strings must not be empty")
+    for i, s in enumerate(stops):
+        if len(s) > MAX_STOP_LENGTH:
+            raise ValueError(f"each stop string must be at most {MAX_STOP_LENGTH} characters long; "
+                             f"stop string {i} is {len(s)} characters")
     return stops
 
 
 class ChatBody(BaseModel):
     """`POST /chat`: the seed's `{"prompt", "stream", "max_new_tokens", "temperature"}`, extended."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     prompt: str | None = Field(None, description="one user message (sent through the chat template unless `raw`)")
     messages: list[ChatMessage] | None = Field(None, description="a whole conversation instead of `prompt`")
     system: str | None = Field(None, description="a system message put before the conversation")
@@ -105,11 +112,11 @@ class StreamOptions(BaseModel):
 class _SamplingFields(BaseModel):
     """The sampling settings both OpenAI routes share, with the common extensions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
     model: str | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    n: int = Field(1, ge=1, le=16)
+    n: int = Field(1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
@@ -174,6 +181,10 @@ class CompletionRequest(_SamplingFields):
             raise ValueError(f"`best_of` must equal `n` ({self.n}) on this server. Given: {self.best_of}")
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("`prompt` must not be an empty list")
+        num_prompts = len(self.prompts())
+        if num_prompts > MAX_PROMPTS:
+            raise ValueError(f"`prompt` may hold at most {MAX_PROMPTS} prompts in one request. "
+                             f"Given: {num_prompts} prompts")
         return self
 
     def prompts(self) -> list[Any]:

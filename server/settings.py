@@ -23,15 +23,18 @@ class Settings:
     kv_cache_memory: str | None = None  # e.g. "2GiB"; None = the engine's default
     max_model_len: int | None = None  # context limit; None = the model's
     seed: int = 0  # engine seed (requests without their own seed)
+    max_engine_restarts: int = 3  # engine rebuilds after faults within 10 minutes; one more and the process exits 1
     # HTTP
     host: str = "127.0.0.1"
     port: int = 7860
-    api_key: str | None = None  # when set, /chat and /v1 need `Authorization: Bearer <key>`
-    ui_auth: tuple[str, str] | None = None  # user, password for the page (Gradio's auth)
+    api_key: str | None = None  # when set, /chat, /v1 and /_test need `Authorization: Bearer <key>`, the page a login
+    ui_auth: tuple[str, str] | None = None  # user, password for the page (Gradio's auth), beside the key
     cors_origins: tuple[str, ...] = ()  # CORS off unless origins are given
     max_body_bytes: int = 1_000_000  # bigger request bodies get 413
     request_timeout: float = 0.0  # seconds a request may wait and run in all; 0 = no limit
     resume_window: float = 30.0  # seconds a disconnected /chat stream stays resumable; 0 = abort at once
+    resume_max_streams: int = 1024  # resumable /chat streams kept at most (oldest finished dropped first)
+    resume_max_bytes: int = 64 * 2**20  # memory those streams may hold at most (events, tokens)
     shutdown_timeout: float = 30.0  # seconds running streams get to finish after SIGTERM
     default_max_new_tokens: int = 512  # /chat's and the page's default
     log_level: str = "info"

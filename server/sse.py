@@ -93,9 +93,10 @@ class SSEResponse(Response):
             last_send[0] = time.monotonic()
 
 
-def event_stream_response(events: AsyncIterator, request_id: str) -> SSEResponse:
+def event_stream_response(events: AsyncIterator, request_id: str,
+                          headers: dict[str, str] | None = None) -> SSEResponse:
     """The stream of one request, as /chat and /v1 answer it (its id echoed in `x-request-id`)."""
-    return SSEResponse(events, headers={"x-request-id": request_id})
+    return SSEResponse(events, headers={"x-request-id": request_id, **(headers or {})})
 
 
 async def _wait_disconnect(receive) -> None:

@@ -25,7 +25,8 @@ def test_help_lists_every_flag_with_its_environment_variable_and_default():
                            ("--kv-cache-memory", "KV_CACHE_MEMORY"), ("--num-kv-blocks", "NUM_KV_BLOCKS"),
                            ("--dtype", "DTYPE"), ("--device", "DEVICE"), ("--request-timeout", "REQUEST_TIMEOUT"),
                            ("--resume-window", "RESUME_WINDOW"), ("--max-body-bytes", "MAX_BODY_BYTES"),
-                           ("--shutdown-timeout", "SHUTDOWN_TIMEOUT")):
+                           ("--shutdown-timeout", "SHUTDOWN_TIMEOUT"), ("--resume-max-streams", "RESUME_MAX_STREAMS"),
+                           ("--resume-max-bytes", "RESUME_MAX_BYTES")):
         assert flag in text and variable in text, flag
     assert "7860" in text and "127.0.0.1" in text
     assert "--test-hooks" not in text  # test-only switch stays out of the help
@@ -53,6 +54,8 @@ def test_environment_sets_and_flags_override():
     flags = app.parse_settings(["--port", "7000", "--model", "other", "--no-trust-remote-code"], environ=env)
     assert (flags.port, flags.model_id, flags.trust_remote_code) == (7000, "other", False)
     assert app.parse_settings([], environ={"PORT": "8080"}).port == 8080  # a common alias
+    bounds = app.parse_settings(["--resume-max-streams", "7"], environ={"RESUME_MAX_BYTES": "8MiB"})
+    assert (bounds.resume_max_streams, bounds.resume_max_bytes) == (7, 8 * 2**20)
 
 
 @pytest.mark.parametrize("argv, env, words", [
@@ -63,6 +66,8 @@ def test_environment_sets_and_flags_override():
     (["--port", "70000"], {}, ["--port", "70000"]),
     (["--ui-auth", "nopassword"], {}, ["--ui-auth", "USER:PASS"]),
     (["--resume-window", "-1"], {}, ["--resume-window", "-1"]),
+    (["--resume-max-streams", "0"], {}, ["--resume-max-streams", "0"]),
+    ([], {"RESUME_MAX_BYTES": "0.5"}, ["RESUME_MAX_BYTES", "0.5", "whole number of bytes"]),
 ])
 def test_bad_settings_exit_2_with_one_clear_line(argv, env, words, capsys):
     with pytest.raises(SystemExit) as caught:

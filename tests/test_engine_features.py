@@ -285,7 +285,7 @@ def test_queue_full_and_invalid_prompt(llama):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"temperature": -1}, "`temperature` must be >= 0. Given: -1"),
+    ({"temperature": -1}, "`temperature` must be a number in [0, 100] (0 = greedy). Given: -1"),
     ({"top_p": 0}, "`top_p` must be in (0, 1]. Given: 0"),
     ({"max_tokens": 0}, "`max_tokens` must be an integer >= 1. Given: 0"),
     ({"n": 50}, "`n` must be an integer between 1 and 16. Given: 50"),

@@ -1,16 +1,19 @@
 """The Gradio API through `gradio_client` against a real app.py process: api_name="/chat" with
-`predict` and streaming `submit`, its documented inputs, and agreement with `POST /chat`."""
+`predict` and streaming `submit`, its documented inputs, and agreement with `POST /chat`; with
+an API key, closed to a client without it and open to one that logs in with it."""
 
 from __future__ import annotations
 
 import httpx
 import pytest
 from gradio_client import Client
+from gradio_client.exceptions import AuthenticationError
 
 CAPITAL = "What is the capital of France?"
 # The page's defaults sample (temperature 0.7, top-p 0.9, top-k 50, repetition penalty 1.1);
 # these settings make a gradio_client call greedy like `/chat` with temperature 0.
 GREEDY = dict(system_prompt="", temperature=0.0, top_p=1.0, top_k=0, repetition_penalty=1.0)
+KEY = "edge-test-key-5b1e9c"  # the same flags as tests/test_access.py: one server for both
 INPUTS = ["message", "history", "system_prompt", "temperature", "top_p", "top_k", "max_new_tokens",
           "repetition_penalty"]
 
@@ -82,3 +85,35 @@ def test_embedded_chinese_streams_without_replacement_characters(embedded_server
     final = job.result(timeout=120)
     assert all("\ufffd" not in u for u in job.outputs() if isinstance(u, str))
     assert any("\u4e00" <= ch <= "\u9fff" for ch in final), final
+
+
+@pytest.fixture(scope="module")
+def keyed(server_with):
+    return server_with("--api-key", KEY)
+
+
+def test_with_a_key_a_client_without_it_gets_no_answer_and_the_model_does_no_work(keyed):
+    url = keyed.url
+    before = httpx.get(f"{url}/health", timeout=10).json()["engine"]["prompt_tokens_total"]
+    with pytest.raises(AuthenticationError, match="credentials were not provided"):
+        Client(url + "/", verbose=False)
+    with pytest.raises(ValueError, match="Could not login"):
+        Client(url + "/", auth=("anyone", "not-the-key"), verbose=False)
+    # what gradio_client would send, sent by hand without a login
+    call = httpx.post(f"{url}/gradio_api/call/chat", json={"data": ["Say hi"]}, timeout=30)
+    join = httpx.post(f"{url}/gradio_api/queue/join", timeout=30,
+                      json={"data": ["Say hi", []], "fn_index": 0, "session_hash": "abc123"})
+    bearer = httpx.post(f"{url}/gradio_api/call/chat", json={"data": ["Say hi"]}, timeout=30,
+                        headers={"Authorization": "Bearer not-the-key"})
+    assert [call.status_code, join.status_code, bearer.status_code] == [401, 401, 401]
+    assert "Not authenticated" in call.text
+    assert httpx.get(f"{url}/health", timeout=10).json()["engine"]["prompt_tokens_total"] == before
+
+
+def test_with_a_key_a_client_logged_in_with_it_gets_the_answer_chat_gives(keyed):
+    url = keyed.url
+    client = Client(url + "/", auth=("any-user-name", KEY), verbose=False)
+    answer = client.predict(message="Tell me a joke.", history=[], **GREEDY, max_new_tokens=16, api_name="/chat")
+    response = httpx.post(f"{url}/chat", timeout=120, headers={"Authorization": f"Bearer {KEY}"},
+                          json={"prompt": "Tell me a joke.", "temperature": 0, "max_new_tokens": 16, "stream": False})
+    assert response.status_code == 200 and answer == response.json()["response"] and answer

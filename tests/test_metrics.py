@@ -11,7 +11,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.request import FinishReason, RequestOutput
-from server.metrics import METRICS_DOC, RequestMetrics, install_metrics, log_request
+from engine.telemetry import METRICS_DOC, RequestMetrics, log_request
+from server.metrics import install_metrics
 
 
 @dataclass
@@ -296,3 +297,26 @@ def test_queue_time_comes_from_the_engine_schedule_time():
     samples = parse(metrics.render().decode())
     assert value(samples, "rill_request_queue_time_seconds_count") == 1
     assert value(samples, "rill_request_queue_time_seconds_sum") == pytest.approx(0.75)
+
+
+def _imported_packages(path) -> set[str]:
+    import ast
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("package, forbidden", [("ui", {"server", "app"}), ("server", {"ui", "app"}),
+                                                ("engine", {"ui", "server", "app"})])
+def test_imports_point_one_way_and_the_page_records_metrics_without_the_routes(package, forbidden):
+    """docs/architecture.md: `app -> ui, server -> engine`; request metrics live in engine/telemetry.py."""
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    offenders = {str(path.relative_to(root)): sorted(_imported_packages(path) & forbidden)
+                 for path in sorted((root / package).rglob("*.py")) if _imported_packages(path) & forbidden}
+    assert offenders == {}

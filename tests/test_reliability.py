@@ -215,7 +215,7 @@ def test_stream_cut_after_event_k_resumes_with_exactly_the_rest(tiny_server):
     expected = chat_greedy(url, body["prompt"], 300)
     k = 7
     with httpx.stream("POST", f"{url}/chat", json=body, timeout=120) as response:
-        request_id = response.headers["x-request-id"]
+        request_id, token = response.headers["x-request-id"], response.headers["x-resume-token"]
         first = []
         for event in SSEReader(response):
             first.append(event)
@@ -226,16 +226,19 @@ def test_stream_cut_after_event_k_resumes_with_exactly_the_rest(tiny_server):
     engine = wait_idle(url, timeout=10)
     assert engine["finished_total"].get("abort", 0) >= 1
     assert httpx.get(f"{url}/health").json()["resumable_streams"] >= 1
-    with httpx.stream("GET", f"{url}/chat/{request_id}", headers={"Last-Event-ID": str(k)}, timeout=120) as response:
+    with httpx.stream("GET", f"{url}/chat/{request_id}", headers={"Last-Event-ID": str(k), "x-resume-token": token},
+                      timeout=120) as response:
         assert response.status_code == 200
         rest = list(SSEReader(response))
     assert rest[0].id == str(k + 1) and rest[-1].event == "end"
     assert chat_text(first) + chat_text(rest) == expected
     assert usage_of(rest)["completion_tokens"] == 300
-    # EventSource sends Last-Event-ID itself on reconnects; a first GET can pass it in the query
-    again = parse_sse(httpx.get(f"{url}/chat/{request_id}", params={"last_event_id": 0}, timeout=120).content)
+    # EventSource sends Last-Event-ID itself on reconnects but no headers of ours; a first GET can
+    # pass both in the query
+    again = parse_sse(httpx.get(f"{url}/chat/{request_id}", params={"last_event_id": 0, "resume_token": token},
+                                timeout=120).content)
     assert chat_text(again) == expected
-    bad = httpx.get(f"{url}/chat/{request_id}", headers={"Last-Event-ID": "seven"}, timeout=30)
+    bad = httpx.get(f"{url}/chat/{request_id}", headers={"Last-Event-ID": "seven", "x-resume-token": token}, timeout=30)
     assert bad.status_code == 400 and "Last-Event-ID" in bad.json()["error"]
 
 
@@ -243,16 +246,16 @@ def test_resuming_after_the_window_is_404_and_the_request_is_freed(tiny_server):
     url = tiny_server.url  # --resume-window 5
     with httpx.stream("POST", f"{url}/chat", json={"prompt": "Talk.", "max_new_tokens": 900, "temperature": 0},
                       timeout=120) as response:
-        request_id = response.headers["x-request-id"]
+        request_id, token = response.headers["x-request-id"], response.headers["x-resume-token"]
         for i, _ in enumerate(SSEReader(response)):
             if i == 2:
                 break
     deadline = time.monotonic() + 60  # the window is 5 s; wait until the server dropped the stream
     while time.monotonic() < deadline and httpx.get(f"{url}/health", timeout=10).json()["resumable_streams"]:
         time.sleep(0.2)
-    late = httpx.get(f"{url}/chat/{request_id}", headers={"Last-Event-ID": "3"}, timeout=30)
+    late = httpx.get(f"{url}/chat/{request_id}", headers={"Last-Event-ID": "3", "x-resume-token": token}, timeout=30)
     assert late.status_code == 404
-    assert request_id in late.json()["error"] and "resume window" in late.json()["error"]
+    assert "resume window" in late.json()["error"] and "x-resume-token" in late.json()["error"]
     wait_idle(url, timeout=30)
     missing = httpx.get(f"{url}/chat/never-existed", timeout=30)
     assert missing.status_code == 404
@@ -266,7 +269,7 @@ def guarded(server_with):
     return server_with("--api-key", "sekret-key", "--max-body-bytes", "4096", "--request-timeout", "2")
 
 
-def test_api_key_is_required_on_chat_and_v1_but_not_on_the_page(guarded):
+def test_api_key_is_required_on_chat_and_v1(guarded):
     url = guarded.url
     before = httpx.get(f"{url}/health", timeout=10).json()["engine"]["prompt_tokens_total"]
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret-key"}):
@@ -278,7 +281,7 @@ def test_api_key_is_required_on_chat_and_v1_but_not_on_the_page(guarded):
         assert v1.json()["error"]["type"] == "authentication_error" and v1.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(f"{url}/v1/models", timeout=30).status_code == 401
     assert httpx.get(f"{url}/health", timeout=10).json()["engine"]["prompt_tokens_total"] == before  # no model work
-    assert httpx.get(f"{url}/", timeout=30).status_code == 200  # the page stays public
+    assert httpx.get(f"{url}/config", timeout=30).status_code == 401  # the page's API too (tests/test_access.py)
     good = httpx.post(f"{url}/chat", json={"prompt": "Hi", "max_new_tokens": 2, "stream": False}, timeout=60,
                       headers={"Authorization": "Bearer sekret-key"})
     assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 2
@@ -351,28 +354,155 @@ def test_a_request_failing_inside_the_engine_fails_alone(tiny_server):
     wait_idle(url)
 
 
-def test_engine_death_gives_error_events_and_health_503(guarded, server_with):
-    """Runs after the other tests of the guarded server: it kills that server's engine."""
-    server_with.retire(guarded)
-    url = guarded.url
-    auth = {"Authorization": "Bearer sekret-key"}
-    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
-    with httpx.stream("POST", f"{url}/chat", json={"prompt": "Talk.", "max_new_tokens": 900}, headers=auth,
-                      timeout=60) as response:
-        seen = []
-        for event in SSEReader(response):
-            seen.append(event)
-            if len(seen) == 1:
-                assert httpx.post(f"{url}/_test/kill-engine", timeout=10).status_code == 200
+def _kill_with_http_and_gradio_consumers(url: str) -> tuple[list, Exception | None, str | None]:
+    """An HTTP `/chat` stream and a gradio_client job in flight, then `/_test/kill-engine`: the
+    stream's events and what the job ended with (its exception, or its answer if it finished)."""
+    gradio = Client(url + "/", verbose=False)
+    streaming = threading.Event()
+    seen: list = []
+
+    def http_consumer():
+        with httpx.stream("POST", f"{url}/chat", timeout=120,
+                          json={"prompt": "Talk.", "max_new_tokens": 900, "temperature": 0}) as response:
+            for event in SSEReader(response):
+                seen.append(event)
+                streaming.set()
+
+    reader = threading.Thread(target=http_consumer)
+    reader.start()
+    assert streaming.wait(60), "the /chat stream sent nothing"
+    job = gradio.submit(message="Talk for a long time.", history=[], **GREEDY, max_new_tokens=900, api_name="/chat")
+    deadline = time.monotonic() + 60
+    while not job.outputs() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert job.outputs(), "the gradio job streamed nothing"
+    assert httpx.post(f"{url}/_test/kill-engine", timeout=10).status_code == 200
+    reader.join(120)
+    assert not reader.is_alive(), "the /chat stream never ended"
+    try:
+        return seen, None, job.result(timeout=120)
+    except Exception as exc:  # gradio_client raises what the page showed
+        return seen, exc, None
+
+
+def test_engine_death_ends_page_and_http_consumers_with_an_error_then_the_engine_restarts(server_with):
+    server = server_with("--max-engine-restarts", "2")
+    server_with.retire(server)
+    url = server.url
+    expected = chat_greedy(url, PROMPTS[0], 24)
+    gradio_expected = Client(url + "/", verbose=False).predict(message=PROMPTS[1], history=[], **GREEDY,
+                                                               max_new_tokens=24, api_name="/chat")
+    seen, page_error, page_answer = _kill_with_http_and_gradio_consumers(url)
     assert [e.event for e in seen[-2:]] == ["error", "end"]
-    assert "engine" in json.loads(seen[-2].data)["error"]
-    health = httpx.get(f"{url}/health", timeout=10)
-    assert health.status_code == 503 and health.json()["status"] == "engine stopped"
-    assert httpx.get(f"{url}/ready", timeout=10).status_code == 503
-    refused = httpx.post(f"{url}/chat", json={"prompt": "Hi"}, headers=auth, timeout=10)
-    assert refused.status_code == 503 and "/health" in refused.json()["error"]
-    v1 = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi"}, headers=auth, timeout=10)
-    assert v1.status_code == 503 and v1.json()["error"]["code"] == "engine_dead"
+    assert "engine stopped" in json.loads(seen[-2].data)["error"]
+    assert page_answer is None and "engine stopped" in str(page_error)  # shown on the page as an error
+    deadline = time.monotonic() + 60
+    while httpx.get(f"{url}/health", timeout=10).status_code != 200 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    health = httpx.get(f"{url}/health", timeout=10).json()
+    assert health["status"] == "ok" and health["engine_restarts"] == 1
+    assert chat_greedy(url, PROMPTS[0], 24) == expected  # the rebuilt engine answers as before
+    gradio = Client(url + "/", verbose=False)  # and no page worker was left held
+    answers = [gradio.submit(message=PROMPTS[1], history=[], **GREEDY, max_new_tokens=24, api_name="/chat")
+               for _ in range(3)]
+    assert [a.result(timeout=120) for a in answers] == [gradio_expected] * 3
+    assert server.process.poll() is None
+
+
+def test_engine_death_past_max_restarts_ends_every_consumer_then_the_process_exits_1(server_with):
+    server = server_with("--max-engine-restarts", "0")
+    server_with.retire(server)
+    seen, page_error, page_answer = _kill_with_http_and_gradio_consumers(server.url)
+    assert [e.event for e in seen[-2:]] == ["error", "end"]
+    assert "engine stopped" in json.loads(seen[-2].data)["error"]
+    assert page_answer is None and "engine stopped" in str(page_error)
+    assert server.process.wait(60) == 1  # for the Space or supervisor to start a fresh process
+    assert "the engine stays dead" in server.log()
+
+
+@pytest.fixture(scope="module")
+def narrow_llama(tiny_llama_path, tmp_path_factory):
+    """(the tiny Llama with its embedding cut to 1000 rows, a prompt holding a token id >= 1000)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engine.chat_template import encode_chat
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_path)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32)
+    model.resize_token_embeddings(1000)
+    out = tmp_path_factory.mktemp("narrow_llama")
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+    def ids(text):  # as /chat encodes it
+        return encode_chat(tokenizer, [{"role": "user", "content": text}])
+
+    assert all(max(ids(p)) < 1000 for p in PROMPTS[:3])
+    poison = next(p for p in (f"Say {tokenizer.decode([t])} now." for t in range(1000, len(tokenizer)))
+                  if max(ids(p)) >= 1000)
+    return out, poison
+
+
+def test_a_real_exception_inside_the_model_fails_one_request_and_the_others_finish(server_with, narrow_llama):
+    """The model's embedding has 1000 rows and its tokenizer 1024 tokens: a prompt with one of
+    the last 24 makes the forward raise IndexError, in a batch with three running requests."""
+    path, poison = narrow_llama
+    server = server_with(model=path)
+    url = server.url
+    prompts = PROMPTS[:3]
+    body = {"temperature": 0, "max_new_tokens": 200}
+    expected = [chat_text(stream_chat_events(url, {"prompt": p, **body})) for p in prompts]
+    results = {}
+    streaming = [threading.Event() for _ in prompts]
+
+    def normal(i):
+        events = []
+        with httpx.stream("POST", f"{url}/chat", json={"prompt": prompts[i], **body}, timeout=120) as response:
+            for event in SSEReader(response):
+                events.append(event)
+                streaming[i].set()
+        results[i] = chat_text(events)
+
+    threads = [threading.Thread(target=normal, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    assert all(e.wait(60) for e in streaming)  # the poisoned prompt joins running decodes
+    results["fault"] = stream_chat_events(url, {"prompt": poison, **body})
+    for t in threads:
+        t.join()
+    assert [results[i] for i in range(3)] == expected
+    fault = results["fault"]
+    assert [e.event for e in fault[-2:]] == ["error", "end"]
+    assert "failed while running the model" in json.loads(fault[-2].data)["error"]
+    assert "running them one at a time" in server.log()  # it failed inside a batch
+    assert httpx.get(f"{url}/health", timeout=10).json()["engine_restarts"] == 0
+    wait_idle(url)
+
+
+# --------------------------------------------------------------------------- preemption
+
+
+def test_32_concurrent_greedy_streams_on_a_small_kv_pool_each_equal_their_answer_alone(server_with):
+    server = server_with("--num-kv-blocks", "40", "--block-size", "16")  # 640 tokens for 32 streams of ~90
+    url = server.url
+    prompts = [f"Stream {i}: count the boats in harbour {i * 13}." for i in range(32)]
+    alone = [chat_greedy(url, p, 64) for p in prompts]
+    before = httpx.get(f"{url}/health", timeout=10).json()["engine"]["num_preemptions"]
+    start = threading.Barrier(len(prompts))
+
+    def run(prompt):
+        start.wait()
+        return chat_text(stream_chat_events(url, {"prompt": prompt, "temperature": 0, "max_new_tokens": 64}))
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(run, prompts))
+    preemptions = httpx.get(f"{url}/health", timeout=10).json()["engine"]["num_preemptions"] - before
+    print(f"{preemptions} preemptions")
+    assert preemptions > 0, "the pool was large enough for every stream: nothing was preempted"
+    for i, (answer, expected) in enumerate(zip(together, alone)):
+        assert answer == expected, f"stream {i}"
+    wait_idle(url)
 
 
 def test_sigterm_lets_running_streams_finish_then_exits_0(abort_server, server_with):

@@ -218,3 +218,25 @@ def test_prefix_cache_no_leaks_and_no_shared_writes_after_random_operations():
         sched.finish(s)
     assert alloc.num_free == 32 and sum(alloc.refs) == 0
     assert alloc.hit_tokens > 0 and sched.num_preemptions > 0
+
+
+
+def test_a_step_that_preempts_admits_nobody():
+    """The victim goes to the head of the queue; were it admitted in the same step (a short chunk
+    fits the blocks it just gave up), the next block boundary would preempt it again: thrashing."""
+    sched = Scheduler(BlockAllocator(4, 4), max_num_seqs=8, max_num_batched_tokens=5)
+    a, c = seq("a", 8), seq("c", 8)
+    sched.add(a)
+    sched.add(c)
+    run_plan(sched.schedule())  # a: 5 prompt tokens (2 blocks); the budget is spent
+    plan = sched.schedule()  # a: the last 3 and a sample; c: a 2-token chunk (1 block)
+    assert [(ch.seq.seq_id, ch.num_tokens) for ch in plan] == [("a", 3), ("c", 2)]
+    run_plan(plan)
+    assert sched.allocator.num_free == 1
+    plan = sched.schedule()  # a takes the last block for its 9th token; c cannot grow: preempted
+    assert sched.num_preemptions == 1 and c.status is RequestStatus.WAITING and c.block_table == []
+    assert [(ch.seq.seq_id, ch.num_tokens) for ch in plan] == [("a", 1)]  # and not admitted again now
+    assert sched.allocator.num_free == 1 and list(sched.waiting) == [c]
+    run_plan(plan)
+    plan = sched.schedule()  # the next step admits it as usual
+    assert [ch.seq.seq_id for ch in plan] == ["a", "c"] and c.status is RequestStatus.RUNNING

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings as hyp_settings, strategies as st
 
 from engine.request import FinishReason, InvalidRequest, new_request_id
-from server.metrics import RequestMetrics
+from engine.telemetry import RequestMetrics
 from ui.chat import (ChatError, ChatSettings, _split_code, escape_html, fit_to_context, stream_answer,
                      to_engine_messages, unescape_html)
 
@@ -189,7 +189,8 @@ def test_long_conversation_drops_oldest_turns_first():
     engine = FakeChatEngine(max_model_len=60)
     history = _turn(1) + _turn(2) + _turn(3)  # 9 tokens per message
     fitted = fit_to_context(engine, history, "last question", "be brief", max_new_tokens=20)
-    kept = engine.prompts[-1]
+    kept = fitted.messages
+    assert kept in engine.prompts  # what the engine tokenized
     assert fitted.dropped_turns == 2
     assert [m["content"].split()[:2] for m in kept] == [["be", "brief"], ["question", "3"], ["answer", "3"],
                                                         ["last", "question"]]
@@ -216,11 +217,11 @@ def test_trimming_warns_and_the_answer_streams():
 
 
 @pytest.mark.parametrize("field_, value, message", [
-    ("temperature", -1.0, "`temperature` must be >= 0. Given: -1.0"),
+    ("temperature", -1.0, "`temperature` must be a number in [0, 100] (0 = greedy). Given: -1.0"),
     ("top_p", 0.0, "`top_p` must be in (0, 1]. Given: 0.0"),
     ("top_k", 2.5, "`top_k` must be an integer >= 0 (0 = off). Given: 2.5"),
     ("max_new_tokens", 0, "`max_new_tokens` must be an integer >= 1. Given: 0"),
-    ("repetition_penalty", 0.0, "`repetition_penalty` must be > 0. Given: 0.0"),
+    ("repetition_penalty", 0.0, "`repetition_penalty` must be a number in (0, 100] (1 = off). Given: 0.0"),
 ])
 def test_bad_settings_are_refused_before_the_engine_sees_them(field_, value, message):
     engine = FakeChatEngine()
@@ -328,7 +329,7 @@ def test_answers_run_side_by_side(page):
 def test_chat_api_answers_bad_input_with_a_clear_error(page):
     from gradio_client.exceptions import AppError
 
-    with pytest.raises(AppError, match=r"`temperature` must be >= 0\. Given: -1\.0"):
+    with pytest.raises(AppError, match=r"`temperature` must be a number in \[0, 100\] \(0 = greedy\)\. Given: -1\.0"):
         page.client.predict("hi", None, "", -1.0, api_name="/chat")
     with pytest.raises(AppError, match="The message is empty"):
         page.client.predict("   ", api_name="/chat")

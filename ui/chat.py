@@ -2,7 +2,9 @@
 
 - `to_engine_messages` turns a Gradio history (any of its message shapes) into plain
   `{"role", "content"}` dicts;
-- `fit_to_context` drops the oldest turns until prompt + answer fit the model's context;
+- `check_history` bounds a client-given conversation (messages and characters);
+- `fit_to_context` drops the oldest turns until prompt + answer fit the model's context (a binary
+  search over the number dropped: a few template renders, not one per turn);
 - `escape_html` / `unescape_html` keep model and user text from ever becoming HTML in the page
   (markdown and code still render; `<img src=x onerror=...>` shows as text);
 - `stream_answer` is the generator: it feeds the engine's threaded `TextIteratorStreamer`
@@ -18,10 +20,12 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from engine.request import InvalidRequest, QueueFull, SamplingParams
-from server.metrics import queue_time_of
+from engine.request import MAX_CHARS_PER_TOKEN, InvalidRequest, QueueFull, SamplingParams, prompt_char_limit
+from engine.telemetry import queue_time_of
 
 WAIT_POLL_S = 0.25  # while no token comes, the generator wakes this often so Stop can close it
+MAX_HISTORY_MESSAGES = 1000  # messages of a conversation the page or its API takes
+MAX_HISTORY_CHARS = 1_000_000  # characters of all its messages together
 
 
 class ChatError(Exception):
@@ -40,16 +44,21 @@ class ChatSettings:
     repetition_penalty: float = 1.1
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """Raises `ChatError` with the engine's message (what was wrong, allowed, given)."""
+        """Raises `ChatError` with the engine's message (what was wrong, allowed, given). Values go
+        to `SamplingParams` as they came (it checks type, finiteness and range), except that a
+        whole float such as a slider's 50.0 counts as the integer it is."""
         try:
-            top_k = int(self.top_k)
-            if top_k != self.top_k:
-                raise InvalidRequest(f"`top_k` must be an integer >= 0 (0 = off). Given: {self.top_k!r}")
-            return SamplingParams(max_tokens=max_tokens, temperature=float(self.temperature),
-                                  top_p=float(self.top_p), top_k=top_k,
-                                  repetition_penalty=float(self.repetition_penalty))
-        except (InvalidRequest, TypeError, ValueError) as exc:
+            return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+                                  top_k=_whole(self.top_k), repetition_penalty=self.repetition_penalty)
+        except InvalidRequest as exc:
             raise ChatError(str(exc)) from exc
+
+
+def _whole(value):
+    """50.0 -> 50; anything else unchanged."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
 
 
 # --- HTML escaping outside code -------------------------------------------------------------------
@@ -153,9 +162,16 @@ def to_engine_messages(history, *, escaped: bool) -> list[dict]:
 
     `escaped`: the history comes from the page's Chatbot (its text went through `escape_html`).
     Also takes gradio's older pair format [[user, assistant], ...]. Messages with no text are dropped.
+    Raises `ChatError` when `history` is not a list, or longer than `check_history` allows.
     """
-    messages: list[dict] = []
-    for item in history or []:
+    if history is None:
+        return []
+    if not isinstance(history, (list, tuple)):
+        raise ChatError("`history` must be a list of messages, [{\"role\": \"user\" | \"assistant\", "
+                        f"\"content\": \"...\"}}, ...]. Given: {type(history).__name__}")
+    _check_history_size(len(history), 0)  # before any per-message work
+    texts: list[tuple[str, str]] = []  # (role, text), checked against the bounds before unescaping
+    for item in history:
         if isinstance(item, (list, tuple)) and len(item) == 2 and not isinstance(item, dict):
             pairs = (("user", item[0]), ("assistant", item[1]))
         else:
@@ -169,10 +185,25 @@ def to_engine_messages(history, *, escaped: bool) -> list[dict]:
             if role not in ("user", "assistant", "system"):
                 continue
             text = content_text(content)
-            if not text:
-                continue
-            messages.append({"role": role, "content": unescape_html(text) if escaped else text})
-    return messages
+            if text:
+                texts.append((role, text))
+    _check_history_size(len(texts), sum(len(text) for _, text in texts))
+    return [{"role": role, "content": unescape_html(text) if escaped else text} for role, text in texts]
+
+
+def check_history(messages: list[dict]) -> None:
+    """Raises `ChatError` for a conversation beyond MAX_HISTORY_MESSAGES messages or
+    MAX_HISTORY_CHARS characters (what was wrong, what is allowed, what was given)."""
+    _check_history_size(len(messages), sum(len(m["content"]) for m in messages))
+
+
+def _check_history_size(num_messages: int, chars: int) -> None:
+    if num_messages > MAX_HISTORY_MESSAGES:
+        raise ChatError(f"The conversation is too long: at most {MAX_HISTORY_MESSAGES} messages are allowed. "
+                        f"Given: {num_messages} messages. Start a new conversation (Clear).")
+    if chars > MAX_HISTORY_CHARS:
+        raise ChatError(f"The conversation is too long: at most {MAX_HISTORY_CHARS} characters are allowed in all "
+                        f"its messages. Given: {chars} characters. Start a new conversation (Clear).")
 
 
 @dataclass(slots=True)
@@ -182,6 +213,7 @@ class FittedPrompt:
     prompt_token_ids: list[int]
     dropped_turns: int
     max_tokens: int  # the answer's token budget (max_new_tokens, or less where the context is short)
+    messages: list[dict]  # what the prompt holds: [system] + the kept turns + the message
 
 
 def _turns(messages: list[dict]) -> list[list[dict]]:
@@ -199,28 +231,60 @@ def fit_to_context(engine, history: list[dict], message: str, system_prompt: str
                    max_new_tokens: int) -> FittedPrompt:
     """Tokens of [system] + history + message, dropping the oldest turns until the answer fits.
 
-    Raises `ChatError` when even the message alone leaves no room for an answer.
+    The fewest turns dropped is found by binary search (the prompt only shrinks as turns go), so a
+    conversation of T turns costs about log2(T) + 2 template renders; turns that alone exceed the
+    character bound of the context are dropped before any render. Raises `ChatError` when even the
+    message alone leaves no room for an answer.
     """
     context = int(engine.max_model_len)
     system = [{"role": "system", "content": system_prompt}] if system_prompt.strip() else []
     history = [m for m in history if m["role"] != "system"]  # the page's system prompt wins
     user = [{"role": "user", "content": message}]
+    char_limit = prompt_char_limit(context)
+    fixed_chars = len(message) + (len(system_prompt) if system else 0)
+    if fixed_chars > char_limit:
+        raise ChatError(f"The message is too long: with the system prompt it has {fixed_chars} characters, and "
+                        f"the model's context of {context} tokens takes at most {char_limit} characters "
+                        f"({MAX_CHARS_PER_TOKEN} per token). Shorten the message or the system prompt.")
     turns = _turns(history)
-    dropped = 0
-    while True:
-        kept = [m for turn in turns[dropped:] for m in turn]
-        ids = engine.encode_chat(system + kept + user)
-        if len(ids) + max_new_tokens <= context:
-            return FittedPrompt(ids, dropped, max_new_tokens)
-        if dropped < len(turns):
-            dropped += 1
-            continue
+    turn_chars = [sum(len(m["content"]) for m in turn) for turn in turns]
+    first, chars = 0, fixed_chars + sum(turn_chars)
+    while chars > char_limit:  # these oldest turns cannot fit whatever they tokenize to
+        chars -= turn_chars[first]
+        first += 1
+    rendered: dict[int, tuple[list[dict], list[int]]] = {}
+
+    def render(dropped: int) -> list[int]:
+        if dropped not in rendered:
+            messages = system + [m for turn in turns[dropped:] for m in turn] + user
+            rendered[dropped] = (messages, engine.encode_chat(messages))
+        return rendered[dropped][1]
+
+    def fits(dropped: int) -> bool:
+        return len(render(dropped)) + max_new_tokens <= context
+
+    if fits(first):
+        dropped = first
+    elif first == len(turns) or not fits(len(turns)):
+        dropped = len(turns)
+        ids = render(dropped)
         room = context - len(ids)
-        if room >= 1:
-            return FittedPrompt(ids, dropped, room)  # the answer is cut short to fit
-        raise ChatError(f"The message is too long: with the system prompt it takes {len(ids)} tokens, "
-                        f"and the model's context holds {context} tokens in all (prompt and answer). "
-                        "Shorten the message or the system prompt.")
+        if room < 1:
+            raise ChatError(f"The message is too long: with the system prompt it takes {len(ids)} tokens, "
+                            f"and the model's context holds {context} tokens in all (prompt and answer). "
+                            "Shorten the message or the system prompt.")
+        return FittedPrompt(ids, dropped, room, rendered[dropped][0])  # the answer is cut short to fit
+    else:
+        too_few, enough = first, len(turns)  # fits(too_few) is false, fits(enough) true
+        while enough - too_few > 1:
+            middle = (too_few + enough) // 2
+            if fits(middle):
+                enough = middle
+            else:
+                too_few = middle
+        dropped = enough
+    messages, ids = rendered[dropped]
+    return FittedPrompt(ids, dropped, max_new_tokens, messages)
 
 
 # --- streaming -------------------------------------------------------------------------------------
@@ -263,11 +327,16 @@ def stream_answer(engine, metrics, route: str, history: list[dict], message: str
     `watch(streamer)` is called once the request is admitted (e.g. to abort it when the visitor's
     tab closes); what it returns is called when the request ends.
     """
-    if not isinstance(message, str) or not message.strip():
+    if not isinstance(message, str):
+        raise ChatError(f"`message` must be a string. Given: {type(message).__name__}")
+    if not message.strip():
         raise ChatError("The message is empty: type something to send.")
+    if not isinstance(settings.system_prompt, str):
+        raise ChatError(f"`system_prompt` must be a string. Given: {type(settings.system_prompt).__name__}")
+    check_history(history)
     try:
         max_new_tokens = int(settings.max_new_tokens)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:
         raise ChatError(f"`max_new_tokens` must be an integer >= 1. Given: {settings.max_new_tokens!r}") from exc
     if max_new_tokens < 1 or max_new_tokens != settings.max_new_tokens:
         raise ChatError(f"`max_new_tokens` must be an integer >= 1. Given: {settings.max_new_tokens!r}")
@@ -290,6 +359,10 @@ def stream_answer(engine, metrics, route: str, history: list[dict], message: str
     except InvalidRequest as exc:
         if metrics is not None:
             metrics.error(route, 400)
+        raise ChatError(str(exc)) from exc
+    except RuntimeError as exc:  # the engine is not running (rebuilding after a fault, or shutting down)
+        if metrics is not None:
+            metrics.error(route, 503)
         raise ChatError(str(exc)) from exc
     streamer.timeout = WAIT_POLL_S  # TextIteratorStreamer raises queue.Empty past it; we wait again
     unwatch = watch(streamer) if watch is not None else None

@@ -4,7 +4,7 @@ import threading
 
 import gradio as gr
 
-from server.metrics import RequestMetrics
+from engine.telemetry import RequestMetrics
 from ui import status
 from ui.chat import ChatError, ChatSettings, escape_html, stream_answer, to_engine_messages
 
@@ -91,9 +91,12 @@ def build_demo(engine, settings=None, metrics: RequestMetrics | None = None) -> 
                 request: gr.Request):
         """The page's generator: answers the last user message of `history`, streaming."""
         history = list(history or [])
-        if not history or history[-1].get("role") != "user":
+        if not history or not isinstance(history[-1], dict) or history[-1].get("role") != "user":
             return
-        messages = to_engine_messages(history, escaped=True)
+        try:
+            messages = to_engine_messages(history, escaped=True)
+        except ChatError as exc:
+            raise gr.Error(str(exc)) from None
         if not messages or messages[-1]["role"] != "user":
             return
         message = messages.pop()["content"]
@@ -118,10 +121,10 @@ def build_demo(engine, settings=None, metrics: RequestMetrics | None = None) -> 
         system_prompt: empty = the model's default. temperature: 0 = greedy. top_k: 0 = off.
         Conversations longer than the context lose their oldest turns (a warning says so).
         """
-        messages = to_engine_messages(history, escaped=False)
         chat_settings = ChatSettings(system_prompt or "", temperature, top_p, top_k, max_new_tokens,
                                      repetition_penalty)
         try:
+            messages = to_engine_messages(history, escaped=False)
             for text, _stats in stream_answer(engine, metrics, "gradio", messages, message, chat_settings,
                                               warn=gr.Warning):
                 yield text

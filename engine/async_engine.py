@@ -1,0 +1,323 @@
+"""The engine thread behind the server.
+
+One thread owns the model and runs `EngineCore.step()` in a loop. Other threads (the event
+loop of the HTTP routes, Gradio's workers) only enqueue commands (add, abort) and read their
+request's outputs from a queue the engine thread fills: an `asyncio.Queue` through
+`loop.call_soon_threadsafe` for asynchronous consumers, a `queue.Queue` for threads.
+
+Faults. `EngineCore.step()` fails only the requests a fault concerns. A fault that escapes it
+(or output dispatch) leaves the core's state unknown, so the engine "dies": every consumer gets
+an error end at once, then the thread rebuilds the core from the loaded model (no reload; a few
+seconds at most) and serves again. Rebuilding in the process keeps the weights in memory and the
+page's visitors connected, where a process restart would reload the model for minutes. A fault
+that comes back is not fixed by rebuilding (a broken device, a corrupt model): past
+`config.max_restarts` deaths within `RESTART_WINDOW_S`, or when the rebuild itself fails, the
+engine stays dead and calls `on_fatal`, with which app.py ends the process with status 1 for the
+Space or supervisor to start it afresh.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from typing import AsyncIterator
+
+from engine.chat_template import encode_chat
+from engine.config import EngineConfig
+from engine.core import EngineCore, EngineStats
+from engine.request import (
+    FinishReason,
+    InvalidRequest,
+    QueueFull,
+    RequestOutput,
+    SamplingParams,
+    new_request_id,
+)
+from engine.streamers import RequestAsyncTextStreamer, RequestTextStreamer, _one_sample
+from engine.streams import RequestStream, _deliver, _Sink
+
+log = logging.getLogger("rill.engine")
+
+RESTART_WINDOW_S = 600.0  # deaths older than this no longer count against config.max_restarts
+
+
+class EngineNotRunning(RuntimeError):
+    """The engine thread is not serving (stopped, dead, or rebuilding after a fault): 503."""
+
+
+class AsyncEngine:
+    """The engine behind the server: a thread that steps `EngineCore` while there is work.
+
+    Thread-safe entry points: `add_request`, `abort`, `inject_fault`, `stats`, the streamers.
+    Every admitted request ends exactly once for its consumer (its last output has
+    `finished=True`), also when the engine dies; see the module docstring.
+    """
+
+    def __init__(self, loaded, config: EngineConfig | None = None):
+        self.loaded = loaded
+        self.config = config or EngineConfig()
+        self.tokenizer = loaded.tokenizer
+        self.model_name = loaded.name
+        self.core = EngineCore(loaded.model, loaded.tokenizer, self.config, loaded.context_length)
+        self.max_model_len = self.core.max_model_len
+        self.attention_path = self.core.attention_path
+        self._commands: deque = deque()  # callables run by the engine thread before its next step
+        self._wakeup = threading.Event()
+        self._lock = threading.Lock()
+        self._sinks: dict[str, _Sink] = {}  # request_id -> where its outputs go
+        self._num_admitted = 0  # sequences added and not finished (running + waiting + pending)
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.dead: BaseException | None = None  # why the engine died, while it is dead or rebuilding
+        self.on_fatal = None  # called with the exception, from the engine thread, when it stays dead
+        self.num_restarts = 0  # core rebuilds after a death
+        self._deaths: list[float] = []  # time.monotonic() of recent deaths (see RESTART_WINDOW_S)
+        self.step_time_total = 0.0  # seconds in core.step()
+        self.dispatch_time_total = 0.0  # seconds handing outputs to consumers
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> "AsyncEngine":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="rill-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def shutdown(self, timeout: float | None = 5.0) -> None:
+        self._stopping = True
+        self._wakeup.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.dead is None
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        return encode_chat(self.tokenizer, messages, add_generation_prompt)
+
+    def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.core.check_prompt(prompt_token_ids, params)
+
+    def _not_running(self) -> EngineNotRunning | None:
+        if self._stopping:
+            return EngineNotRunning("The engine is shutting down; it takes no new requests.")
+        if self.dead is not None:
+            return EngineNotRunning("The engine is not running: it stopped after an internal error "
+                                    "and restarts if it can. Retry in a moment.")
+        return None
+
+    def _admit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None, sink_factory,
+               prior_output_ids: list[int] = ()):
+        if (error := self._not_running()) is not None:
+            raise error
+        self.core.check_prompt(prompt_token_ids, params, prior_output_ids)
+        request_id = request_id or new_request_id()
+        sink = sink_factory(request_id)  # before anything is counted: it may raise
+        capacity = self.config.max_num_seqs + self.config.max_queue
+        prior = list(prior_output_ids)
+        with self._lock:  # the death of the engine takes this lock: no sink is registered after it
+            if (error := self._not_running()) is not None:
+                raise error
+            if request_id in self._sinks:
+                raise InvalidRequest(f"Request id {request_id!r} is already in use.", "request_id")
+            if self._num_admitted + params.n > capacity:
+                raise QueueFull(f"The server is at capacity ({self.config.max_num_seqs} running and "
+                                f"{self.config.max_queue} waiting). Retry in a moment.")
+            self._num_admitted += params.n
+            self._sinks[request_id] = sink
+            self._commands.append(lambda: self._add(request_id, list(prompt_token_ids), params, prior))
+        self._wakeup.set()
+        return sink
+
+    def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prior: list[int]) -> None:
+        """Engine thread: a request the core refuses ends for its consumer with the reason."""
+        try:
+            self.core.add_request(request_id, prompt_token_ids, params, prior)
+        except Exception as exc:
+            log.error("adding %s failed", request_id, exc_info=exc)
+            error = str(exc) if isinstance(exc, InvalidRequest) else (
+                "The engine failed while adding this request; the server log has the details.")
+            self._dispatch([RequestOutput(request_id, index, [], "", finished=True, finish_reason=FinishReason.ERROR,
+                                          error=error) for index in range(params.n)])
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None, prior_output_ids: list[int] = ()) -> RequestStream:
+        """Queue a request; raises InvalidRequest (400) or QueueFull (429). `prior_output_ids`:
+        continue from output already produced (see `EngineCore.add_request`)."""
+        return self._admit(prompt_token_ids, params, request_id, lambda rid: RequestStream(self, rid, params.n),
+                           prior_output_ids)
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Add a request and yield its deltas; aborts it if the consumer goes away first."""
+        stream = self.add_request(prompt_token_ids, params, request_id)
+        finished = False
+        try:
+            async for out in stream:
+                yield out
+            finished = True
+        finally:
+            if not finished:
+                self.abort(stream.request_id)
+
+    def text_streamer(self, prompt_token_ids: list[int], params: SamplingParams,
+                      request_id: str | None = None, timeout: float | None = None) -> RequestTextStreamer:
+        _one_sample(params)
+        return self._admit(prompt_token_ids, params, request_id, lambda rid: RequestTextStreamer(self, rid, timeout))
+
+    def async_text_streamer(self, prompt_token_ids: list[int], params: SamplingParams,
+                            request_id: str | None = None, timeout: float | None = None) -> RequestAsyncTextStreamer:
+        _one_sample(params)
+        return self._admit(prompt_token_ids, params, request_id,
+                           lambda rid: RequestAsyncTextStreamer(self, rid, timeout))
+
+    def abort(self, request_id: str) -> bool:
+        """End a request; its KV blocks are freed before the next step. False if unknown or done."""
+        with self._lock:
+            if request_id not in self._sinks:
+                return False
+            self._commands.append(lambda: self._dispatch(self.core.abort(request_id)))
+        self._wakeup.set()
+        return True
+
+    def inject_fault(self, request_id: str) -> bool:
+        """Test hook: the next forward that includes this request raises; only it fails."""
+        with self._lock:
+            if request_id not in self._sinks:
+                return False
+            self._commands.append(lambda: self.core.inject_fault(request_id))
+        self._wakeup.set()
+        return True
+
+    def stats(self) -> EngineStats:
+        core = self.core.stats()
+        pending = max(0, self._num_admitted - core.num_running - core.num_waiting)  # adds not yet applied
+        core.num_waiting += pending
+        return core
+
+    @property
+    def num_admitted(self) -> int:
+        """Sequences admitted and not yet finished: what counts against max_num_seqs + max_queue."""
+        return self._num_admitted
+
+    # ---- the engine thread ----------------------------------------------------------------
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}  # async RequestStreams: one hand-over per loop
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if sink is None:
+                continue
+            loop = sink._loop if isinstance(sink, RequestStream) else None
+            try:
+                if loop is not None:
+                    by_loop.setdefault(loop, []).append((sink, out))
+                else:
+                    sink._on_output(out)
+            except Exception as exc:  # this consumer cannot take it: stop its request, tell it if it can
+                log.error("handing an output of %s to its consumer failed", out.request_id, exc_info=exc)
+                if not out.finished:
+                    self._dispatch(self.core.abort(
+                        out.request_id, FinishReason.ERROR,
+                        "The engine failed while handing this request's output over; "
+                        "the server log has the details."))
+                    continue
+            if out.finished:
+                sink.num_unfinished -= 1
+                with self._lock:
+                    self._num_admitted -= 1
+                    if sink.num_unfinished == 0:
+                        del self._sinks[out.request_id]
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, batch)
+            except RuntimeError:  # that event loop is closed: its requests have nobody to read them
+                for stream, out in batch:
+                    if not out.finished:
+                        self._commands.append(lambda rid=stream.request_id: self._dispatch(self.core.abort(rid)))
+
+    def _run_commands(self) -> None:
+        while self._commands:
+            command = self._commands.popleft()
+            try:
+                command()
+            except Exception:  # a bad add must not kill the loop; the request was checked before
+                log.exception("engine command failed")
+
+    def _serve(self) -> None:
+        while not self._stopping:
+            self._run_commands()
+            if not self.core.has_work():
+                self._wakeup.wait(0.5)
+                self._wakeup.clear()
+                continue
+            t0 = time.perf_counter()
+            outputs = self.core.step()
+            t1 = time.perf_counter()
+            self._dispatch(outputs)
+            self.step_time_total += t1 - t0
+            self.dispatch_time_total += time.perf_counter() - t1
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self._serve()
+                return
+            except BaseException as exc:  # noqa: BLE001 - a fault escaped the step: the core is unknown
+                log.error("the engine loop died", exc_info=exc)
+                self._fail_all(exc.with_traceback(None))  # no frame keeps the old KV cache alive
+            if not (isinstance(self.dead, Exception) and self._restart()):
+                break
+        if self.on_fatal is not None:
+            try:
+                self.on_fatal(self.dead)
+            except Exception:
+                log.exception("on_fatal failed")
+
+    def _fail_all(self, exc: BaseException) -> None:
+        """The engine died: refuse new requests, and end every admitted one with an error."""
+        with self._lock:
+            self.dead = exc
+            sinks = list(self._sinks.items())
+            self._sinks.clear()
+            self._commands.clear()  # adds and aborts of the requests ended here
+            self._num_admitted = 0
+        error = ("The engine stopped after an internal error and could not finish this "
+                 "request; it restarts if it can. Send the request again in a moment.")
+        for request_id, sink in sinks:
+            for index in range(sink.num_unfinished):
+                try:
+                    sink._on_output(RequestOutput(request_id, index, [], "", finished=True,
+                                                  finish_reason=FinishReason.ERROR, error=error))
+                except Exception:  # that consumer is gone; the others still get their end
+                    log.exception("could not tell %s that the engine stopped", request_id)
+
+    def _restart(self) -> bool:
+        """Rebuild the core after a death; False when the engine must stay dead (see the module doc)."""
+        now = time.monotonic()
+        self._deaths = [t for t in self._deaths if now - t < RESTART_WINDOW_S] + [now]
+        if len(self._deaths) > self.config.max_restarts:
+            log.error("the engine died %d times within %.0f s (allowed: %d restarts); it stays dead",
+                      len(self._deaths), RESTART_WINDOW_S, self.config.max_restarts)
+            return False
+        log.warning("rebuilding the engine (restart %d)", self.num_restarts + 1)
+        try:
+            self.core.close()  # its KV cache goes before the new one is sized and allocated
+            self.core = EngineCore(self.loaded.model, self.loaded.tokenizer, self.config, self.loaded.context_length)
+        except Exception:
+            log.exception("rebuilding the engine failed; it stays dead")
+            return False
+        self.num_restarts += 1
+        with self._lock:
+            self.dead = None
+        log.warning("the engine runs again (restart %d)", self.num_restarts)
+        return True

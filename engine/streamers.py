@@ -1,0 +1,77 @@
+"""transformers' text streamers fed by the engine thread instead of `model.generate`."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from transformers import AsyncTextIteratorStreamer, TextIteratorStreamer
+
+from engine.request import FinishReason, InvalidRequest, RequestOutput, SamplingParams
+from engine.streams import _Sink
+
+if TYPE_CHECKING:
+    from engine.async_engine import AsyncEngine
+
+
+def _one_sample(params: SamplingParams) -> None:
+    if params.n != 1:
+        raise InvalidRequest(f"A text streamer carries one sample: `n` must be 1. Given: {params.n}", "n")
+
+
+class _TextSinkMixin(_Sink):
+    """What both text streamers record besides the text: how the request ended, and its size."""
+
+    def _init_sink(self, engine: "AsyncEngine", request_id: str):
+        self.engine = engine
+        self.request_id = request_id
+        self.num_unfinished = 1
+        self.finish_reason: FinishReason | None = None
+        self.error: str | None = None
+        self.num_prompt_tokens = 0
+        self.num_output_tokens = 0
+        self.first_token_time: float | None = None
+        self.arrival_time: float | None = None
+        self.scheduled_time: float | None = None
+
+    def _on_output(self, out: RequestOutput) -> None:  # engine thread
+        self.num_prompt_tokens = out.num_prompt_tokens
+        self.num_output_tokens = out.num_output_tokens
+        self.first_token_time = out.first_token_time
+        self.arrival_time, self.scheduled_time = out.arrival_time, out.scheduled_time
+        if out.finished:
+            self.finish_reason, self.error = out.finish_reason, out.error
+        if out.text:
+            self.on_finalized_text(out.text)
+        if out.finished:
+            self.on_finalized_text("", stream_end=True)
+
+    def abort(self) -> bool:
+        return self.engine.abort(self.request_id)
+
+
+class RequestTextStreamer(_TextSinkMixin, TextIteratorStreamer):
+    """A `TextIteratorStreamer` fed by the engine thread: `for piece in streamer` in any thread."""
+
+    def __init__(self, engine: "AsyncEngine", request_id: str, timeout: float | None = None):
+        TextIteratorStreamer.__init__(self, engine.tokenizer, skip_prompt=True, timeout=timeout)
+        self._init_sink(engine, request_id)
+
+    def on_finalized_text(self, text: str, stream_end: bool = False):
+        if text:
+            self.text_queue.put(text, timeout=self.timeout)
+        if stream_end:
+            self.text_queue.put(self.stop_signal, timeout=self.timeout)
+
+
+class RequestAsyncTextStreamer(_TextSinkMixin, AsyncTextIteratorStreamer):
+    """An `AsyncTextIteratorStreamer` fed by the engine thread: `async for piece in streamer`."""
+
+    def __init__(self, engine: "AsyncEngine", request_id: str, timeout: float | None = None):
+        AsyncTextIteratorStreamer.__init__(self, engine.tokenizer, skip_prompt=True, timeout=timeout)
+        self._init_sink(engine, request_id)
+
+    def on_finalized_text(self, text: str, stream_end: bool = False):
+        if text:
+            self.loop.call_soon_threadsafe(self.text_queue.put_nowait, text)
+        if stream_end:
+            self.loop.call_soon_threadsafe(self.text_queue.put_nowait, self.stop_signal)

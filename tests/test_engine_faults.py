@@ -1,0 +1,327 @@
+"""Faults inside the engine, on a tiny random Llama: a real exception or NaN from the model fails
+only the request it concerns, so does a fault in bookkeeping, sampling or output dispatch; a
+failed add gives its capacity back; a dead engine ends every consumer, then rebuilds or stays
+dead; the KV pool is sized by the container's memory limit."""
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+from engine import LLM, AsyncEngine, EngineConfig, FinishReason, SamplingParams
+from engine.async_engine import EngineNotRunning
+from engine.core import container_free_memory, free_memory_bytes
+from engine.loading import load_model
+
+PROMPTS = [f"Request {i}: tell me about the sea" for i in range(4)]
+PARAMS = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model):
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def alone(llama):
+    """Each prompt's greedy answer, computed alone."""
+    llm = LLM(load_model(str(llama)))
+    return {p: llm.generate([p], PARAMS)[0].outputs[0].token_ids for p in PROMPTS}
+
+
+def poison_id(engine, alone) -> int:
+    """A token id in none of PROMPTS nor their answers (the faulty request's prompt carries it)."""
+    used = {t for p in PROMPTS for t in engine.encode(p) + alone[p]}
+    return next(t for t in range(999, 100, -1) if t not in used)
+
+
+def batched(engine: AsyncEngine, prompts_ids: list[list[int]], params=PARAMS) -> list:
+    """Admits every request before the engine thread starts, so that they share their steps."""
+    streamers = [engine.text_streamer(ids, params) for ids in prompts_ids]
+    engine.start()
+    for s in streamers:
+        s.text = "".join(s)
+    return streamers
+
+
+def token_ids_of(engine: AsyncEngine, prompt: str) -> list[int]:
+    """What the engine answers to `prompt` now, alone (checks that it still serves)."""
+    out = []
+
+    async def run():
+        async for delta in engine.generate(engine.encode(prompt), PARAMS):
+            out.extend(delta.token_ids)
+
+    asyncio.run(run())
+    return out
+
+
+def texts_alone(engine, alone) -> list[str]:
+    return [engine.tokenizer.decode(alone[p]) for p in PROMPTS]
+
+
+# --------------------------------------------------------------------------- the model itself fails
+
+
+@pytest.mark.parametrize("arch", ["llama", "bloom"])  # the paged path; the fallback path (a cache per sequence)
+def test_a_layer_raising_for_one_sequence_fails_only_that_request(tiny_model, arch, caplog):
+    path = str(tiny_model(arch))
+    llm = LLM(load_model(path))
+    answers = {p: llm.generate([p], PARAMS)[0].outputs[0].token_ids for p in PROMPTS}
+    engine = AsyncEngine(load_model(path))
+    bad = next(t for t in range(999, 100, -1)
+               if all(t not in engine.encode(p) and t not in answers[p] for p in PROMPTS))
+
+    def raise_on_poison(module, args):  # a real exception from inside the model's forward
+        if bool((args[0] == bad).any()):
+            raise ValueError(f"embedding refused token {bad}")
+
+    engine.loaded.model.get_input_embeddings().register_forward_pre_hook(raise_on_poison)
+    try:
+        streamers = batched(engine, [engine.encode(p) for p in PROMPTS[:2]] + [[5, bad, 6, 7]]
+                            + [engine.encode(p) for p in PROMPTS[2:]])
+        faulty = streamers.pop(2)
+        assert faulty.text == "" and faulty.finish_reason is FinishReason.ERROR
+        assert "running the model" in faulty.error and "refused" not in faulty.error  # the log has the cause
+        assert f"embedding refused token {bad}" in caplog.text
+        assert [s.text for s in streamers] == texts_alone(engine, answers)
+        assert all(s.finish_reason is FinishReason.LENGTH for s in streamers)
+        assert engine.alive and engine.num_restarts == 0
+        assert token_ids_of(engine, PROMPTS[0]) == answers[PROMPTS[0]]
+        assert engine.num_admitted == 0 and engine.stats().num_free_kv_blocks == engine.stats().num_kv_blocks
+    finally:
+        engine.shutdown()
+
+
+def test_nan_weights_in_one_embedding_row_fail_only_the_request_that_reads_it(llama, alone):
+    engine = AsyncEngine(load_model(str(llama)))
+    bad = poison_id(engine, alone)
+    with torch.no_grad():
+        engine.loaded.model.model.embed_tokens.weight[bad] = float("nan")
+    try:
+        streamers = batched(engine, [[5, bad, 6, 7]] + [engine.encode(p) for p in PROMPTS])
+        faulty = streamers.pop(0)
+        assert faulty.text == "" and faulty.finish_reason is FinishReason.ERROR and "NaN" in faulty.error
+        assert [s.text for s in streamers] == texts_alone(engine, alone)
+        assert engine.alive
+    finally:
+        engine.shutdown()
+
+
+# --------------------------------------------------------------------------- the other stages of a step
+
+
+def _break_allocator(engine, bad_first_token):
+    cache_full_blocks = engine.core.allocator.cache_full_blocks
+
+    def broken(token_ids, *args):
+        if token_ids[0] == bad_first_token:
+            raise KeyError("block hash table out of step")
+        return cache_full_blocks(token_ids, *args)
+
+    engine.core.allocator.cache_full_blocks = broken
+
+
+def _break_sampler(engine, bad_first_token):
+    sample = engine.core.sampler.sample
+
+    def broken(logits, seqs):
+        if any(s.token_ids[0] == bad_first_token for s in seqs):
+            raise IndexError("penalty row out of range")
+        return sample(logits, seqs)
+
+    engine.core.sampler.sample = broken
+
+
+@pytest.mark.parametrize("stage, breaks, expected", [
+    ("prefix-cache bookkeeping", _break_allocator, "recording the computed tokens"),
+    ("sampler", _break_sampler, "sampling the next token"),
+])
+def test_a_fault_in_one_sequences_step_fails_only_it(llama, alone, stage, breaks, expected):
+    engine = AsyncEngine(load_model(str(llama)))
+    bad_first_token = 3  # no encoded prompt starts with it (asserted below)
+    assert all(engine.encode(p)[0] != bad_first_token for p in PROMPTS)
+    breaks(engine, bad_first_token)
+    try:
+        streamers = batched(engine, [[bad_first_token, 9, 10, 11]] + [engine.encode(p) for p in PROMPTS])
+        faulty = streamers.pop(0)
+        assert faulty.finish_reason is FinishReason.ERROR and expected in faulty.error, stage
+        assert [s.text for s in streamers] == texts_alone(engine, alone), stage
+        assert engine.alive and engine.num_restarts == 0
+        assert engine.num_admitted == 0
+    finally:
+        engine.shutdown()
+
+
+def test_a_consumer_that_cannot_take_its_output_fails_alone(llama, alone):
+    engine = AsyncEngine(load_model(str(llama)))
+    try:
+        streamers = [engine.text_streamer(engine.encode(p), PARAMS) for p in PROMPTS]
+        broken = streamers[1]
+        put = broken.on_finalized_text
+
+        def refuse_text(text, stream_end=False):
+            if text:
+                raise OSError("the consumer's pipe is closed")
+            put(text, stream_end)
+
+        broken.on_finalized_text = refuse_text
+        engine.start()
+        texts = ["".join(s) for s in streamers]
+        assert broken.finish_reason is FinishReason.ERROR and "handing this request's output" in broken.error
+        assert texts[:1] + texts[2:] == [t for i, t in enumerate(texts_alone(engine, alone)) if i != 1]
+        assert engine.alive and engine.num_admitted == 0
+    finally:
+        engine.shutdown()
+
+
+# --------------------------------------------------------------------------- failed adds
+
+
+def test_a_failed_add_gives_its_capacity_back(llama):
+    engine = AsyncEngine(load_model(str(llama)), EngineConfig(max_num_seqs=1, max_queue=0))  # room for one
+    try:
+        engine.start()
+        with pytest.raises(RuntimeError, match="no running event loop"):  # async streamer outside a loop
+            engine.async_text_streamer(engine.encode("hi"), PARAMS)
+        assert engine.num_admitted == 0
+        add_request = engine.core.add_request
+
+        def out_of_memory(request_id, *args):  # accepted by _admit, then refused on the engine thread
+            raise MemoryError("no room for the detokenizer")
+
+        engine.core.add_request = out_of_memory
+        stream = engine.add_request(engine.encode("hi"), SamplingParams(max_tokens=4))
+        outs = list(stream.iter_sync(timeout=30))
+        engine.core.add_request = add_request
+        assert [o.finish_reason for o in outs] == [FinishReason.ERROR] and "adding this request" in outs[0].error
+        assert engine.num_admitted == 0
+        answer = engine.text_streamer(engine.encode("hi"), PARAMS)  # the one slot is free
+        assert "".join(answer) and answer.finish_reason is FinishReason.LENGTH
+    finally:
+        engine.shutdown()
+
+
+# --------------------------------------------------------------------------- engine death
+
+
+def wait_until(predicate, timeout: float = 60.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def _kill(engine) -> None:
+    """What /_test/kill-engine does: the next step raises outside the core's isolation."""
+    def die():
+        raise RuntimeError("killed by the test")
+
+    engine.core.step = die
+
+
+def test_engine_death_ends_async_and_thread_consumers_then_the_engine_rebuilds(llama, alone):
+    engine = AsyncEngine(load_model(str(llama))).start()
+    long = SamplingParams(max_tokens=900, temperature=0, ignore_eos=True)
+    ended = {}
+    started = threading.Event()
+
+    async def async_consumer():
+        outs = []
+        async for out in engine.add_request(engine.encode("async one"), long):
+            outs.append(out)
+            started.set()
+        ended["async"] = outs[-1]
+
+    thread = threading.Thread(target=lambda: asyncio.run(async_consumer()))
+    try:
+        thread.start()
+        assert started.wait(60)
+        streamers = [engine.text_streamer(engine.encode(f"thread {i}"), long, timeout=60) for i in range(2)]
+        next(iter(streamers[0]))
+        _kill(engine)
+        texts = ["".join(s) for s in streamers]  # ends: no hang
+        thread.join(60)
+        assert not thread.is_alive()
+        assert ended["async"].finish_reason is FinishReason.ERROR and "engine stopped" in ended["async"].error
+        for s, text in zip(streamers, texts):
+            assert s.finish_reason is FinishReason.ERROR and "engine stopped" in s.error
+            assert len(engine.tokenizer.encode(text)) < 900
+        assert wait_until(lambda: engine.alive), "the engine did not come back"
+        assert token_ids_of(engine, PROMPTS[0]) == alone[PROMPTS[0]]  # rebuilt, and right
+        assert engine.alive and engine.num_restarts == 1 and engine.num_admitted == 0
+    finally:
+        engine.shutdown()
+
+
+def test_past_max_restarts_the_engine_stays_dead_and_calls_on_fatal(llama):
+    engine = AsyncEngine(load_model(str(llama)), EngineConfig(max_restarts=0))
+    fatal = []
+    done = threading.Event()
+    engine.on_fatal = lambda exc: (fatal.append(exc), done.set())
+    try:
+        engine.start()
+        streamer = engine.text_streamer(engine.encode("hi"), SamplingParams(max_tokens=900, ignore_eos=True))
+        next(iter(streamer))
+        _kill(engine)
+        list(streamer)
+        assert streamer.finish_reason is FinishReason.ERROR
+        assert done.wait(30) and "killed by the test" in str(fatal[0])
+        assert not engine.alive
+        with pytest.raises(EngineNotRunning, match="stopped after an internal error"):
+            engine.text_streamer(engine.encode("hi"), PARAMS)
+        assert engine.num_admitted == 0
+    finally:
+        engine.shutdown()
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def write(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_cgroup_v2_and_v1_limits_less_the_working_set(tmp_path):
+    v2 = tmp_path / "v2"
+    write(v2 / "memory.max", "1073741824\n")  # 1 GiB
+    write(v2 / "memory.current", str(600 << 20))
+    write(v2 / "memory.stat", "anon 100\ninactive_file 104857600\nactive_file 5\n")  # 100 MiB reclaimable
+    assert container_free_memory(v2) == (1 << 30) - (500 << 20)
+    v1 = tmp_path / "v1"
+    write(v1 / "memory" / "memory.limit_in_bytes", str(2 << 30))
+    write(v1 / "memory" / "memory.usage_in_bytes", str(1 << 30))
+    write(v1 / "memory" / "memory.stat", "total_inactive_file 0\n")
+    assert container_free_memory(v1) == 1 << 30
+    unlimited = tmp_path / "none"
+    write(unlimited / "memory.max", "max\n")
+    write(unlimited / "memory" / "memory.limit_in_bytes", "9223372036854771712\n")
+    assert container_free_memory(unlimited) is None
+    assert container_free_memory(tmp_path / "absent") is None
+    meminfo = tmp_path / "meminfo"
+    write(meminfo, "MemTotal: 67108864 kB\nMemAvailable: 33554432 kB\n")  # the host: 32 GiB free
+    cpu = torch.device("cpu")
+    assert free_memory_bytes(cpu, meminfo, v2) == (1 << 30) - (500 << 20)  # the container is smaller
+    assert free_memory_bytes(cpu, meminfo, unlimited) == 32 << 30
+
+
+def test_the_default_kv_pool_fits_the_container_limit_not_the_host(llama, tmp_path, monkeypatch):
+    from engine import core
+
+    write(tmp_path / "meminfo", "MemAvailable: 268435456 kB\n")  # a big host: 256 GiB available
+    write(tmp_path / "cg" / "memory.max", str(64 << 20))  # a container of 64 MiB
+    write(tmp_path / "cg" / "memory.current", "0")
+    monkeypatch.setattr(core, "MEMINFO_PATH", tmp_path / "meminfo")
+    monkeypatch.setattr(core, "CGROUP_ROOT", tmp_path / "cg")
+    llm = LLM(load_model(str(llama)))
+    per_block = llm.core.kv_cache_bytes // llm.core.num_kv_blocks
+    assert llm.core.num_kv_blocks == (64 << 20) // 4 // per_block  # a quarter of what the limit leaves
+    assert llm.core.kv_cache_bytes <= 16 << 20
+    monkeypatch.setattr(core, "CGROUP_ROOT", tmp_path / "no-cgroup")
+    roomy = LLM(load_model(str(llama)))
+    assert roomy.core.num_kv_blocks > llm.core.num_kv_blocks  # without the limit: every sequence at full context
