@@ -29,7 +29,7 @@ from engine.request import (
     Sequence,
 )
 from engine.cpu import decode_attention_kernel, keep_freed_memory, linear_kernel, pack_linears
-from engine.quant import QuantLinear
+from engine.quant import FusedProjections, QuantLinear
 from engine.runner import FallbackRunner, PagedRunner, kv_geometry, supports_paged_attention
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledChunk, Scheduler
@@ -167,7 +167,7 @@ class EngineCore:
                     kernel = linear_kernel(rill_cache_dir())
                 num_packed, kind = pack_linears(model, kernel)
                 self.linears = kind or "torch"
-            kinds = sorted({m.kind for m in model.modules() if isinstance(m, QuantLinear)})
+            kinds = sorted({m.kind for m in model.modules() if isinstance(m, (QuantLinear, FusedProjections))})
             if kinds:  # weights kept as blocks (engine/quant.py): the rest, if any, as above
                 self.linears = f"{'/'.join(kinds)} blocks (C kernel)" + (f", the rest on the {self.linears}"
                                                                          if num_packed else "")

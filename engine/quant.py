@@ -123,6 +123,79 @@ class QuantLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}"
 
 
+class FusedProjections(nn.Module):
+    """Several `QuantLinear`s of one input (q/k/v, gate/up) as one kernel call: their panels end to
+    end. The model still calls each projection; the first call computes all of them for its input
+    and the others return their columns of that result while the input is the same tensor."""
+
+    def __init__(self, parts: list[QuantLinear]):
+        super().__init__()
+        first = parts[0]
+        self.kind, self.kernel, self.in_features = first.kind, first.kernel, first.in_features
+        self.panels = torch.cat([part.panels for part in parts])
+        self.bias = None
+        if any(part.bias is not None for part in parts):
+            self.bias = torch.cat([part.bias if part.bias is not None else torch.zeros(part.panels.shape[0] * 16)
+                                   for part in parts])
+        self.widths = [part.panels.shape[0] * 16 for part in parts]
+        self.out_features = sum(self.widths)
+        self._input: torch.Tensor | None = None  # the input of the last fused call
+        self._outputs: list[torch.Tensor] = []
+
+    def part(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        if index == 0 or x is not self._input:
+            lead = x.shape[:-1]
+            y = self.kernel(x.reshape(-1, self.in_features), self.panels, self.bias, self.out_features, self.kind)
+            self._outputs = [piece.view(*lead, piece.shape[-1]) for piece in y.split(self.widths, dim=-1)]
+            self._input = x
+        out = self._outputs[index]
+        if index == len(self.widths) - 1:  # the last part: forget the input (no reference kept past the step)
+            self._input, self._outputs = None, []
+        return out
+
+
+class FusedPart(nn.Module):
+    """One projection of a `FusedProjections` group, where the model expects its own linear."""
+
+    def __init__(self, group: FusedProjections, index: int, out_features: int):
+        super().__init__()
+        self.group, self.index = group, index
+        self.in_features, self.out_features = group.in_features, out_features
+        self.kind = group.kind
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.group.part(self.index, x)
+        return out if out.shape[-1] == self.out_features else out[..., :self.out_features]
+
+    def extra_repr(self) -> str:
+        return f"part {self.index} of {len(self.group.widths)}, out_features={self.out_features}, {self.kind}"
+
+
+FUSABLE = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # the Llama family's names
+
+
+def fuse_projections(model: nn.Module) -> int:
+    """Group the `QuantLinear` projections that read one input (by their names in the Llama family:
+    q/k/v in attention, gate/up in the MLP) into `FusedProjections`; returns the groups made.
+    Only whole panels are fused (each part but the last a multiple of 16 outputs)."""
+    groups = 0
+    for module in list(model.modules()):
+        for names in FUSABLE:
+            parts = [getattr(module, name, None) for name in names]
+            if not all(type(part) is QuantLinear for part in parts):
+                continue
+            if len({(part.kind, part.in_features) for part in parts}) != 1:
+                continue
+            if any(part.out_features % 16 for part in parts[:-1]):
+                continue
+            group = FusedProjections(parts)
+            for index, (name, part) in enumerate(zip(names, parts)):
+                setattr(module, name, FusedPart(group, index, part.out_features))
+            module.add_module("fused_" + "_".join(n.removesuffix("_proj") for n in names), group)
+            groups += 1
+    return groups
+
+
 def quantize_blocks(weight: torch.Tensor, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """A float weight [out, in] (in a multiple of 32) -> q, d, m as `unpack_raw` gives them, with
     ggml's rounding rules: Q8_0 d = max|w| / 127; Q4_0 d = (the w of largest magnitude) / -8;

