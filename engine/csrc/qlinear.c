@@ -48,9 +48,10 @@ static inline void widen_q8(const uint8_t *p, v8 *w0, v8 *w1) {
 
 static inline void widen_q4(const uint8_t *p, v8 *w0, v8 *w1) {
 #ifdef __AVX2__
-    const __m128i q = _mm_loadl_epi64((const __m128i *)p), low = _mm_set1_epi8(15);
-    *w0 = (v8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(q, low)));
-    *w1 = (v8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), low)));
+    /* each byte widened to 32 bits once: its low nibble is output j, the rest (>> 4) output j + 8 */
+    const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    *w0 = (v8)_mm256_cvtepi32_ps(_mm256_and_si256(q, _mm256_set1_epi32(15)));
+    *w1 = (v8)_mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4));
 #else
     for (int j = 0; j < 8; j++) (*w0)[j] = (float)(p[j] & 15), (*w1)[j] = (float)(p[j] >> 4);
 #endif
