@@ -175,7 +175,8 @@ class EngineCore:
             kernel = None
             if on_cpu and config.decode_kernel and model.dtype == torch.float32:
                 kernel = decode_attention_kernel(rill_cache_dir())
-            self.runner = PagedRunner(model, self.num_kv_blocks, config.block_size, decode_kernel=kernel)
+            native = self._native_decoder(model) if kernel is not None and config.native_decode else None
+            self.runner = PagedRunner(model, self.num_kv_blocks, config.block_size, decode_kernel=kernel, native=native)
             log.info("engine: decode attention %s", f"in the C kernel {kernel.path}" if kernel else "on the torch path")
         else:
             self.runner = FallbackRunner(model)
@@ -197,6 +198,23 @@ class EngineCore:
                  "linears on %s", self.attention_path, self.num_kv_blocks, config.block_size,
                  self.kv_cache_bytes / 2**20, self.max_model_len,
                  f"the {self.linears} ({num_packed} repacked)" if num_packed else self.linears)
+
+    @staticmethod
+    def _native_decoder(model):
+        """csrc/decode_layer.c for decode steps when it takes this model (engine/native.py), else None."""
+        from engine.cpu import _library
+        from engine.native import NativeDecoder, why_not_native
+
+        reason = why_not_native(model)
+        if reason is None:
+            try:
+                decoder = NativeDecoder(model, _library(rill_cache_dir())[0])
+                log.info("engine: decode steps in C (csrc/decode_layer.c), one call per layer")
+                return decoder
+            except Exception as exc:  # an old library without the symbol, ...
+                reason = str(exc)
+        log.info("engine: decode steps through transformers' modules (%s)", reason)
+        return None
 
     def _num_blocks(self, per_block: int, device: torch.device) -> int:
         cfg = self.config

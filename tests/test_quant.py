@@ -72,6 +72,7 @@ def test_quantized_at_load_greedy_equals_generate_on_the_dequantized_model(tiny_
     refs = reference_outputs(path, prompts)
     llm = LLM(loaded, EngineConfig(max_num_batched_tokens=128))
     assert llm.core.linears == f"{kind} blocks (C kernel)"
+    assert llm.core.runner.native is not None  # decode steps in csrc/decode_layer.c, on the fused blocks
     got = engine_outputs(llm, prompts)  # 16 prompts at once: prefill chunks beside decodes
     for n, g, r in zip(PROMPT_LENGTHS, got, refs):
         assert g == r, f"{kind}: prompt of {n} tokens diverged"
@@ -98,6 +99,7 @@ def test_the_embedded_gguf_keeps_its_blocks_and_equals_generate_on_its_dequantiz
     float_model = load_model(None, quantize="none")  # what transformers de-quantized from the same file
     assert not any(isinstance(m, (QuantLinear, FusedPart)) for m in float_model.model.modules())
     llm = LLM(loaded)
+    assert llm.core.runner.native is not None
     question = [{"role": "user", "content": "What is the capital of France?"}]
     answer = llm.chat([question], SamplingParams(temperature=0, max_tokens=20))[0]
     assert answer.text == "The capital of France is Paris."
