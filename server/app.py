@@ -69,6 +69,7 @@ def create_app(engine, settings: Settings) -> FastAPI:
     async def health():
         alive = bool(engine.alive)
         body = {"status": "ok" if alive else "engine stopped", "model": engine.model_name,
+                "weights": engine.loaded.weights, "linears": engine.core.linears,
                 "max_model_len": engine.max_model_len, "engine": _engine_stats(engine),
                 "resumable_streams": len(state.resume), "resumable_bytes": state.resume.nbytes,
                 "engine_restarts": getattr(engine, "num_restarts", 0)}

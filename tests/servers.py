@@ -36,7 +36,7 @@ _SETTING_VARIABLES = ("MODEL_ID", "API_KEY", "DTYPE", "DEVICE", "MAX_NUM_SEQS", 
                       "REQUEST_TIMEOUT", "RESUME_WINDOW", "MAX_BODY_BYTES", "SHUTDOWN_TIMEOUT", "MAX_MODEL_LEN",
                       "CORS_ORIGINS", "RILL_TEST_HOOKS", "MAX_NEW_TOKENS", "LOG_LEVEL", "LOG_FORMAT", "SEED",
                       "TRUST_REMOTE_CODE", "MAX_NUM_BATCHED_TOKENS", "BLOCK_SIZE", "RESUME_MAX_STREAMS",
-                      "RESUME_MAX_BYTES")
+                      "RESUME_MAX_BYTES", "MAX_ENGINE_RESTARTS", "QUANTIZE")
 
 
 def free_port() -> int:

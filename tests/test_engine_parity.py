@@ -66,6 +66,28 @@ def test_batched_greedy_equals_generate(tiny_model, arch, path_kind):
     assert llm.core.allocator.num_free == llm.core.num_kv_blocks  # every block came back
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_native_decode_steps_equal_generate(tiny_model, native):
+    """Llama's decode steps in csrc/decode_layer.c (one C call per layer), or through transformers'
+    modules: the same tokens as `generate`, 16 prompts at once (prefill chunks beside decodes)."""
+    path, prompts, refs = prompts_and_refs(tiny_model, "llama")
+    llm = LLM(load_model(str(path)), EngineConfig(max_num_batched_tokens=128, native_decode=native))
+    assert (llm.core.runner.native is not None) == native
+    assert engine_outputs(llm, prompts) == refs
+    assert engine_outputs(llm, prompts[:1]) == refs[:1]  # alone: every step after the prompt is native
+
+
+def test_the_native_decoder_takes_only_what_it_computes(tiny_model):
+    from engine.native import why_not_native
+
+    for arch, reason in (("mistral", "MistralForCausalLM is not LlamaForCausalLM"),
+                         ("gemma2", "Gemma2ForCausalLM is not LlamaForCausalLM")):
+        assert why_not_native(load_model(str(tiny_model(arch))).model) == reason
+    llama = LLM(load_model(str(tiny_model("llama"))), EngineConfig(linear_kernel=False))  # oneDNN linears
+    assert llama.core.runner.native is None
+    assert "is not on a C kernel" in why_not_native(llama.core.model)
+
+
 @pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2"])
 def test_torch_decode_path_equals_generate(tiny_model, arch):
     """Without the C kernels (CUDA, bfloat16, no compiler): decode attention on the torch path,

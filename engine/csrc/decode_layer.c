@@ -1,0 +1,139 @@
+/* One decoder layer of the Llama family for a decode step, in C (built by engine/cpu.py with the
+ * kernels it calls): no Python between the layer's operations. engine/native.py calls it once per
+ * layer when every scheduled sequence decodes one token; prefill steps keep transformers' modules.
+ *
+ * For x [rows, hidden] (one new token per sequence), in place:
+ *   h = rmsnorm(x) * norm1;  q, k, v = h Wq, h Wk, h Wv (one fused call or three);
+ *   q, k = rope(q, k) with the step's cos/sin [rows, head_dim] (computed by the model's own
+ *   rotary module); k, v -> the paged cache at slot_mapping; a = attention(q, cache);
+ *   x += a Wo;  h = rmsnorm(x) * norm2;  x += (silu(h Wgate) * h Wup) Wdown.
+ * The same operations as transformers' LlamaDecoderLayer in float32, so the result matches it up
+ * to rounding (the order of additions, fused multiply-adds).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+void rill_linear(const float *x, int64_t x_row, const float *panels, const float *bias, float *y,
+                 int64_t rows, int64_t out, int64_t in, int threads);
+int rill_qlinear(const float *x, int64_t x_row, const uint8_t *panels, const float *bias, float *y,
+                 int64_t rows, int64_t out, int64_t in, int threads, int kind);
+void rill_decode_attention(const float *q, int64_t q_tok, int64_t q_head, const int64_t *index,
+                           const float *k, const float *v, const int64_t *slots, int64_t max_ctx,
+                           const int64_t *lens, float *out, int num_seqs, int heads, int kv_heads,
+                           int head_dim, float scale, int64_t window, float softcap, int threads);
+
+/* a linear as the kernels hold it: kind -1 float32 panels (csrc/linear.c), 0-2 blocks (qlinear.c);
+ * out is the padded width the kernel writes (a multiple of 16 for fused groups) */
+typedef struct {
+    const void *panels;
+    const float *bias;
+    int64_t out, in;
+    int64_t kind;
+} rill_lin;
+
+static void linear(const rill_lin *lin, const float *x, int64_t x_row, float *y, int64_t rows, int threads) {
+    if (lin->kind < 0) rill_linear(x, x_row, (const float *)lin->panels, lin->bias, y, rows, lin->out, lin->in, threads);
+    else rill_qlinear(x, x_row, (const uint8_t *)lin->panels, lin->bias, y, rows, lin->out, lin->in, threads,
+                      (int)lin->kind);
+}
+
+static void rmsnorm(const float *x, const float *weight, float eps, float *y, int64_t rows, int64_t hidden) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * hidden;
+        float sum = 0;
+        for (int64_t i = 0; i < hidden; i++) sum += xr[i] * xr[i];
+        const float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
+        for (int64_t i = 0; i < hidden; i++) y[r * hidden + i] = weight[i] * (xr[i] * inv);
+    }
+}
+
+/* transformers' rotate_half convention: pairs (i, i + D/2) */
+static void rope(float *v, int64_t row_stride, int64_t heads, int64_t head_dim, const float *cos, const float *sin,
+                 int64_t rows) {
+    const int64_t half = head_dim / 2;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t h = 0; h < heads; h++) {
+            float *p = v + r * row_stride + h * head_dim;
+            const float *c = cos + r * head_dim, *s = sin + r * head_dim;
+            for (int64_t i = 0; i < half; i++) {
+                const float a = p[i], b = p[i + half];
+                p[i] = a * c[i] - b * s[i];
+                p[i + half] = b * c[i + half] + a * s[i + half];
+            }
+        }
+}
+
+/* qkv: n_qkv = 1 (fused: q, k, v at q_off, k_off, v_off of each row of its output) or 3 (q, k, v);
+ * gate_up: n_gu = 1 (fused: gate at 0, up at up_off) or 2. scratch: at least rows * (2 hidden +
+ * heads * head_dim + max(q/k/v width, gate/up width) + 2 + intermediate) floats. Returns 0, or
+ * -1 for an argument it cannot take. */
+int rill_decode_layer(float *x, int64_t rows, int64_t hidden, const float *norm1, const float *norm2, float eps,
+                      const rill_lin *qkv, int n_qkv, int64_t q_off, int64_t k_off, int64_t v_off,
+                      const rill_lin *o, const rill_lin *gate_up, int n_gu, int64_t up_off, const rill_lin *down,
+                      int64_t intermediate, const float *cos, const float *sin, float *k_cache, float *v_cache,
+                      const int64_t *slot_mapping, const int64_t *dec_slots, int64_t slots_width,
+                      const int64_t *lens, int heads, int kv_heads, int head_dim, float scale, int64_t window,
+                      float *scratch, int threads) {
+    const int64_t qd = (int64_t)heads * head_dim, kvd = (int64_t)kv_heads * head_dim;
+    float *h = scratch;                              /* [rows, hidden] */
+    float *tmp = h + rows * hidden;                  /* [rows, hidden] */
+    float *attn = tmp + rows * hidden;               /* [rows, heads * head_dim] */
+    float *proj = attn + rows * qd;                  /* q/k/v outputs, then gate/up outputs */
+    int64_t qkv_width = 0, gu_width = 0;
+    for (int i = 0; i < n_qkv; i++) qkv_width += qkv[i].out;
+    for (int i = 0; i < n_gu; i++) gu_width += gate_up[i].out;
+    const int64_t proj_width = qkv_width > gu_width ? qkv_width : gu_width;
+    int64_t *index = (int64_t *)(proj + rows * proj_width);  /* [rows] */
+    float *act = (float *)(index + rows);            /* [rows, intermediate] */
+    const float *q, *k, *v;
+    int64_t q_row, k_row, v_row;
+
+    rmsnorm(x, norm1, eps, h, rows, hidden);
+    if (n_qkv == 1) {
+        linear(&qkv[0], h, hidden, proj, rows, threads);
+        q = proj + q_off, k = proj + k_off, v = proj + v_off;
+        q_row = k_row = v_row = qkv[0].out;
+    } else if (n_qkv == 3) {
+        linear(&qkv[0], h, hidden, proj, rows, threads);
+        linear(&qkv[1], h, hidden, proj + rows * qkv[0].out, rows, threads);
+        linear(&qkv[2], h, hidden, proj + rows * (qkv[0].out + qkv[1].out), rows, threads);
+        q = proj, k = proj + rows * qkv[0].out, v = proj + rows * (qkv[0].out + qkv[1].out);
+        q_row = qkv[0].out, k_row = qkv[1].out, v_row = qkv[2].out;
+    } else {
+        return -1;
+    }
+    rope((float *)q, q_row, heads, head_dim, cos, sin, rows);
+    rope((float *)k, k_row, kv_heads, head_dim, cos, sin, rows);
+    for (int64_t r = 0; r < rows; r++) {
+        float *kc = k_cache + slot_mapping[r] * kvd, *vc = v_cache + slot_mapping[r] * kvd;
+        for (int64_t i = 0; i < kvd; i++) kc[i] = k[r * k_row + i], vc[i] = v[r * v_row + i];
+    }
+    for (int64_t r = 0; r < rows; r++) index[r] = r;
+    rill_decode_attention(q, q_row, head_dim, index, k_cache, v_cache, dec_slots, slots_width, lens, attn, (int)rows,
+                          heads, kv_heads, head_dim, scale, window, 0.0f, threads);
+    linear(o, attn, qd, tmp, rows, threads);
+    for (int64_t i = 0; i < rows * hidden; i++) x[i] += tmp[i];
+
+    rmsnorm(x, norm2, eps, h, rows, hidden);
+    float *gate, *up;
+    int64_t g_row, u_row;
+    if (n_gu == 1) {
+        linear(&gate_up[0], h, hidden, proj, rows, threads);
+        gate = proj, up = proj + up_off, g_row = u_row = gate_up[0].out;
+    } else if (n_gu == 2) {
+        linear(&gate_up[0], h, hidden, proj, rows, threads);
+        linear(&gate_up[1], h, hidden, proj + rows * gate_up[0].out, rows, threads);
+        gate = proj, up = proj + rows * gate_up[0].out, g_row = gate_up[0].out, u_row = gate_up[1].out;
+    } else {
+        return -1;
+    }
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < intermediate; i++) {
+            const float g = gate[r * g_row + i];
+            act[r * intermediate + i] = g / (1.0f + expf(-g)) * up[r * u_row + i];
+        }
+    linear(down, act, intermediate, tmp, rows, threads);
+    for (int64_t i = 0; i < rows * hidden; i++) x[i] += tmp[i];
+    return 0;
+}

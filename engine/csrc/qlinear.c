@@ -1,0 +1,220 @@
+/* y = x w^T + bias for block-quantized weights and float32 activations (built by engine/cpu.py).
+ *
+ * The weights keep their GGUF blocks of 32 inputs (Q8_0: int8 q and a scale d, w = d q; Q4_0:
+ * 4-bit q, w = d (q - 8); Q4_1: 4-bit q, a scale d and a minimum m, w = d q + m), rearranged once
+ * at load into panels of 16 output features as csrc/linear.c does with float32 weights:
+ *
+ *   Q8_0  panel p, block b: int8 q[32][16] (input-major), then float d[16]            544 bytes
+ *   Q4_x  panel p, block b: uint8 q[32][8], byte j of input k holding output j in its low
+ *         nibble and output j + 8 in its high nibble, then float d[16] (Q4_1: and m[16])
+ *
+ * A tile of up to 6 rows of x times one panel keeps 6 x 16 running sums in registers. Within a
+ * block the integer weights are widened to float and multiplied with x in float32; each block's
+ * sum is then scaled by d (and Q4_1 adds m times the block's sum of x), so the result equals the
+ * float32 product with the de-quantized weights up to the order of the additions.
+ *
+ * x [rows, in] (row stride x_row, rows contiguous); in a multiple of 32; bias [ceil(out / 16) * 16]
+ * (zero-padded) or NULL; y [rows, out] contiguous.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+typedef float v8 __attribute__((vector_size(32)));
+
+enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2 };
+enum { FEW_ROWS = 3 };  /* up to this many rows widen the weights in registers, row by row */
+
+static inline v8 loadf(const float *p) {
+    v8 v;
+    __builtin_memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void storef(float *p, v8 v) { __builtin_memcpy(p, &v, sizeof v); }
+
+/* 16 weights of input k, as two vectors of 8 floats (outputs 0-7 and 8-15) */
+static inline void widen_q8(const uint8_t *p, v8 *w0, v8 *w1) {
+#ifdef __AVX2__
+    const __m128i q = _mm_loadu_si128((const __m128i *)p);
+    *w0 = (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+    *w1 = (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)));
+#else
+    for (int j = 0; j < 8; j++) (*w0)[j] = (float)(int8_t)p[j], (*w1)[j] = (float)(int8_t)p[j + 8];
+#endif
+}
+
+static inline void widen_q4(const uint8_t *p, v8 *w0, v8 *w1) {
+#ifdef __AVX2__
+    /* each byte widened to 32 bits once: its low nibble is output j, the rest (>> 4) output j + 8 */
+    const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    *w0 = (v8)_mm256_cvtepi32_ps(_mm256_and_si256(q, _mm256_set1_epi32(15)));
+    *w1 = (v8)_mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4));
+#else
+    for (int j = 0; j < 8; j++) (*w0)[j] = (float)(p[j] & 15), (*w1)[j] = (float)(p[j] >> 4);
+#endif
+}
+
+/* bytes of one panel's block of 32 inputs */
+static inline int64_t block_bytes(int kind) { return kind == Q8_0 ? 32 * 16 + 64 : kind == Q4_0 ? 32 * 8 + 64 : 32 * 8 + 128; }
+
+/* one panel's block -> its float32 weights w[32][16], computed as the de-quantized model's are */
+static inline __attribute__((always_inline)) void dequant_block(const uint8_t *blk, float *w, const int kind) {
+    const float *scales = (const float *)(blk + (kind == Q8_0 ? 32 * 16 : 32 * 8));
+    const v8 d0 = loadf(scales), d1 = loadf(scales + 8);
+    v8 m0 = {0}, m1 = {0};
+    if (kind == Q4_1) {
+        m0 = loadf(scales + 16);
+        m1 = loadf(scales + 24);
+    }
+    for (int k = 0; k < 32; k++) {
+        v8 w0, w1;
+        if (kind == Q8_0) widen_q8(blk + k * 16, &w0, &w1);
+        else widen_q4(blk + k * 8, &w0, &w1);
+        if (kind == Q4_0) {
+            w0 -= 8.0f;
+            w1 -= 8.0f;
+        }
+        w0 *= d0;
+        w1 *= d1;
+        if (kind == Q4_1) {
+            w0 += m0;
+            w1 += m1;
+        }
+        storef(w + k * 16, w0);
+        storef(w + k * 16 + 8, w1);
+    }
+}
+
+/* MR rows of x times one block of float weights w[32][16], added to the running sums in acc
+ * ([MR][16] floats, row stride acc_row; zero at the first block) */
+static inline __attribute__((always_inline)) void block_tile(const float *x, int64_t x_row, const float *w,
+                                                             float *acc, int64_t acc_row, int first, const int MR) {
+    v8 a[6][2];
+    for (int i = 0; i < MR; i++) {
+        if (first) a[i][0] = a[i][1] = (v8){0};
+        else a[i][0] = loadf(acc + i * acc_row), a[i][1] = loadf(acc + i * acc_row + 8);
+    }
+    for (int k = 0; k < 32; k++) {
+        const v8 w0 = loadf(w + k * 16), w1 = loadf(w + k * 16 + 8);
+        for (int i = 0; i < MR; i++) {
+            const float xi = x[i * x_row + k];
+            const v8 xv = {xi, xi, xi, xi, xi, xi, xi, xi};
+            a[i][0] += xv * w0;
+            a[i][1] += xv * w1;
+        }
+    }
+    for (int i = 0; i < MR; i++) {
+        storef(acc + i * acc_row, a[i][0]);
+        storef(acc + i * acc_row + 8, a[i][1]);
+    }
+}
+
+/* one row of x times one panel, weights widened in registers: y[j] = sum over blocks of
+ * d[j] (q x) + m[j] sum(x); four independent chains over k hide the latency of the additions */
+static inline __attribute__((always_inline)) void row_panel(const float *x, const float *xsum, const uint8_t *panel,
+                                                            int64_t blocks, float *acc, const int kind) {
+    v8 y0 = {0}, y1 = {0};
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *blk = panel + b * block_bytes(kind);
+        const float *xb = x + b * 32;
+        v8 p0[4] = {{0}, {0}, {0}, {0}}, p1[4] = {{0}, {0}, {0}, {0}};
+        for (int k = 0; k < 32; k += 4)
+            for (int c = 0; c < 4; c++) {
+                v8 w0, w1;
+                if (kind == Q8_0) widen_q8(blk + (k + c) * 16, &w0, &w1);
+                else widen_q4(blk + (k + c) * 8, &w0, &w1);
+                const float xi = xb[k + c];
+                const v8 xv = {xi, xi, xi, xi, xi, xi, xi, xi};
+                p0[c] += xv * w0;
+                p1[c] += xv * w1;
+            }
+        const float *scales = (const float *)(blk + (kind == Q8_0 ? 32 * 16 : 32 * 8));
+        const v8 d0 = loadf(scales), d1 = loadf(scales + 8);
+        y0 += d0 * ((p0[0] + p0[1]) + (p0[2] + p0[3]));
+        y1 += d1 * ((p1[0] + p1[1]) + (p1[2] + p1[3]));
+        if (kind != Q8_0) {
+            const float xs = xsum[b];
+            const v8 s = {xs, xs, xs, xs, xs, xs, xs, xs};
+            const v8 m0 = kind == Q4_1 ? loadf(scales + 16) : d0 * -8.0f, m1 = kind == Q4_1 ? loadf(scales + 24) : d1 * -8.0f;
+            y0 += m0 * s;
+            y1 += m1 * s;
+        }
+    }
+    storef(acc, y0);
+    storef(acc + 8, y1);
+}
+
+/* rows of x times one panel: a few rows widen the weights in registers, row by row (the panel
+ * stays in L1); more rows de-quantize each block once into floats and reuse it for all rows */
+static inline __attribute__((always_inline)) void panel_rows(const float *x, int64_t x_row, const float *xsum,
+                                                             const uint8_t *panel, int64_t blocks, int64_t rows,
+                                                             float *acc, float *w, const int kind) {
+    if (rows <= FEW_ROWS) {
+        for (int64_t r = 0; r < rows; r++) row_panel(x + r * x_row, xsum + r * blocks, panel, blocks, acc + r * 16, kind);
+        return;
+    }
+    for (int64_t b = 0; b < blocks; b++) {
+        dequant_block(panel + b * block_bytes(kind), w, kind);
+        const float *xb = x + b * 32;
+        int64_t m = 0;
+        for (; m + 6 <= rows; m += 6) block_tile(xb + m * x_row, x_row, w, acc + m * 16, 16, b == 0, 6);
+        const float *xm = xb + m * x_row;
+        float *am = acc + m * 16;
+        switch (rows - m) {
+            case 5: block_tile(xm, x_row, w, am, 16, b == 0, 5); break;
+            case 4: block_tile(xm, x_row, w, am, 16, b == 0, 4); break;
+            case 3: block_tile(xm, x_row, w, am, 16, b == 0, 3); break;
+            case 2: block_tile(xm, x_row, w, am, 16, b == 0, 2); break;
+            case 1: block_tile(xm, x_row, w, am, 16, b == 0, 1); break;
+            default: break;
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void qlinear(const float *x, int64_t x_row, const float *xsum,
+                                                          const uint8_t *panels, const float *bias, float *y,
+                                                          int64_t rows, int64_t out, int64_t in, int threads,
+                                                          const int kind) {
+    const int64_t num_panels = (out + 15) / 16, blocks = in / 32, panel_bytes = blocks * block_bytes(kind);
+    #pragma omp parallel num_threads(threads)
+    {
+        float w[32 * 16] __attribute__((aligned(64)));
+        float *acc = malloc(sizeof(float) * 16 * (size_t)rows);  /* one panel's outputs for every row */
+        #pragma omp for schedule(static)
+        for (int64_t p = 0; p < num_panels; p++) {
+            if (!acc) continue;
+            panel_rows(x, x_row, xsum, panels + p * panel_bytes, blocks, rows, acc, w, kind);
+            const int cols = out - p * 16 < 16 ? (int)(out - p * 16) : 16;
+            for (int64_t r = 0; r < rows; r++)
+                for (int j = 0; j < cols; j++)
+                    y[r * out + p * 16 + j] = acc[r * 16 + j] + (bias ? bias[p * 16 + j] : 0.0f);
+        }
+        free(acc);
+    }
+}
+
+/* kind: 0 Q8_0, 1 Q4_0, 2 Q4_1 (the layouts above); returns 0, or -1 when out of memory */
+int rill_qlinear(const float *x, int64_t x_row, const uint8_t *panels, const float *bias, float *y,
+                 int64_t rows, int64_t out, int64_t in, int threads, int kind) {
+    const int64_t blocks = in / 32;
+    if (rows <= 0) return 0;
+    float *xsum = malloc(sizeof(float) * (size_t)(rows * blocks));  /* each row's sum of x per block */
+    if (!xsum) return -1;
+    for (int64_t r = 0; r < (rows <= FEW_ROWS ? rows : 0); r++)
+        for (int64_t b = 0; b < blocks; b++) {
+            float s = 0;
+            for (int k = 0; k < 32; k++) s += x[r * x_row + b * 32 + k];
+            xsum[r * blocks + b] = s;
+        }
+    if (kind == Q8_0) qlinear(x, x_row, xsum, panels, bias, y, rows, out, in, threads, Q8_0);
+    else if (kind == Q4_0) qlinear(x, x_row, xsum, panels, bias, y, rows, out, in, threads, Q4_0);
+    else qlinear(x, x_row, xsum, panels, bias, y, rows, out, in, threads, Q4_1);
+    free(xsum);
+    return 0;
+}
+
+/* the bytes of one panel of `in` inputs, for the Python side's layout check */
+int64_t rill_qpanel_bytes(int64_t in, int kind) { return in / 32 * block_bytes(kind); }

@@ -1,0 +1,146 @@
+"""A decode step of a Llama-family model without Python per layer (csrc/decode_layer.c).
+
+When every scheduled sequence decodes one token, `PagedRunner` hands the step to `NativeDecoder`:
+the embedding, the model's own rotary module (so any RoPE variant it has), one C call per decoder
+layer, the final norm and the output head. Prefill steps, and every model it does not take, keep
+transformers' modules. It takes a model only when each piece is what the C layer computes:
+`LlamaForCausalLM` (Llama, SmolLM) with RMSNorm, SiLU, no attention or MLP biases, and every
+linear already on a C kernel (float32 panels or blocks). Otherwise it says why and the runner
+keeps the modules (the same tokens, more Python).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import torch
+from torch import nn
+
+log = logging.getLogger("rill.engine")
+
+
+class _Lin(ctypes.Structure):
+    _fields_ = [("panels", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("out", ctypes.c_int64),
+                ("in_", ctypes.c_int64), ("kind", ctypes.c_int64)]
+
+
+def _lin(module) -> tuple[_Lin, int, object]:
+    """The C description of a projection module: (struct, the width the kernel writes, owner kept alive)."""
+    from engine.cpu import PanelLinear
+    from engine.quant import KINDS, FusedProjections, QuantLinear
+
+    if isinstance(module, PanelLinear):
+        holder, kind, width = module, -1, module.out_features
+    elif isinstance(module, QuantLinear):
+        holder, kind, width = module, KINDS[module.kind], module.out_features
+    elif isinstance(module, FusedProjections):
+        holder, kind, width = module, KINDS[module.kind], module.out_features
+    else:
+        raise TypeError(type(module).__name__)
+    bias = holder.bias.data_ptr() if holder.bias is not None else None
+    return _Lin(holder.panels.data_ptr(), bias, width, holder.in_features, kind), width, holder
+
+
+def _projections(module: nn.Module, names: tuple[str, ...]):
+    """(structs, n, offsets of each part in the output row) for q/k/v or gate/up."""
+    from engine.quant import FusedPart
+
+    parts = [getattr(module, name) for name in names]
+    if all(isinstance(p, FusedPart) for p in parts) and len({id(p.group) for p in parts}) == 1:
+        group = parts[0].group
+        lin, _, holder = _lin(group)
+        offsets = [sum(group.widths[:i]) for i in range(len(parts))]
+        return (_Lin * 1)(lin), 1, offsets, [holder]
+    lins, holders = [], []
+    for part in parts:
+        lin, _, holder = _lin(part)
+        lins.append(lin)
+        holders.append(holder)
+    return (_Lin * len(lins))(*lins), len(lins), None, holders
+
+
+def why_not_native(model) -> str | None:
+    """None when `NativeDecoder` can take `model`, else the reason."""
+    from transformers.activations import SiLUActivation
+
+    if type(model).__name__ != "LlamaForCausalLM":
+        return f"{type(model).__name__} is not LlamaForCausalLM"
+    if model.device.type != "cpu" or model.dtype != torch.float32:
+        return "not a float32 CPU model"
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if not isinstance(mlp.act_fn, (nn.SiLU, SiLUActivation)):
+            return f"activation {type(mlp.act_fn).__name__} is not SiLU"
+        if getattr(attn, "sliding_window", None):
+            return "a sliding window"
+        try:
+            _projections(attn, ("q_proj", "k_proj", "v_proj"))
+            _projections(mlp, ("gate_proj", "up_proj"))
+            _lin(attn.o_proj), _lin(mlp.down_proj)
+        except TypeError as exc:
+            return f"a linear ({exc}) is not on a C kernel"
+    return None
+
+
+class NativeDecoder:
+    """The decode step of a `LlamaForCausalLM` on csrc/decode_layer.c."""
+
+    def __init__(self, model, library: ctypes.CDLL):
+        self.model = model
+        self._fn = library.rill_decode_layer
+        ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+        lins = ctypes.POINTER(_Lin)
+        self._fn.argtypes = [ptr, i64, i64, ptr, ptr, f32, lins, i32, i64, i64, i64, ptr, lins, i32, i64, ptr,
+                             i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, i32, i32, i32, f32, i64, ptr, i32]
+        self._fn.restype = i32
+        config = model.config
+        self.hidden = config.hidden_size
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
+        self.head_dim = getattr(config, "head_dim", None) or self.hidden // self.heads
+        self.intermediate = config.intermediate_size
+        self.threads = torch.get_num_threads()
+        self.layers = []
+        self._keep = []  # the modules whose buffers the structs point into
+        self.widest = 0
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv, n_qkv, qkv_offsets, held = _projections(attn, ("q_proj", "k_proj", "v_proj"))
+            gu, n_gu, gu_offsets, held2 = _projections(mlp, ("gate_proj", "up_proj"))
+            o, _, o_holder = _lin(attn.o_proj)
+            down, _, down_holder = _lin(mlp.down_proj)
+            self._keep += [qkv, gu, o, down, *held, *held2, o_holder, down_holder]
+            q_off, k_off, v_off = qkv_offsets or (0, 0, 0)
+            self.layers.append(dict(
+                norm1=layer.input_layernorm.weight, norm2=layer.post_attention_layernorm.weight,
+                eps=float(layer.input_layernorm.variance_epsilon), qkv=qkv, n_qkv=n_qkv, q_off=q_off, k_off=k_off,
+                v_off=v_off, o=ctypes.pointer(o), gu=gu, n_gu=n_gu, up_off=(gu_offsets or (0, 0))[1],
+                down=ctypes.pointer(down), scale=float(attn.scaling)))
+            widths = sum(qkv[i].out for i in range(n_qkv)), sum(gu[i].out for i in range(n_gu))
+            self.widest = max(self.widest, *widths)
+
+    @torch.inference_mode()
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, cache, slot_mapping: torch.Tensor,
+            decode_slots: torch.Tensor, decode_lens: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions, slot_mapping, decode_lens: [rows] int64; decode_slots: [rows, width]
+        int64. Returns float32 logits [rows, vocab]."""
+        model = self.model
+        rows = input_ids.shape[0]
+        x = model.model.embed_tokens(input_ids).contiguous()  # [rows, hidden]
+        cos, sin = model.model.rotary_emb(x[None], positions[None])  # [1, rows, head_dim]
+        cos, sin = cos[0].contiguous(), sin[0].contiguous()
+        qd = self.heads * self.head_dim
+        scratch = torch.empty(rows * (2 * self.hidden + qd + self.widest + 2 + self.intermediate))
+        slot_mapping, decode_slots, decode_lens = (t.contiguous() for t in (slot_mapping, decode_slots, decode_lens))
+        for index, layer in enumerate(self.layers):
+            status = self._fn(
+                x.data_ptr(), rows, self.hidden, layer["norm1"].data_ptr(), layer["norm2"].data_ptr(), layer["eps"],
+                layer["qkv"], layer["n_qkv"], layer["q_off"], layer["k_off"], layer["v_off"], layer["o"],
+                layer["gu"], layer["n_gu"], layer["up_off"], layer["down"], self.intermediate,
+                cos.data_ptr(), sin.data_ptr(), cache.keys[index].data_ptr(), cache.values[index].data_ptr(),
+                slot_mapping.data_ptr(), decode_slots.data_ptr(), decode_slots.shape[1], decode_lens.data_ptr(),
+                self.heads, self.kv_heads, self.head_dim, layer["scale"], 0, scratch.data_ptr(), self.threads)
+            if status != 0:
+                raise RuntimeError(f"the native decode layer refused its arguments (layer {index})")
+        x = model.model.norm(x)
+        return model.lm_head(x).float()

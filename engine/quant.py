@@ -1,0 +1,327 @@
+"""Block-quantized linears on the CPU: GGUF's Q8_0, Q4_0 and Q4_1 kept as blocks, computed in C.
+
+A GGUF model's quantized weights stay quantized in memory: `attach_gguf_blocks` replaces each
+`nn.Linear` whose weight came from a Q8_0/Q4_0/Q4_1 tensor with a `QuantLinear` holding that
+tensor's blocks (rearranged once into panels of 16 outputs, csrc/qlinear.c). A safetensors model
+can be quantized at load the same way (`quantize_linears`, `--quantize q8_0|q4_0`).
+
+Activations stay float32, so a step computes the same products as the float32 model whose
+weights are the de-quantized blocks, up to the order of the additions: greedy output matches HF
+`generate` on that de-quantized model. Each replacement is checked first: the blocks,
+de-quantized here, must equal the float32 weight that transformers loaded from the same file
+(after llama.cpp's row order for q/k is undone), or the layer stays float32.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+log = logging.getLogger("rill.engine")
+
+KINDS = {"q8_0": 0, "q4_0": 1, "q4_1": 2}  # the kernel's `kind` argument
+_RAW_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}  # ggml's block of 32 weights
+_PANEL_BLOCK_BYTES = {"q8_0": 32 * 16 + 64, "q4_0": 32 * 8 + 64, "q4_1": 32 * 8 + 128}
+
+
+def unpack_raw(raw: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """ggml blocks [out, in / 32 * block bytes] uint8 -> q [out, in / 32, 32] (int8 for Q8_0, 0..15
+    for Q4), d [out, in / 32] float32, m (Q4_1) or None."""
+    out = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(out, -1, _RAW_BLOCK_BYTES[kind])
+    d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if kind == "q8_0":
+        return blocks[:, :, 2:34].copy().view(np.int8), d, None
+    start = 4 if kind == "q4_1" else 2
+    m = blocks[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if kind == "q4_1" else None
+    packed = blocks[:, :, start:start + 16]
+    q = np.concatenate([packed & 15, packed >> 4], axis=-1)  # element j low nibble, j + 16 high
+    return q, d, m
+
+
+def dequantize(q: np.ndarray, d: np.ndarray, m: np.ndarray | None, kind: str) -> torch.Tensor:
+    """The float32 weight [out, in] the blocks stand for."""
+    values = q.astype(np.float32)
+    if kind == "q4_0":
+        values = values - 8.0
+    w = d[..., None] * values
+    if m is not None:
+        w = w + m[..., None]
+    return torch.from_numpy(w.reshape(q.shape[0], -1))
+
+
+def panels_of_blocks(q: np.ndarray, d: np.ndarray, m: np.ndarray | None, kind: str) -> torch.Tensor:
+    """q, d, m of `unpack_raw` -> the kernel's panels (uint8 [ceil(out / 16), in / 32 * panel block bytes])."""
+    out, blocks, _ = q.shape
+    panels = -(-out // 16)
+    pad = panels * 16 - out
+    if pad:
+        q = np.concatenate([q, np.zeros((pad, blocks, 32), q.dtype)])
+        d = np.concatenate([d, np.zeros((pad, blocks), np.float32)])
+        m = None if m is None else np.concatenate([m, np.zeros((pad, blocks), np.float32)])
+    q = q.reshape(panels, 16, blocks, 32).transpose(0, 2, 3, 1)  # [panel, block, k, output]
+    if kind == "q8_0":
+        weights = np.ascontiguousarray(q).view(np.uint8).reshape(panels, blocks, 512)
+    else:
+        q = q.astype(np.uint8)
+        weights = (q[..., :8] | (q[..., 8:] << 4)).reshape(panels, blocks, 256)
+    parts = [weights, np.ascontiguousarray(d.reshape(panels, 16, blocks).transpose(0, 2, 1)).view(np.uint8)]
+    if m is not None:
+        parts.append(np.ascontiguousarray(m.reshape(panels, 16, blocks).transpose(0, 2, 1)).view(np.uint8))
+    return torch.from_numpy(np.ascontiguousarray(np.concatenate(parts, axis=-1)).reshape(panels, -1))
+
+
+class QuantKernel:
+    """`rill_qlinear` from the compiled library."""
+
+    def __init__(self, library: ctypes.CDLL, path: Path):
+        self.path = path
+        self._fn = library.rill_qlinear
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        self._fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int, ctypes.c_int]
+        self._fn.restype = None
+        self.threads = torch.get_num_threads()
+
+    def __call__(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+                 kind: str) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            raise TypeError(f"the quantized C linear takes float32 CPU tensors; given {x.dtype} on {x.device}")
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        rows = x.shape[0]
+        y = torch.empty(rows, out_features, dtype=torch.float32)
+        self._fn(x.data_ptr(), x.stride(0), panels.data_ptr(), None if bias is None else bias.data_ptr(),
+                 y.data_ptr(), rows, out_features, x.shape[1], self.threads, KINDS[kind])
+        return y
+
+
+class QuantLinear(nn.Module):
+    """`nn.Linear` for inference on CPU with its weight kept as Q8_0/Q4_0/Q4_1 blocks."""
+
+    def __init__(self, q: np.ndarray, d: np.ndarray, m: np.ndarray | None, kind: str, bias: torch.Tensor | None,
+                 kernel: QuantKernel):
+        super().__init__()
+        self.out_features, self.in_features = q.shape[0], q.shape[1] * 32
+        self.kind, self.kernel = kind, kernel
+        self.panels = panels_of_blocks(q, d, m, kind)
+        self.bias = None
+        if bias is not None:
+            self.bias = torch.zeros(self.panels.shape[0] * 16, dtype=torch.float32)
+            self.bias[:self.out_features] = bias.detach().float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = self.kernel(x.reshape(-1, self.in_features), self.panels, self.bias, self.out_features, self.kind)
+        return y.view(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}"
+
+
+class FusedProjections(nn.Module):
+    """Several `QuantLinear`s of one input (q/k/v, gate/up) as one kernel call: their panels end to
+    end. The model still calls each projection; the first call computes all of them for its input
+    and the others return their columns of that result while the input is the same tensor."""
+
+    def __init__(self, parts: list[QuantLinear]):
+        super().__init__()
+        first = parts[0]
+        self.kind, self.kernel, self.in_features = first.kind, first.kernel, first.in_features
+        self.panels = torch.cat([part.panels for part in parts])
+        self.bias = None
+        if any(part.bias is not None for part in parts):
+            self.bias = torch.cat([part.bias if part.bias is not None else torch.zeros(part.panels.shape[0] * 16)
+                                   for part in parts])
+        self.widths = [part.panels.shape[0] * 16 for part in parts]
+        self.out_features = sum(self.widths)
+        self._input: torch.Tensor | None = None  # the input of the last fused call
+        self._outputs: list[torch.Tensor] = []
+
+    def part(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        if index == 0 or x is not self._input:
+            lead = x.shape[:-1]
+            y = self.kernel(x.reshape(-1, self.in_features), self.panels, self.bias, self.out_features, self.kind)
+            self._outputs = [piece.view(*lead, piece.shape[-1]) for piece in y.split(self.widths, dim=-1)]
+            self._input = x
+        out = self._outputs[index]
+        if index == len(self.widths) - 1:  # the last part: forget the input (no reference kept past the step)
+            self._input, self._outputs = None, []
+        return out
+
+
+class FusedPart(nn.Module):
+    """One projection of a `FusedProjections` group, where the model expects its own linear."""
+
+    def __init__(self, group: FusedProjections, index: int, out_features: int):
+        super().__init__()
+        self.group, self.index = group, index
+        self.in_features, self.out_features = group.in_features, out_features
+        self.kind = group.kind
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.group.part(self.index, x)
+        return out if out.shape[-1] == self.out_features else out[..., :self.out_features]
+
+    def extra_repr(self) -> str:
+        return f"part {self.index} of {len(self.group.widths)}, out_features={self.out_features}, {self.kind}"
+
+
+FUSABLE = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # the Llama family's names
+
+
+def fuse_projections(model: nn.Module) -> int:
+    """Group the `QuantLinear` projections that read one input (by their names in the Llama family:
+    q/k/v in attention, gate/up in the MLP) into `FusedProjections`; returns the groups made.
+    Only whole panels are fused (each part but the last a multiple of 16 outputs)."""
+    groups = 0
+    for module in list(model.modules()):
+        for names in FUSABLE:
+            parts = [getattr(module, name, None) for name in names]
+            if not all(type(part) is QuantLinear for part in parts):
+                continue
+            if len({(part.kind, part.in_features) for part in parts}) != 1:
+                continue
+            if any(part.out_features % 16 for part in parts[:-1]):
+                continue
+            group = FusedProjections(parts)
+            for index, (name, part) in enumerate(zip(names, parts)):
+                setattr(module, name, FusedPart(group, index, part.out_features))
+            module.add_module("fused_" + "_".join(n.removesuffix("_proj") for n in names), group)
+            groups += 1
+    return groups
+
+
+def quantize_blocks(weight: torch.Tensor, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """A float weight [out, in] (in a multiple of 32) -> q, d, m as `unpack_raw` gives them, with
+    ggml's rounding rules: Q8_0 d = max|w| / 127; Q4_0 d = (the w of largest magnitude) / -8;
+    Q4_1 d = (max - min) / 15, m = min. Scales are rounded to float16 as in a GGUF file."""
+    out, inputs = weight.shape
+    w = weight.detach().float().numpy().reshape(out, inputs // 32, 32)
+
+    def half(values: np.ndarray) -> np.ndarray:
+        return values.astype(np.float16).astype(np.float32)
+
+    def inverse(d: np.ndarray) -> np.ndarray:
+        return np.divide(1.0, d, out=np.zeros_like(d), where=d != 0)
+
+    if kind == "q8_0":
+        d = np.abs(w).max(axis=-1) / 127.0
+        q = np.clip(np.round(w * inverse(d)[..., None]), -127, 127).astype(np.int8)
+        return q, half(d), None
+    if kind == "q4_0":
+        pick = np.take_along_axis(w, np.abs(w).argmax(axis=-1)[..., None], axis=-1)[..., 0]
+        d = pick / -8.0
+        q = np.clip(np.floor(w * inverse(d)[..., None] + 8.5), 0, 15).astype(np.uint8)
+        return q, half(d), None
+    if kind == "q4_1":
+        low, high = w.min(axis=-1), w.max(axis=-1)
+        d = (high - low) / 15.0
+        q = np.clip(np.floor((w - low[..., None]) * inverse(d)[..., None] + 0.5), 0, 15).astype(np.uint8)
+        return q, half(d), half(low)
+    raise ValueError(f"quantize: the kinds are {', '.join(KINDS)}. Given: {kind!r}")
+
+
+def _quantizable(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    return [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+            if type(child) is nn.Linear and child.weight.device.type == "cpu" and child.weight.dtype == torch.float32
+            and child.in_features % 32 == 0]
+
+
+def _row_key(weight: torch.Tensor) -> tuple:
+    """Shape and the sorted row sums: the same for a weight and any order of its rows."""
+    return (*weight.shape, np.sort(weight.detach().double().sum(dim=1).numpy()).tobytes())
+
+
+def _row_order(layer: torch.Tensor, blocks: torch.Tensor) -> np.ndarray | None:
+    """`order` with blocks[order] == layer bit for bit (layer row i is row order[i] of the
+    blocks), or None when the rows differ."""
+    where: dict[bytes, list[int]] = {}
+    for index, row in enumerate(blocks.numpy()):
+        where.setdefault(row.tobytes(), []).append(index)
+    order = []
+    for row in layer.numpy():
+        found = where.get(row.tobytes())
+        if not found:
+            return None
+        order.append(found.pop())
+    return np.asarray(order)
+
+
+def quantize_linears(model: nn.Module, kind: str, kernel: QuantKernel, dequantized: bool = False) -> int:
+    """Replace every float32 CPU `nn.Linear` (inputs a multiple of 32) with a `QuantLinear` of its
+    weight quantized to `kind`; `dequantized`: instead, write the de-quantized weights back into
+    the float model (the reference the quantized one is compared with). Returns the count."""
+    count = 0
+    for parent, name, linear in _quantizable(model):
+        q, d, m = quantize_blocks(linear.weight, kind)
+        if dequantized:
+            with torch.no_grad():
+                linear.weight.copy_(dequantize(q, d, m, kind))
+        else:
+            setattr(parent, name, QuantLinear(q, d, m, kind, linear.bias, kernel))
+        count += 1
+    return count
+
+
+def keep_gguf_blocks(model: nn.Module, gguf_path: str | Path, kernel: QuantKernel) -> tuple[int, int]:
+    """Replace each float32 `nn.Linear` whose weight transformers de-quantized from a Q8_0, Q4_0 or
+    Q4_1 tensor of `gguf_path` with a `QuantLinear` on that tensor's blocks.
+
+    Tensors are matched to layers by content, not by name: the blocks de-quantized here must equal
+    the layer's weight bit for bit, rows possibly reordered (llama.cpp stores q/k rows in another
+    order). So any architecture transformers reads from GGUF works, and a layer that does not
+    match exactly stays float32. Returns (layers replaced, float32 bytes freed)."""
+    import gguf as gguf_lib
+
+    reader = gguf_lib.GGUFReader(str(gguf_path))
+    layers: dict[tuple, list[tuple[nn.Module, str, nn.Linear]]] = {}
+    for target in _quantizable(model):
+        layers.setdefault(_row_key(target[2].weight), []).append(target)
+    replaced, freed = 0, 0
+    for tensor in reader.tensors:
+        kind = tensor.tensor_type.name.lower()
+        if kind not in KINDS:
+            continue
+        q, d, m = unpack_raw(np.asarray(tensor.data), kind)
+        weight = dequantize(q, d, m, kind)
+        for parent, name, linear in layers.pop(_row_key(weight), []):
+            order = _row_order(linear.weight.detach(), weight)
+            if order is None:
+                log.info("weights: %s matched no %s tensor row for row; it stays float32", name, kind)
+                continue
+            blocks = QuantLinear(q[order], d[order], None if m is None else m[order], kind, linear.bias, kernel)
+            freed += linear.weight.numel() * 4
+            setattr(parent, name, blocks)
+            replaced += 1
+    return replaced, freed
+
+
+def _quant_agrees(kernel: QuantKernel) -> bool:
+    """The kernel against F.linear on the de-quantized weight, for each kind: 1 to 13 rows (the
+    row-by-row path and the tiles of 6 with every partial one), a partial panel, bias or none."""
+    gen = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(21, 64, generator=gen), torch.randn(21, generator=gen)
+    wide = torch.randn(13, 70, generator=gen)
+    for kind in KINDS:
+        q, d, m = quantize_blocks(weight, kind)
+        reference = dequantize(q, d, m, kind)
+        for b in (bias, None):
+            layer = QuantLinear(q, d, m, kind, b, kernel)
+            for rows in range(1, 14):
+                x = wide[:rows, :64]
+                if not torch.allclose(layer(x), torch.nn.functional.linear(x, reference, b), atol=1e-4, rtol=1e-4):
+                    return False
+    return True
+
+
+def quant_kernel(cache_dir: Path) -> QuantKernel | None:
+    """The compiled block-quantized linear, or None (with the reason logged) when it cannot be used here."""
+    from engine.cpu import _checked_kernel
+
+    return _checked_kernel(QuantKernel, _quant_agrees, cache_dir, "quantized linears", "F.linear",
+                           "float32 weights")

