@@ -116,13 +116,31 @@ class InjectedFailure(RuntimeError):
 def _install_test_hooks(app: FastAPI, engine) -> None:
     """--test-hooks only (without the flag these routes do not exist; with an API key they need it,
     like every route): `POST /_test/kill-engine` makes the engine loop die at its next step, so the
-    suite can check /health's 503 and the error events of in-flight streams; `POST /_test/raise`
+    suite can check /health's 503 and the error events of in-flight streams; `POST /_test/slow-steps`
+    makes every step sleep first (for timeouts); `POST /_test/raise`
     fails inside a route with an exception whose text names a file, so the suite can check that
     a 500's body carries none of it."""
 
     @app.post("/_test/raise", include_in_schema=False)
     async def raise_inside():
         raise InjectedFailure("secret detail from /srv/rill/server/app.py line 1")
+
+    @app.post("/_test/slow-steps", include_in_schema=False)
+    async def slow_steps(seconds: float = 0.0):
+        """Every engine step sleeps `seconds` first (0 undoes it): a request outlives a short
+        timeout however fast the machine."""
+        core = engine.core
+        step = getattr(core, "_step_before_test_delay", core.step)
+        core._step_before_test_delay = step
+        if seconds > 0:
+            def slowed():
+                time.sleep(seconds)
+                return step()
+
+            core.step = slowed
+        else:
+            core.step = step
+        return {"step_delay_s": max(seconds, 0.0)}
 
     @app.post("/_test/kill-engine", include_in_schema=False)
     async def kill_engine():

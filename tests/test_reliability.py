@@ -309,12 +309,17 @@ def test_bodies_over_the_limit_get_413(guarded):
 def test_request_timeout_ends_a_long_request_with_a_clear_error(guarded):
     url = guarded.url
     auth = {"Authorization": "Bearer sekret-key"}
-    events = stream_chat_events(url, {"prompt": "Talk.", "max_new_tokens": 1000, "temperature": 0}, headers=auth)
-    assert [e.event for e in events[-2:]] == ["error", "end"]
-    assert "timeout" in json.loads(events[-2].data)["error"] and "2 s" in json.loads(events[-2].data)["error"]
-    plain = httpx.post(f"{url}/v1/completions", json={"prompt": "Talk.", "max_tokens": 1000, "ignore_eos": True},
-                       headers=auth, timeout=60)
-    assert plain.status_code == 504 and "timeout" in plain.json()["error"]["message"]
+    # 10 ms a step: 1000 tokens outlive the 2 s timeout on any machine (the native steps are fast)
+    assert httpx.post(f"{url}/_test/slow-steps", params={"seconds": 0.01}, headers=auth, timeout=10).status_code == 200
+    try:
+        events = stream_chat_events(url, {"prompt": "Talk.", "max_new_tokens": 1000, "temperature": 0}, headers=auth)
+        assert [e.event for e in events[-2:]] == ["error", "end"]
+        assert "timeout" in json.loads(events[-2].data)["error"] and "2 s" in json.loads(events[-2].data)["error"]
+        plain = httpx.post(f"{url}/v1/completions", json={"prompt": "Talk.", "max_tokens": 1000, "ignore_eos": True},
+                           headers=auth, timeout=60)
+        assert plain.status_code == 504 and "timeout" in plain.json()["error"]["message"]
+    finally:
+        httpx.post(f"{url}/_test/slow-steps", params={"seconds": 0}, headers=auth, timeout=10)
     wait_idle(url)
 
 
@@ -421,8 +426,8 @@ def test_engine_death_past_max_restarts_ends_every_consumer_then_the_process_exi
 
 
 @pytest.fixture(scope="module")
-def narrow_llama(tiny_llama_path, tmp_path_factory):
-    """(the tiny Llama with its embedding cut to 1000 rows, a prompt holding a token id >= 1000)."""
+def nan_llama(tiny_llama_path, tmp_path_factory):
+    """(the tiny Llama with NaN in one embedding row, a prompt holding that token)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -430,24 +435,29 @@ def narrow_llama(tiny_llama_path, tmp_path_factory):
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_path)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32)
-    model.resize_token_embeddings(1000)
-    out = tmp_path_factory.mktemp("narrow_llama")
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
 
     def ids(text):  # as /chat encodes it
         return encode_chat(tokenizer, [{"role": "user", "content": text}])
 
-    assert all(max(ids(p)) < 1000 for p in PROMPTS[:3])
-    poison = next(p for p in (f"Say {tokenizer.decode([t])} now." for t in range(1000, len(tokenizer)))
-                  if max(ids(p)) >= 1000)
+    used = {t for p in PROMPTS[:3] for t in ids(p)}
+    poison, token = next((p, t) for t in range(len(tokenizer) - 1, 100, -1) if t not in used
+                         for p in [f"Say {tokenizer.decode([t])} now."] if t in ids(p))
+    with torch.no_grad():
+        model.get_input_embeddings().weight[token] = float("nan")
+    if model.config.tie_word_embeddings:  # the head reads the same rows: untie, so the others' logits stay finite
+        model.config.tie_word_embeddings = False
+        model.lm_head.weight = torch.nn.Parameter(torch.randn_like(model.lm_head.weight) * 0.02)
+    out = tmp_path_factory.mktemp("nan_llama")
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
     return out, poison
 
 
-def test_a_real_exception_inside_the_model_fails_one_request_and_the_others_finish(server_with, narrow_llama):
-    """The model's embedding has 1000 rows and its tokenizer 1024 tokens: a prompt with one of
-    the last 24 makes the forward raise IndexError, in a batch with three running requests."""
-    path, poison = narrow_llama
+def test_nan_weights_in_one_row_fail_the_request_that_reads_them_and_the_others_finish(server_with, nan_llama):
+    """A real fault inside the model, over HTTP: NaN in the embedding row of one token turns that
+    request's activations and logits into NaN, in a batch with three running requests. (The raising
+    layer, a real exception from inside the forward, is tests/test_engine_faults.py.)"""
+    path, poison = nan_llama
     server = server_with(model=path)
     url = server.url
     prompts = PROMPTS[:3]
@@ -474,8 +484,7 @@ def test_a_real_exception_inside_the_model_fails_one_request_and_the_others_fini
     assert [results[i] for i in range(3)] == expected
     fault = results["fault"]
     assert [e.event for e in fault[-2:]] == ["error", "end"]
-    assert "failed while running the model" in json.loads(fault[-2].data)["error"]
-    assert "running them one at a time" in server.log()  # it failed inside a batch
+    assert "non-finite" in json.loads(fault[-2].data)["error"]
     assert httpx.get(f"{url}/health", timeout=10).json()["engine_restarts"] == 0
     wait_idle(url)
 
