@@ -417,5 +417,8 @@ def _quantize(model, quantize: str, gguf: Path | None, device: torch.device, dty
         count = quantize_linears(model, quantize, kernel)
         described = f"{quantize} blocks quantized at load ({count} linears)"
     fuse_projections(model)  # q/k/v and gate/up: one kernel call each
+    with torch.no_grad():  # what stays float gets memory of its own: the weights file's mapping can go
+        for param in model.parameters():
+            param.data = param.data.clone()
     return described
 
