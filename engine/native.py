@@ -4,7 +4,8 @@ When every scheduled sequence decodes one token, `PagedRunner` hands the step to
 the embedding, the model's own rotary module (so any RoPE variant it has), one C call per decoder
 layer, the final norm and the output head. Prefill steps, and every model it does not take, keep
 transformers' modules. It takes a model only when each piece is what the C layer computes:
-`LlamaForCausalLM` (Llama, SmolLM) with RMSNorm, SiLU, no attention or MLP biases, and every
+`LlamaForCausalLM` (Llama, SmolLM), `MistralForCausalLM` (its sliding window) and
+`Qwen2ForCausalLM` (q/k/v biases, a window per layer type), with RMSNorm and SiLU, and every
 linear already on a C kernel (float32 panels or blocks). Otherwise it says why and the runner
 keeps the modules (the same tokens, more Python).
 """
@@ -60,20 +61,28 @@ def _projections(module: nn.Module, names: tuple[str, ...]):
     return (_Lin * len(lins))(*lins), len(lins), None, holders
 
 
+NATIVE_MODELS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")  # one layer shape, three names
+
+
+def _window(model, attention) -> int:
+    """The layer's sliding window in tokens, 0 for none, as the model passes it to attention."""
+    if type(model).__name__ == "MistralForCausalLM":
+        return int(getattr(model.config, "sliding_window", None) or 0)
+    return int(getattr(attention, "sliding_window", None) or 0)  # Qwen2: per layer type; Llama: none
+
+
 def why_not_native(model) -> str | None:
     """None when `NativeDecoder` can take `model`, else the reason."""
     from transformers.activations import SiLUActivation
 
-    if type(model).__name__ != "LlamaForCausalLM":
-        return f"{type(model).__name__} is not LlamaForCausalLM"
+    if type(model).__name__ not in NATIVE_MODELS:
+        return f"{type(model).__name__} is not one of {', '.join(NATIVE_MODELS)}"
     if model.device.type != "cpu" or model.dtype != torch.float32:
         return "not a float32 CPU model"
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if not isinstance(mlp.act_fn, (nn.SiLU, SiLUActivation)):
             return f"activation {type(mlp.act_fn).__name__} is not SiLU"
-        if getattr(attn, "sliding_window", None):
-            return "a sliding window"
         try:
             _projections(attn, ("q_proj", "k_proj", "v_proj"))
             _projections(mlp, ("gate_proj", "up_proj"))
@@ -115,7 +124,7 @@ class NativeDecoder:
                 norm1=layer.input_layernorm.weight, norm2=layer.post_attention_layernorm.weight,
                 eps=float(layer.input_layernorm.variance_epsilon), qkv=qkv, n_qkv=n_qkv, q_off=q_off, k_off=k_off,
                 v_off=v_off, o=ctypes.pointer(o), gu=gu, n_gu=n_gu, up_off=(gu_offsets or (0, 0))[1],
-                down=ctypes.pointer(down), scale=float(attn.scaling)))
+                down=ctypes.pointer(down), scale=float(attn.scaling), window=_window(model, attn)))
             widths = sum(qkv[i].out for i in range(n_qkv)), sum(gu[i].out for i in range(n_gu))
             self.widest = max(self.widest, *widths)
 
@@ -139,7 +148,8 @@ class NativeDecoder:
                 layer["gu"], layer["n_gu"], layer["up_off"], layer["down"], self.intermediate,
                 cos.data_ptr(), sin.data_ptr(), cache.keys[index].data_ptr(), cache.values[index].data_ptr(),
                 slot_mapping.data_ptr(), decode_slots.data_ptr(), decode_slots.shape[1], decode_lens.data_ptr(),
-                self.heads, self.kv_heads, self.head_dim, layer["scale"], 0, scratch.data_ptr(), self.threads)
+                self.heads, self.kv_heads, self.head_dim, layer["scale"], layer["window"], scratch.data_ptr(),
+                self.threads)
             if status != 0:
                 raise RuntimeError(f"the native decode layer refused its arguments (layer {index})")
         x = model.model.norm(x)
