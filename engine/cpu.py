@@ -184,15 +184,22 @@ class LinearKernel:
     def __call__(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
                  out_features: int) -> torch.Tensor:
         """x: [rows, in] float32 (rows may be strided); panels from `panels_of`; bias padded like them."""
-        if x.dtype != torch.float32 or x.device.type != "cpu":
-            raise TypeError(f"the C linear takes float32 CPU tensors; given {x.dtype} on {x.device}")
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        rows = x.shape[0]
-        y = torch.empty(rows, out_features, dtype=torch.float32)
-        self._fn(x.data_ptr(), x.stride(0), panels.data_ptr(), None if bias is None else bias.data_ptr(),
-                 y.data_ptr(), rows, out_features, x.shape[1], self.threads)
-        return y
+        return call_panel_kernel(self._fn, self.threads, x, panels, bias, out_features)[0]
+
+
+def call_panel_kernel(fn, threads: int, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
+                      out_features: int, *extra) -> tuple[torch.Tensor, object]:
+    """y = x w^T + b through a C kernel of the form fn(x, x_row, panels, bias, y, rows, out, in,
+    threads, *extra) (csrc/linear.c, csrc/qlinear.c); returns y [rows, out] and what fn returned."""
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        raise TypeError(f"the C linear takes float32 CPU tensors; given {x.dtype} on {x.device}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    rows = x.shape[0]
+    y = torch.empty(rows, out_features, dtype=torch.float32)
+    status = fn(x.data_ptr(), x.stride(0), panels.data_ptr(), None if bias is None else bias.data_ptr(),
+                y.data_ptr(), rows, out_features, x.shape[1], threads, *extra)
+    return y, status
 
 
 class DecodeAttentionKernel:

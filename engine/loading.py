@@ -400,7 +400,7 @@ def _quantize(model, quantize: str, gguf: Path | None, device: torch.device, dty
             raise ModelLoadError(f"quantize={quantize} runs on the CPU in float32 (its C kernel); this model loads "
                                  f"on {device.type} in {str(dtype).removeprefix('torch.')}: use quantize=none")
         return "float"
-    from engine.quant import fuse_projections, keep_gguf_blocks, quant_kernel, quantize_linears
+    from engine.quant import QuantLinear, fuse_projections, keep_gguf_blocks, quant_kernel, quantize_linears
 
     kernel = quant_kernel(rill_cache_dir(cache_dir))
     if kernel is None:  # the reason is logged
@@ -411,7 +411,7 @@ def _quantize(model, quantize: str, gguf: Path | None, device: torch.device, dty
         return "float"
     if quantize == "auto":
         count, _ = keep_gguf_blocks(model, gguf, kernel)
-        kinds = sorted({m.kind for m in model.modules() if type(m).__name__ == "QuantLinear"})
+        kinds = sorted({m.kind for m in model.modules() if isinstance(m, QuantLinear)})
         described = f"{'/'.join(kinds)} blocks from the GGUF ({count} linears)" if count else "float"
     else:
         count = quantize_linears(model, quantize, kernel)

@@ -31,16 +31,12 @@ def _lin(module) -> tuple[_Lin, int, object]:
     from engine.cpu import PanelLinear
     from engine.quant import KINDS, FusedProjections, QuantLinear
 
-    if isinstance(module, PanelLinear):
-        holder, kind, width = module, -1, module.out_features
-    elif isinstance(module, QuantLinear):
-        holder, kind, width = module, KINDS[module.kind], module.out_features
-    elif isinstance(module, FusedProjections):
-        holder, kind, width = module, KINDS[module.kind], module.out_features
-    else:
+    if not isinstance(module, (PanelLinear, QuantLinear, FusedProjections)):
         raise TypeError(type(module).__name__)
-    bias = holder.bias.data_ptr() if holder.bias is not None else None
-    return _Lin(holder.panels.data_ptr(), bias, width, holder.in_features, kind), width, holder
+    kind = -1 if isinstance(module, PanelLinear) else KINDS[module.kind]
+    bias = module.bias.data_ptr() if module.bias is not None else None
+    width = module.out_features  # for a fused group: its padded parts end to end
+    return _Lin(module.panels.data_ptr(), bias, width, module.in_features, kind), width, module
 
 
 def _projections(module: nn.Module, names: tuple[str, ...]):

@@ -22,6 +22,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from engine.cpu import _checked_kernel, call_panel_kernel
+
 log = logging.getLogger("rill.engine")
 
 KINDS = {"q8_0": 0, "q4_0": 1, "q4_1": 2}  # the kernel's `kind` argument
@@ -84,19 +86,14 @@ class QuantKernel:
         self._fn = library.rill_qlinear
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self._fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int, ctypes.c_int]
-        self._fn.restype = None
+        self._fn.restype = ctypes.c_int
         self.threads = torch.get_num_threads()
 
     def __call__(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int,
                  kind: str) -> torch.Tensor:
-        if x.dtype != torch.float32 or x.device.type != "cpu":
-            raise TypeError(f"the quantized C linear takes float32 CPU tensors; given {x.dtype} on {x.device}")
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        rows = x.shape[0]
-        y = torch.empty(rows, out_features, dtype=torch.float32)
-        self._fn(x.data_ptr(), x.stride(0), panels.data_ptr(), None if bias is None else bias.data_ptr(),
-                 y.data_ptr(), rows, out_features, x.shape[1], self.threads, KINDS[kind])
+        y, status = call_panel_kernel(self._fn, self.threads, x, panels, bias, out_features, KINDS[kind])
+        if status != 0:
+            raise MemoryError(f"the quantized C linear could not allocate its buffers for {x.shape[0]} rows")
         return y
 
 
@@ -321,7 +318,5 @@ def _quant_agrees(kernel: QuantKernel) -> bool:
 
 def quant_kernel(cache_dir: Path) -> QuantKernel | None:
     """The compiled block-quantized linear, or None (with the reason logged) when it cannot be used here."""
-    from engine.cpu import _checked_kernel
-
     return _checked_kernel(QuantKernel, _quant_agrees, cache_dir, "quantized linears", "F.linear",
                            "float32 weights")

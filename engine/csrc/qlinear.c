@@ -17,6 +17,7 @@
  * (zero-padded) or NULL; y [rows, out] contiguous.
  */
 #include <stdint.h>
+#include <omp.h>
 #include <stdlib.h>
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -174,25 +175,24 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, int
     }
 }
 
+/* acc: 16 * rows floats per thread, for one panel's outputs of every row */
 static inline __attribute__((always_inline)) void qlinear(const float *x, int64_t x_row, const float *xsum,
                                                           const uint8_t *panels, const float *bias, float *y,
                                                           int64_t rows, int64_t out, int64_t in, int threads,
-                                                          const int kind) {
+                                                          float *acc_all, const int kind) {
     const int64_t num_panels = (out + 15) / 16, blocks = in / 32, panel_bytes = blocks * block_bytes(kind);
     #pragma omp parallel num_threads(threads)
     {
         float w[32 * 16] __attribute__((aligned(64)));
-        float *acc = malloc(sizeof(float) * 16 * (size_t)rows);  /* one panel's outputs for every row */
+        float *acc = acc_all + (size_t)omp_get_thread_num() * 16 * (size_t)rows;
         #pragma omp for schedule(static)
         for (int64_t p = 0; p < num_panels; p++) {
-            if (!acc) continue;
             panel_rows(x, x_row, xsum, panels + p * panel_bytes, blocks, rows, acc, w, kind);
             const int cols = out - p * 16 < 16 ? (int)(out - p * 16) : 16;
             for (int64_t r = 0; r < rows; r++)
                 for (int j = 0; j < cols; j++)
                     y[r * out + p * 16 + j] = acc[r * 16 + j] + (bias ? bias[p * 16 + j] : 0.0f);
         }
-        free(acc);
     }
 }
 
@@ -201,20 +201,20 @@ int rill_qlinear(const float *x, int64_t x_row, const uint8_t *panels, const flo
                  int64_t rows, int64_t out, int64_t in, int threads, int kind) {
     const int64_t blocks = in / 32;
     if (rows <= 0) return 0;
-    float *xsum = malloc(sizeof(float) * (size_t)(rows * blocks));  /* each row's sum of x per block */
-    if (!xsum) return -1;
-    for (int64_t r = 0; r < (rows <= FEW_ROWS ? rows : 0); r++)
+    /* the Q4 kinds' offsets need each row's sum of x per block, on the row-by-row path only */
+    const int64_t sums = kind != Q8_0 && rows <= FEW_ROWS ? rows * blocks : 0;
+    float *buffer = malloc(sizeof(float) * (size_t)(sums + (int64_t)threads * 16 * rows));
+    if (!buffer) return -1;
+    float *xsum = buffer, *acc = buffer + sums;
+    for (int64_t r = 0; r < (sums ? rows : 0); r++)
         for (int64_t b = 0; b < blocks; b++) {
             float s = 0;
             for (int k = 0; k < 32; k++) s += x[r * x_row + b * 32 + k];
             xsum[r * blocks + b] = s;
         }
-    if (kind == Q8_0) qlinear(x, x_row, xsum, panels, bias, y, rows, out, in, threads, Q8_0);
-    else if (kind == Q4_0) qlinear(x, x_row, xsum, panels, bias, y, rows, out, in, threads, Q4_0);
-    else qlinear(x, x_row, xsum, panels, bias, y, rows, out, in, threads, Q4_1);
-    free(xsum);
+    if (kind == Q8_0) qlinear(x, x_row, xsum, panels, bias, y, rows, out, in, threads, acc, Q8_0);
+    else if (kind == Q4_0) qlinear(x, x_row, xsum, panels, bias, y, rows, out, in, threads, acc, Q4_0);
+    else qlinear(x, x_row, xsum, panels, bias, y, rows, out, in, threads, acc, Q4_1);
+    free(buffer);
     return 0;
 }
-
-/* the bytes of one panel of `in` inputs, for the Python side's layout check */
-int64_t rill_qpanel_bytes(int64_t in, int kind) { return in / 32 * block_bytes(kind); }
