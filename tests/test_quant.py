@@ -163,13 +163,23 @@ def test_the_embedded_gguf_keeps_its_blocks_and_equals_generate_on_its_dequantiz
 
 
 @pytest.mark.embedded
-def test_the_embedded_model_with_int8_activations_still_answers():
+def test_the_embedded_model_with_int8_activations_stays_close_to_float32():
+    """Lossy, so bounded rather than equal (bench/divergence.py measures the whole text: 96.9% top-1
+    agreement, mean KL 3.9e-3 nats): 384 tokens of the license text read with teacher forcing.
+    A wrong kernel gives near 0% agreement. (Its first answer token to the France question is a
+    near tie in float32, The 0.152 / L 0.140, and int8 flips it: so int8 is not the default.)"""
+    from bench.divergence import TEXT, log_probs
+
+    exact = load_model(None)
+    ids = exact.tokenizer(TEXT.read_text(), return_tensors="pt").input_ids[:, :384]
+    reference = log_probs(exact, ids)
+    del exact
     loaded = load_model(None, activations="int8")
     assert loaded.weights == "q4_1/q8_0 blocks from the GGUF (211 linears), int8 activations"
-    llm = LLM(loaded)
-    assert llm.core.runner.native is not None
-    question = [{"role": "user", "content": "What is the capital of France?"}]
-    assert llm.chat([question], SamplingParams(temperature=0, max_tokens=20))[0].text == "The capital of France is Paris."
+    test = log_probs(loaded, ids)
+    agreement = (reference.argmax(-1) == test.argmax(-1)).double().mean().item()
+    kl = (reference.exp() * (reference - test)).sum(-1).mean().item()
+    assert agreement > 0.9 and kl < 0.02, f"int8 activations: top-1 agreement {agreement:.1%}, mean KL {kl:.2e}"
 
 
 def test_a_layer_whose_weight_is_not_in_the_file_stays_float(tmp_path, kernel):
