@@ -332,7 +332,7 @@ def load_model(model_id: str | os.PathLike | None, *, dtype: str | torch.dtype =
     float16. `device`: auto, cpu, cuda. `cache_dir`: where GGUF files are converted to (default
     `$RILL_CACHE` or `~/.cache/rill`). `attn_implementation`: passed to `from_pretrained` (e.g. a
     name registered with `transformers.AttentionInterface`). `quantize` (CPU, float32 only): "auto"
-    keeps a GGUF's Q8_0/Q4_0/Q4_1 tensors as blocks and other models in float; "none" runs every
+    keeps a GGUF's Q8_0/Q4_0/Q4_1/Q4_K tensors as blocks and other models in float; "none" runs every
     model in float; "q8_0", "q4_0", "q4_1" quantize the float linears at load. `activations`: what
     the quantized linears multiply their blocks with: "float32" (the de-quantized model's products)
     or "int8" (each block of 32 inputs rounded to int8, as llama.cpp does: faster, lossy; its
@@ -417,7 +417,7 @@ def _quantize(model, quantize: str, gguf: Path | None, device: torch.device, dty
         return "float"
     if quantize == "auto":
         count, _ = keep_gguf_blocks(model, gguf, kernel, int8)
-        kinds = sorted({m.kind for m in model.modules() if isinstance(m, QuantLinear)})
+        kinds = sorted({m.source for m in model.modules() if isinstance(m, QuantLinear)})
         described = f"{'/'.join(kinds)} blocks from the GGUF ({count} linears)" if count else "float"
     else:
         count = quantize_linears(model, quantize, kernel, int8=int8)

@@ -15,6 +15,7 @@ de-quantized here, must equal the float32 weight that transformers loaded from t
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 from pathlib import Path
 
@@ -44,6 +45,31 @@ def unpack_raw(raw: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.n
     packed = blocks[:, :, start:start + 16]
     q = np.concatenate([packed & 15, packed >> 4], axis=-1)  # element j low nibble, j + 16 high
     return q, d, m
+
+
+def unpack_q4_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ggml Q4_K super-blocks [out, in / 256 * 144] uint8 (float16 d and dmin, 8 six-bit scales and
+    mins, 256 nibbles) -> q, d, m of Q4_1 blocks of 32 (d = d * scale, m = -dmin * min, products
+    in float32 as gguf-py and transformers compute them): the same weights, bit for bit."""
+    out = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(out, -1, 144)
+    supers = blocks.shape[1]
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    packed = blocks[..., 4:16].reshape(out, supers, 3, 4)  # bytes 0-3, 4-7, 8-11
+    low, mid, high = packed[..., 0, :], packed[..., 1, :], packed[..., 2, :]
+    scale = np.concatenate([low & 63, (high & 15) | ((low >> 2) & 48)], axis=-1)  # [out, supers, 8]
+    minimum = np.concatenate([mid & 63, (high >> 4) | ((mid >> 2) & 48)], axis=-1)
+    nibbles = blocks[..., 16:144].reshape(out, supers, 4, 1, 32)  # 64 weights per 32 bytes: low, then high
+    q = np.concatenate([nibbles & 15, nibbles >> 4], axis=3).reshape(out, supers * 8, 32)
+    sub_d = (d[..., None] * scale.astype(np.float32)).reshape(out, -1)
+    sub_m = -(dmin[..., None] * minimum.astype(np.float32)).reshape(out, -1)
+    return q, sub_d, sub_m
+
+
+# a GGUF tensor type -> (its reader, the kernel's kind of block that holds it)
+GGUF_TYPES = {**{kind: (functools.partial(unpack_raw, kind=kind), kind) for kind in ("q8_0", "q4_0", "q4_1")},
+              "q4_k": (unpack_q4_k, "q4_1")}
 
 
 def dequantize(q: np.ndarray, d: np.ndarray, m: np.ndarray | None, kind: str) -> torch.Tensor:
@@ -126,6 +152,7 @@ class QuantLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = q.shape[0], q.shape[1] * 32
         self.kind, self.kernel, self.int8 = kind, kernel, int8
+        self.source = kind  # the file's type of block (Q4_K is held as Q4_1 blocks)
         self.panels = panels_of_blocks(q, d, m, kind, int8)
         self.bias = None
         if bias is not None:
@@ -293,8 +320,9 @@ def quantize_linears(model: nn.Module, kind: str, kernel: QuantKernel, dequantiz
 
 def keep_gguf_blocks(model: nn.Module, gguf_path: str | Path, kernel: QuantKernel,
                      int8: bool = False) -> tuple[int, int]:
-    """Replace each float32 `nn.Linear` whose weight transformers de-quantized from a Q8_0, Q4_0 or
-    Q4_1 tensor of `gguf_path` with a `QuantLinear` on that tensor's blocks.
+    """Replace each float32 `nn.Linear` whose weight transformers de-quantized from a Q8_0, Q4_0,
+    Q4_1 or Q4_K tensor of `gguf_path` with a `QuantLinear` on that tensor's blocks (Q4_K as the
+    Q4_1 blocks it is made of). Other types (Q6_K, Q5_K, ...) stay float32.
 
     Tensors are matched to layers by content, not by name: the blocks de-quantized here must equal
     the layer's weight bit for bit, rows possibly reordered (llama.cpp stores q/k rows in another
@@ -308,10 +336,10 @@ def keep_gguf_blocks(model: nn.Module, gguf_path: str | Path, kernel: QuantKerne
         layers.setdefault(_row_key(target[2].weight), []).append(target)
     replaced, freed = 0, 0
     for tensor in reader.tensors:
-        kind = tensor.tensor_type.name.lower()
-        if kind not in KINDS:
+        if tensor.tensor_type.name.lower() not in GGUF_TYPES:
             continue
-        q, d, m = unpack_raw(np.asarray(tensor.data), kind)
+        read, kind = GGUF_TYPES[tensor.tensor_type.name.lower()]
+        q, d, m = read(np.asarray(tensor.data))
         weight = dequantize(q, d, m, kind)
         for parent, name, linear in layers.pop(_row_key(weight), []):
             order = _row_order(linear.weight.detach(), weight)
@@ -319,6 +347,7 @@ def keep_gguf_blocks(model: nn.Module, gguf_path: str | Path, kernel: QuantKerne
                 log.info("weights: %s matched no %s tensor row for row; it stays float32", name, kind)
                 continue
             blocks = QuantLinear(q[order], d[order], None if m is None else m[order], kind, linear.bias, kernel, int8)
+            blocks.source = tensor.tensor_type.name.lower()
             freed += linear.weight.numel() * 4
             setattr(parent, name, blocks)
             replaced += 1
