@@ -233,7 +233,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, x_requ
     max_tokens = body.max_completion_tokens or body.max_tokens or _default_max_tokens(engine, len(prompt_ids))
     top_n = body.top_logprobs or 0
     params = _params(body, max_tokens, top_n if body.logprobs else None)
-    gen = await _admit_all(request, [prompt_ids], params, request_id, "v1_chat")[0]
+    gen = (await _admit_all(request, [prompt_ids], params, request_id, "v1_chat"))[0]
     token_text = _TokenText(engine.tokenizer)
     meta = {"id": f"chatcmpl-{request_id}", "created": int(time.time()), "model": engine.model_name}
     headers = {"x-request-id": request_id}

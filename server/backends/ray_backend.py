@@ -8,9 +8,10 @@
 Streaming: `handle.options(stream=True).generate.remote(...)`; the first item says whether the
 replica's engine took the request (its own checks and admission: 400, 429, 503 as locally), the
 rest are lists of `RequestOutput` with token ids, so a resumed stream continues on any replica.
-Overload: each replica takes `max_num_seqs + max_queue` requests (`max_ongoing_requests`), the
-handle holds `max_queue` more (`max_queued_requests`), past that a 429; a replica's own admission
-refuses with 429 too. A request whose replica died before it was taken is sent again (another
+Overload is rill's own admission: each replica's engine takes `max_num_seqs + max_queue`
+sequences and refuses the next with QueueFull, a 429 with Retry-After. Ray Serve routes up to
+twice that to a replica (`max_ongoing_requests`), so it never holds a request back while an engine
+could refuse it, and its own bound (`max_queued_requests`, a BackPressureError) is a 429 too. A request whose replica died before it was taken is sent again (another
 replica takes it); one that dies mid-stream ends with an error event. Ray Serve replaces the
 dead replica (its health check and its actor's death).
 """
@@ -72,8 +73,12 @@ def deployment_options(settings) -> dict:
     """The Serve deployment of the replicas: size, overload bounds, autoscaling, router, health."""
     options = dict(
         name=DEPLOYMENT_NAME,
-        max_ongoing_requests=settings.max_num_seqs + settings.max_queue,
-        max_queued_requests=max(1, settings.max_queue),
+        # Twice what the replica's engine admits: Ray keeps routing to a full replica, whose engine
+        # refuses with QueueFull (a 429 now) instead of Ray holding the request back unbounded.
+        max_ongoing_requests=2 * (settings.max_num_seqs + settings.max_queue),
+        # Requests waiting for a replica slot; Ray counts every request it is still routing, so a
+        # burst of simultaneous arrivals needs this much room (past it: 429).
+        max_queued_requests=settings.max_num_seqs + settings.max_queue,
         ray_actor_options={"num_cpus": settings.replica_cpus},
         health_check_period_s=2.0,
         health_check_timeout_s=30.0,
@@ -176,13 +181,14 @@ class RayEngine(RemoteEngine):
         handle = self._stream_handle if not session else self._handle.options(stream=True, session_id=session)
         response, first = None, None
         for attempt in range(ADMIT_RETRIES):
-            response = handle.generate.remote(prompt_token_ids=prompt_token_ids, params=params,
-                                              request_id=request_id, prior_output_ids=prior_output_ids)
             try:
+                response = handle.generate.remote(prompt_token_ids=prompt_token_ids, params=params,
+                                                  request_id=request_id, prior_output_ids=prior_output_ids)
                 first = await response.__anext__()
                 break
             except BackPressureError:
-                response.cancel()
+                if response is not None:
+                    response.cancel()
                 raise Refused("queue_full", "Every engine replica is at capacity and the queue in front of them "
                                             "is full. Retry in a moment.") from None
             except (ActorDiedError, ActorUnavailableError, RayActorError):
