@@ -30,8 +30,8 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 from ray.serve.exceptions import BackPressureError
 
-from server.backends import BackendError, iter_engine_fields
-from server.backends.ray_replica import BOARD_NAME, EngineReplica, StatsBoard
+from server.backends import BackendError
+from server.backends.ray_replica import build_app, stats_board
 from server.backends.remote import Admitted, Refused, RemoteEngine
 
 log = logging.getLogger("rill.backend")
@@ -67,6 +67,21 @@ def _start_ray(settings) -> bool:
     except Exception as exc:  # noqa: BLE001 - one line for the operator
         raise BackendError(f"Ray did not start ({'--ray-address ' + settings.ray_address if settings.ray_address else 'a local instance'}): "
                            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
+
+
+def _existing_app():
+    """The handle of a `rill` application already deployed on the cluster (by a RayService), or None."""
+    try:
+        if APP_NAME in serve.status().applications:
+            return serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=APP_NAME)
+    except Exception:  # noqa: BLE001 - no Serve on the cluster yet
+        log.debug("no Serve application on the cluster", exc_info=True)
+    return None
+
+
+def vars_of(settings) -> dict:
+    """The settings as keyword arguments (what build_app takes)."""
+    return {name: getattr(settings, name) for name in settings.__slots__}
 
 
 def deployment_options(settings) -> dict:
@@ -119,13 +134,14 @@ class RayEngine(RemoteEngine):
     def from_settings(cls, settings) -> "RayEngine":
         started = _start_ray(settings)
         try:
-            serve.start(proxy_location="Disabled")
-            board = StatsBoard.options(name=BOARD_NAME, get_if_exists=True).remote()
-            fields = dict(iter_engine_fields(settings))
-            threads = max(1, int(settings.replica_cpus))
-            app = serve.deployment(EngineReplica, **deployment_options(settings)).bind(fields, threads)
-            log.info("starting %d engine replica(s) on Ray Serve", settings.replicas)
-            handle = serve.run(app, name=APP_NAME, route_prefix=None)
+            board = stats_board()
+            handle = None if started else _existing_app()
+            if handle is None:
+                serve.start(proxy_location="Disabled")
+                log.info("starting %d engine replica(s) on Ray Serve", settings.replicas)
+                handle = serve.run(build_app(vars_of(settings)), name=APP_NAME, route_prefix=None)
+            else:
+                log.info("using the engine replicas of the Serve application %r already on the cluster", APP_NAME)
             info = handle.info.remote().result()
         except Exception as exc:
             if started:

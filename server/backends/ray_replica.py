@@ -22,6 +22,7 @@ from ray import serve
 log = logging.getLogger("rill.replica")
 
 BOARD_NAME = "rill-stats-board"
+BOARD_NAMESPACE = "rill"
 REPORT_PERIOD_S = 0.5  # how often a replica posts its statistics
 
 
@@ -42,6 +43,25 @@ class StatsBoard:
         self.entries.pop(replica, None)
 
 
+def stats_board():
+    """The board, made by whoever comes first (the front end, or a replica deployed by a RayService)."""
+    return StatsBoard.options(name=BOARD_NAME, namespace=BOARD_NAMESPACE, get_if_exists=True,
+                              lifetime="detached").remote()
+
+
+def build_app(args: dict):
+    """The replicas as a Serve application, for `serve run` or a KubeRay RayService's serveConfigV2
+    (`import_path: server.backends.ray_replica:build_app`, `args`: app.py's settings by name, e.g.
+    {"model_id": "HuggingFaceTB/SmolLM2-135M-Instruct", "replicas": 4, "max_replicas": 16})."""
+    from server.backends import iter_engine_fields
+    from server.backends.ray_backend import deployment_options
+    from server.settings import Settings
+
+    settings = Settings(**args)
+    return serve.deployment(EngineReplica, **deployment_options(settings)).bind(
+        dict(iter_engine_fields(settings)), max(1, int(settings.replica_cpus)))
+
+
 def stats_dict(stats) -> dict:
     """EngineStats as plain values (finish reasons by name)."""
     entry = dataclasses.asdict(stats)
@@ -52,7 +72,7 @@ def stats_dict(stats) -> dict:
 class EngineReplica:
     """One rill engine; Ray Serve makes `num_replicas` of these, each in its own process."""
 
-    def __init__(self, fields: dict, threads: int, board_name: str = BOARD_NAME):
+    def __init__(self, fields: dict, threads: int):
         import torch
 
         from server.backends.local import load_engine
@@ -64,7 +84,7 @@ class EngineReplica:
         self.pid = os.getpid()
         self.started = time.time()
         self.requests_total = 0  # requests this replica admitted
-        self._board = ray.get_actor(board_name)
+        self._board = stats_board()
         self._stop = threading.Event()
         threading.Thread(target=self._report_forever, name="rill-replica-stats", daemon=True).start()
 
