@@ -186,7 +186,8 @@ def test_a_killed_replica_errors_its_streams_the_other_serves_and_ray_restarts_i
         for client in clients:
             client.close()
     errored = [events for events in outcomes if "error" in events]
-    assert errored and len(errored) < len(outcomes), outcomes
+    summary = [(len(events), "error" in events) for events in outcomes]
+    assert errored and len(errored) < len(outcomes), (running, summary)
     assert all(events[-1] == "message" for events in outcomes)  # each ends with data: [DONE]
     # New requests go to the live replica.
     for i in range(4):

@@ -41,7 +41,7 @@ APP_NAME = "rill"
 DEPLOYMENT_NAME = "rill-engine"
 NAMESPACE = "rill"
 POLL_PERIOD_S = 0.5  # how often the front reads the replicas' statistics
-STALE_S = 3.0  # a replica that has not posted for this long counts as dead
+STALE_S = 10.0  # a replica that has not posted for this long counts as dead (a busy one posts late)
 FORGET_S = 60.0  # and is dropped from /health after this long
 ADMIT_RETRIES = 3  # a replica that died before taking a request: try this many times in all
 
