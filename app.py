@@ -107,8 +107,30 @@ OPTIONS: tuple[Option, ...] = (
     Option("--max-engine-restarts", ("MAX_ENGINE_RESTARTS",), "max_engine_restarts", int, 3,
            "times the engine is rebuilt in the process after an internal fault within 10 minutes; one more "
            "and the process exits with status 1 for the Space or supervisor to restart it", "N"),
+    # backend
+    Option("--backend", ("BACKEND",), "backend", str, "local",
+           "where the engines run: local (in this process) | ray (engine replicas on Ray Serve; "
+           "pip install -r requirements-ray.txt) | openai (a remote OpenAI-compatible server: vLLM, TGI, "
+           "llama-server, another rill)", "B"),
+    Option("--replicas", ("REPLICAS",), "replicas", int, 2,
+           "--backend ray: engine replicas, each one engine with its own KV cache", "N"),
+    Option("--max-replicas", ("MAX_REPLICAS",), "max_replicas", int, 0,
+           "--backend ray: autoscale from --replicas up to N by ongoing requests (0 = a fixed number)", "N"),
+    Option("--replica-cpus", ("REPLICA_CPUS",), "replica_cpus", float, 1.0,
+           "--backend ray: CPUs (and torch threads) each replica takes", "C"),
+    Option("--ray-address", ("RAY_ADDRESS",), "ray_address", str, None,
+           "--backend ray: an existing Ray cluster (auto, or ray://host:10001); without it a local Ray instance "
+           "is started", "ADDR"),
+    Option("--backend-url", ("BACKEND_URL",), "backend_url", str, None,
+           "--backend openai: the remote's base URL, e.g. http://host:8000 (its /v1/completions serves the page, "
+           "/chat and /v1)", "URL"),
+    Option("--backend-key", ("BACKEND_KEY",), "backend_key", str, None,
+           "--backend openai: the remote's API key (sent as `Authorization: Bearer KEY`)", "KEY"),
     Option("--test-hooks", ("RILL_TEST_HOOKS",), "test_hooks", "bool", False, "test suite only", hidden=True),
 )
+
+_BACKEND_FLAGS = ("--backend", "--replicas", "--max-replicas", "--replica-cpus", "--ray-address", "--backend-url",
+                  "--backend-key")
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "KIB": 2**10, "M": 1e6, "MB": 1e6, "MIB": 2**20,
@@ -185,12 +207,14 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Each flag can be set by the environment variable in [brackets]; the flag wins.",
         formatter_class=lambda prog: argparse.HelpFormatter(prog, max_help_position=34, width=100))
     groups = {"model": parser.add_argument_group("model"), "server": parser.add_argument_group("server"),
-              "engine": parser.add_argument_group("engine")}
+              "engine": parser.add_argument_group("engine"),
+              "backend": parser.add_argument_group("backend (docs/scale-out.md)")}
     for opt in OPTIONS:
         group = groups["model" if opt.dest in MODEL_OPTIONS else
                        "engine" if opt.flag in ("--max-num-seqs", "--max-queue", "--max-num-batched-tokens",
                                                 "--block-size", "--num-kv-blocks", "--kv-cache-memory",
-                                                "--max-model-len", "--seed") else "server"]
+                                                "--max-model-len", "--seed") else
+                       "backend" if opt.flag in _BACKEND_FLAGS else "server"]
         help_text = argparse.SUPPRESS if opt.hidden else (
             f"{opt.help} [{' or '.join(opt.env)}]" + (f" (default: {opt.default})" if opt.default not in (None, (), False) else ""))
         if opt.kind == "bool":
@@ -239,17 +263,34 @@ def parse_settings(argv: list[str] | None = None, environ: dict[str, str] | None
             parser.error(f"--{name.replace('_', '-')} must be >= 0 seconds. Given: {getattr(settings, name)}")
     if not 0 < settings.port < 65536:
         parser.error(f"--port must be between 1 and 65535. Given: {settings.port}")
+    _check_backend(parser, settings)
     return settings
 
 
-def engine_config(settings: Settings):
-    from engine import EngineConfig
+def _check_backend(parser: argparse.ArgumentParser, settings: Settings) -> None:
+    from server.backends import BACKENDS
 
-    return EngineConfig(block_size=settings.block_size, num_kv_blocks=settings.num_kv_blocks,
-                        kv_cache_memory=settings.kv_cache_memory, max_num_seqs=settings.max_num_seqs,
-                        max_num_batched_tokens=settings.max_num_batched_tokens, max_queue=settings.max_queue,
-                        max_model_len=settings.max_model_len, seed=settings.seed,
-                        max_restarts=settings.max_engine_restarts)
+    if settings.backend not in BACKENDS:
+        parser.error(f"--backend must be one of {', '.join(BACKENDS)}. Given: {settings.backend!r}")
+    if settings.replicas < 1:
+        parser.error(f"--replicas must be >= 1. Given: {settings.replicas}")
+    if settings.max_replicas and settings.max_replicas < settings.replicas:
+        parser.error(f"--max-replicas must be 0 (no autoscaling) or >= --replicas ({settings.replicas}). "
+                     f"Given: {settings.max_replicas}")
+    if not settings.replica_cpus > 0:
+        parser.error(f"--replica-cpus must be > 0. Given: {settings.replica_cpus}")
+    if settings.backend == "openai":
+        url = settings.backend_url or ""
+        if not url.startswith(("http://", "https://")):
+            parser.error("--backend openai needs --backend-url, the remote's base URL starting with http:// or "
+                         f"https:// (e.g. http://127.0.0.1:8000). Given: {settings.backend_url!r}")
+
+
+def engine_config(settings: Settings):
+    from server.backends import iter_engine_fields
+    from server.backends.local import engine_config as config_of
+
+    return config_of(dict(iter_engine_fields(settings)))
 
 
 def fail(message: str) -> None:
@@ -397,21 +438,18 @@ def serve(app, settings: Settings, engine=None) -> int:
 def main(argv: list[str] | None = None) -> int:
     settings = parse_settings(argv)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from engine import AsyncEngine
-    from engine.loading import ModelLoadError, load_model
+    from engine.loading import ModelLoadError
+    from server.backends import BackendError, create_engine
 
     try:
-        config = engine_config(settings)
-    except ValueError as exc:
+        engine_config(settings)  # a bad engine setting stops here, before any model or Ray starts
+        engine = create_engine(settings)
+    except (ValueError, ModelLoadError, BackendError) as exc:
         fail(str(exc))
-    try:
-        loaded = load_model(settings.model_id, dtype=settings.dtype, device=settings.device,
-                            trust_remote_code=settings.trust_remote_code, quantize=settings.quantize,
-                            activations=settings.activations)
-    except ModelLoadError as exc:
-        fail(str(exc))
-    engine = AsyncEngine(loaded, config)
-    engine.start()
+    except ModuleNotFoundError as exc:
+        if exc.name != "ray":
+            raise
+        fail("--backend ray needs Ray Serve: pip install -r requirements-ray.txt")
     try:
         app = build_app(engine, settings)
         # Everything built so far (model, tokenizer, transformers, gradio, the app) lives as long
@@ -420,8 +458,8 @@ def main(argv: list[str] | None = None) -> int:
         # 290-330 ms while serving, GIL held, so the engine and the event loop both stopped.
         gc.collect()
         gc.freeze()
-        log.info("serving %s on http://%s:%d (engine: %s attention)", engine.model_name, settings.host,
-                 settings.port, getattr(engine, "attention_path", "?"))
+        log.info("serving %s on http://%s:%d (backend %s, engine: %s attention)", engine.model_name, settings.host,
+                 settings.port, settings.backend, getattr(engine, "attention_path", "?"))
         status = serve(app, settings, engine)
     finally:
         engine.shutdown()

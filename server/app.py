@@ -40,6 +40,19 @@ def _engine_stats(engine) -> dict:
     }
 
 
+def _backend_health(engine) -> dict:
+    """The backend's own part of /health (local: weights, linears, restarts; ray: its replicas)."""
+    info = getattr(engine, "health_info", None)
+    if info is not None:
+        try:
+            return info()
+        except Exception:  # health still answers
+            log.warning("backend health unavailable", exc_info=True)
+            return {}
+    return {"weights": engine.loaded.weights, "linears": engine.core.linears,
+            "engine_restarts": getattr(engine, "num_restarts", 0)}
+
+
 def create_app(engine, settings: Settings) -> FastAPI:
     """The app with every API route registered; app.py mounts the Gradio page at "/" afterwards."""
     app = FastAPI(title="rill", summary="Streaming chat on a continuous-batching engine",
@@ -50,7 +63,8 @@ def create_app(engine, settings: Settings) -> FastAPI:
     state.started_at = int(time.time())
     state.shutting_down = False
     state.resume = ResumeRegistry(settings.resume_window, engine.abort, max_streams=settings.resume_max_streams,
-                                  max_bytes=settings.resume_max_bytes)
+                                  max_bytes=settings.resume_max_bytes,
+                                  continuable=getattr(engine, "continuable", True))
     state.tasks = set()  # background pump tasks, kept referenced until they finish
 
     def spawn(coro) -> asyncio.Task:
@@ -69,10 +83,11 @@ def create_app(engine, settings: Settings) -> FastAPI:
     async def health():
         alive = bool(engine.alive)
         body = {"status": "ok" if alive else "engine stopped", "model": engine.model_name,
-                "weights": engine.loaded.weights, "linears": engine.core.linears,
                 "max_model_len": engine.max_model_len, "engine": _engine_stats(engine),
-                "resumable_streams": len(state.resume), "resumable_bytes": state.resume.nbytes,
-                "engine_restarts": getattr(engine, "num_restarts", 0)}
+                "resumable_streams": len(state.resume), "resumable_bytes": state.resume.nbytes}
+        body.update(_backend_health(engine))
+        if not alive and hasattr(engine, "unavailable_reason"):
+            body["reason"] = engine.unavailable_reason()
         return JSONResponse(body, status_code=200 if alive else 503)
 
     @app.get("/ready", summary="200 when the server accepts new requests")
@@ -83,7 +98,7 @@ def create_app(engine, settings: Settings) -> FastAPI:
             return JSONResponse({"ready": False, "reason": "shutting down"}, status_code=503)
         return {"ready": True}
 
-    if settings.test_hooks:
+    if settings.test_hooks and getattr(engine, "core", None) is not None:  # hooks into an engine in this process
         _install_test_hooks(app, engine)
 
     try:  # another module owns the metrics; the app works without it

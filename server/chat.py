@@ -19,7 +19,8 @@ from fastapi.responses import JSONResponse
 
 from engine.request import FinishReason, InvalidRequest, SamplingParams
 from server.errors import BODY_FIELDS, ApiError, internal_error_message, log_internal_error
-from server.generation import Generation, RequestFailed, admission, check_prompt_chars, off_loop, request_id_from
+from server.generation import (Generation, RequestFailed, admission, check_prompt_chars, off_loop, request_id_from,
+                               start_generation)
 from server.resume import ResumableStream
 from server.schemas import ChatBody
 from server.sse import event_stream_response
@@ -118,8 +119,8 @@ async def _continue(request: Request, record: ResumableStream) -> None:
         return
     record.suspended = False  # before any await: a second reader must not continue it twice
     try:
-        gen = Generation(request.app.state.engine, record.prompt_ids, record.params, record.request_id,
-                         prior_output_ids=record.output_ids, **admission(request, "chat"))
+        gen = await start_generation(request.app.state.engine, record.prompt_ids, record.params, record.request_id,
+                                     prior_output_ids=record.output_ids, **admission(request, "chat"))
     except BaseException:
         record.suspended = True
         raise
@@ -180,7 +181,7 @@ async def chat(body: ChatBody, request: Request, x_request_id: str | None = Head
     _check_prompt_size(engine, body)
     prompt_ids = await off_loop(_prompt_token_ids, engine, body)
     try:
-        gen = Generation(engine, prompt_ids, params, request_id, **admission(request, "chat"))
+        gen = await start_generation(engine, prompt_ids, params, request_id, **admission(request, "chat"))
     except InvalidRequest as exc:  # the engine names OpenAI's `max_tokens`; /chat calls it max_new_tokens
         if exc.param == "max_tokens":
             raise InvalidRequest(str(exc).replace("max_tokens", "max_new_tokens"), "max_new_tokens") from None

@@ -1,8 +1,10 @@
 """One engine request as a route sees it: admitted up front, deltas iterated with a deadline,
 aborted when nobody reads it any more.
 
-Routes construct a `Generation` before they answer (so a full queue is a 429 and a bad prompt a
-400, never a broken stream), then iterate `deltas()` for the request's `RequestOutput`s.
+Routes admit a `Generation` before they answer (`await start_generation(...)`: so a full queue is
+a 429 and a bad prompt a 400, never a broken stream), then iterate `deltas()` for the request's
+`RequestOutput`s. Admission has two steps for every backend (server/backends): the constructor
+(local checks, the request queued or sent) and `ready()` (a remote engine's answer).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator
 
-from engine.request import (MAX_CHARS_PER_TOKEN, FinishReason, QueueFull, RequestOutput,
+from engine.request import (MAX_CHARS_PER_TOKEN, FinishReason, InvalidRequest, QueueFull, RequestOutput,
                             SamplingParams, new_request_id, prompt_char_limit)
 from server.errors import ApiError, public_engine_error, queue_full_error
 
@@ -56,11 +58,26 @@ async def off_loop(function, *args):
     return await asyncio.to_thread(function, *args)
 
 
+SESSION_HEADER = "x-session-id"  # a conversation's key: its requests go to the same replica (prefix cache)
+_MAX_SESSION_CHARS = 256
+
+
 def admission(request, route: str) -> dict:
-    """The keyword arguments every route passes to `Generation` (timeout, metrics, test hook)."""
+    """The keyword arguments every route passes to `Generation` (timeout, metrics, test hook, session)."""
     state = request.app.state
     return dict(timeout=state.settings.request_timeout, on_admit=fault_hook(request),
-                metrics=getattr(state, "metrics", None), route=route)
+                metrics=getattr(state, "metrics", None), route=route, session=session_from(request))
+
+
+def session_from(request) -> str | None:
+    """The client's `x-session-id`: which replica's prefix cache its conversation should reuse."""
+    value = request.headers.get(SESSION_HEADER) if getattr(request, "headers", None) else None
+    if value is None or value == "":
+        return None
+    if len(value) > _MAX_SESSION_CHARS:
+        raise ApiError(400, f"`{SESSION_HEADER}` may have at most {_MAX_SESSION_CHARS} characters. "
+                            f"Given: {len(value)} characters.", param=SESSION_HEADER)
+    return value
 
 
 def fault_hook(request):
@@ -84,6 +101,12 @@ def new_engine_request_id() -> str:
     return f"srv-{secrets.token_hex(12)}"
 
 
+async def start_generation(engine, prompt_token_ids: list[int], params: SamplingParams, label: str,
+                           **kwargs) -> "Generation":
+    """A `Generation` the engine took (raises its 400/429/503 before any response starts)."""
+    return await Generation(engine, prompt_token_ids, params, label, **kwargs).ready()
+
+
 class Generation:
     """A request admitted into the engine, with its stream and deadline.
 
@@ -93,8 +116,9 @@ class Generation:
 
     def __init__(self, engine, prompt_token_ids: list[int], params: SamplingParams, label: str,
                  timeout: float = 0.0, on_admit=None, metrics=None, route: str = "chat",
-                 prior_output_ids: list[int] = ()):
+                 prior_output_ids: list[int] = (), session: str | None = None):
         self.engine = engine
+        self.session = session  # the conversation's key for replica affinity (x-session-id), or None
         self.metrics = metrics  # engine.telemetry.RequestMetrics, or None
         self.route = route  # metrics label
         self.label = label  # the client-facing request id; not unique, not a key
@@ -112,18 +136,42 @@ class Generation:
 
     def _admit(self, engine, prompt_token_ids, params, on_admit, prior_output_ids) -> None:
         if not engine.alive:
-            raise ApiError(503, "The engine is not running; the server cannot generate. Check /health.",
+            reason = getattr(engine, "unavailable_reason", None)
+            raise ApiError(503, reason() if reason is not None else
+                           "The engine is not running; the server cannot generate. Check /health.",
                            code="engine_dead")
         engine.check_prompt(prompt_token_ids, params)
+        extra = {"session": self.session} if self.session is not None else {}
         try:
             self.stream = engine.add_request(prompt_token_ids, params, request_id=self.request_id,
-                                             prior_output_ids=prior_output_ids)
+                                             prior_output_ids=prior_output_ids, **extra)
         except QueueFull as exc:
             raise queue_full_error(exc, retry_after_seconds(engine)) from None
         except RuntimeError as exc:  # the engine stopped between the check above and now
             raise ApiError(503, f"{exc} Check /health.", code="engine_dead") from None
         if on_admit is not None:
             on_admit(self.request_id)  # test hook; the engine applies it before its next step
+
+    async def ready(self) -> "Generation":
+        """Waits until the engine took the request (at once for the local engine; a remote one
+        answers after a round trip): its refusal is the same 400, 429 or 503 as a local one, and
+        a request that cannot even be admitted before its deadline is a 504."""
+        wait = getattr(self.engine, "wait_admitted", None)
+        if wait is None:
+            return self
+        timeout = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+        try:
+            await wait(self.stream, timeout)
+        except QueueFull as exc:
+            raise queue_full_error(exc, retry_after_seconds(self.engine)) from None
+        except asyncio.TimeoutError:
+            raise ApiError(504, f"The request exceeded the server's request timeout of {self.timeout:g} s "
+                                "before the engine took it.", code="timeout") from None
+        except InvalidRequest:
+            raise
+        except RuntimeError as exc:  # not running, unreachable, died before taking it
+            raise ApiError(503, f"{exc} Check /health.", code="engine_dead") from None
+        return self
 
     async def _next(self) -> RequestOutput | None:
         """The next delta, None at the end; a tick wakes the wait every second to check the

@@ -20,7 +20,8 @@ from fastapi.responses import JSONResponse
 from engine.request import FinishReason, RequestOutput, SamplingParams
 from server.chat import run_while_connected
 from server.errors import ApiError, error_body, internal_error_message
-from server.generation import Generation, RequestFailed, admission, check_prompt_chars, off_loop, request_id_from
+from server.generation import (Generation, RequestFailed, admission, check_prompt_chars, off_loop, request_id_from,
+                               start_generation)
 from server.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from server.sse import event_stream_response
 
@@ -175,14 +176,14 @@ async def _merged(gens: list[Generation]) -> AsyncIterator[tuple[int, RequestOut
                 gen.abort()
 
 
-def _admit_all(request: Request, prompts: list[list[int]], params: SamplingParams, request_id: str,
-               route: str) -> list[Generation]:
+async def _admit_all(request: Request, prompts: list[list[int]], params: SamplingParams, request_id: str,
+                     route: str) -> list[Generation]:
     state = request.app.state
     gens: list[Generation] = []
     try:
         for i, ids in enumerate(prompts):
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-            gens.append(Generation(state.engine, ids, params, rid, **admission(request, route)))
+            gens.append(await start_generation(state.engine, ids, params, rid, **admission(request, route)))
     except BaseException:
         for gen in gens:
             gen.abort()
@@ -232,7 +233,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, x_requ
     max_tokens = body.max_completion_tokens or body.max_tokens or _default_max_tokens(engine, len(prompt_ids))
     top_n = body.top_logprobs or 0
     params = _params(body, max_tokens, top_n if body.logprobs else None)
-    gen = _admit_all(request, [prompt_ids], params, request_id, "v1_chat")[0]
+    gen = (await _admit_all(request, [prompt_ids], params, request_id, "v1_chat"))[0]
     token_text = _TokenText(engine.tokenizer)
     meta = {"id": f"chatcmpl-{request_id}", "created": int(time.time()), "model": engine.model_name}
     headers = {"x-request-id": request_id}
@@ -319,7 +320,7 @@ async def completions(body: CompletionRequest, request: Request, x_request_id: s
         max_tokens = _default_max_tokens(engine, max(len(p) for p in prompts))
     top_n = body.logprobs or 0
     params = _params(body, max_tokens, body.logprobs)
-    gens = _admit_all(request, prompts, params, request_id, "v1_completions")
+    gens = await _admit_all(request, prompts, params, request_id, "v1_completions")
     token_text = _TokenText(engine.tokenizer)
     n = body.n
     meta = {"id": f"cmpl-{request_id}", "created": int(time.time()), "model": engine.model_name}

@@ -3,6 +3,10 @@
 A pump task reads the engine request and appends its SSE events to a `ResumableStream`,
 independent of any HTTP connection. Readers follow the list from an event id.
 
+With an engine that cannot continue a request from its output tokens (`continuable=False`: the
+openai backend, whose remote does not return token ids), an abandoned stream keeps generating
+instead, for the window at most, and a reader who comes back gets the rest as it comes.
+
 When the last reader leaves an unfinished stream, the engine request is aborted at once (its KV
 blocks are free within a step: nobody is reading) and the stream is *suspended*: its events
 and the tokens generated so far are kept for `window` seconds. A reader who comes back in
@@ -238,8 +242,11 @@ class ResumeRegistry:
     """The resumable streams of a server, found by request id and resume token, within bounds."""
 
     def __init__(self, window: float, abort: Callable[[str], object], max_streams: int = DEFAULT_MAX_STREAMS,
-                 max_bytes: int = DEFAULT_MAX_BYTES):
+                 max_bytes: int = DEFAULT_MAX_BYTES, continuable: bool = True):
         self.window = window
+        # False when the engine cannot continue a request from its output tokens (a remote OpenAI
+        # server): an abandoned stream then keeps generating for the window instead of suspending.
+        self.continuable = continuable
         self.max_streams = max_streams
         self.max_bytes = max_bytes
         self._abort = abort  # engine.abort
@@ -320,6 +327,8 @@ class ResumeRegistry:
             self._by_id.pop(stream.request_id, None)
 
     def _orphan(self, stream: ResumableStream) -> None:
+        if stream.resumable and not self.continuable:
+            return  # it generates on for the window; `_expire` aborts it if nobody came back
         if stream.resumable:
             stream.suspending = True  # kept (for the window): its owner may come back
         self._abort_engine_request(stream)

@@ -26,6 +26,14 @@ class Settings:
     max_model_len: int | None = None  # context limit; None = the model's
     seed: int = 0  # engine seed (requests without their own seed)
     max_engine_restarts: int = 3  # engine rebuilds after faults within 10 minutes; one more and the process exits 1
+    # where the engines run (server/backends)
+    backend: str = "local"  # local (this process) | ray (replicas on Ray Serve) | openai (a remote server)
+    replicas: int = 2  # --backend ray: engine replicas (the minimum when autoscaling)
+    max_replicas: int = 0  # --backend ray: autoscale up to this many by ongoing requests; 0 = no autoscaling
+    replica_cpus: float = 1.0  # --backend ray: CPUs (and torch threads) per replica
+    ray_address: str | None = None  # --backend ray: an existing cluster ("auto" or an address); None = start one
+    backend_url: str | None = None  # --backend openai: the remote's base URL
+    backend_key: str | None = None  # --backend openai: the remote's API key
     # HTTP
     host: str = "127.0.0.1"
     port: int = 7860

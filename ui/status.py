@@ -29,11 +29,16 @@ def status_markdown(engine, recent) -> str:
         return ENGINE_UNAVAILABLE
     used_blocks = stats.num_kv_blocks - stats.num_free_kv_blocks
     ttft = "–" if recent.mean_ttft_s is None else f"{recent.mean_ttft_s:.2f} s"
+    backend = getattr(engine, "backend", "local")
+    kv = (f"{stats.kv_usage * 100:.1f} % ({used_blocks} / {stats.num_kv_blocks} blocks)" if stats.num_kv_blocks
+          else "– (the backend does not report it)")
     rows = [
-        ("Engine", "running" if alive else "**stopped** (the engine thread died)"),
+        ("Engine", "running" if alive else "**stopped** (the engine thread died)" if backend == "local"
+         else "**unavailable** (" + engine.unavailable_reason() + ")"),
+        *_backend_rows(engine, backend),
         ("Running requests", f"{stats.num_running}"),
         ("Waiting requests", f"{stats.num_waiting}"),
-        ("KV cache", f"{stats.kv_usage * 100:.1f} % ({used_blocks} / {stats.num_kv_blocks} blocks)"),
+        ("KV cache", kv),
         ("Tokens/s (last minute)", f"{recent.tokens_per_s:.1f}"),
         ("Tokens generated (last minute)", f"{recent.tokens}"),
         ("Requests finished (last minute)", f"{recent.requests_finished}"),
@@ -44,6 +49,20 @@ def status_markdown(engine, recent) -> str:
     ]
     lines = ["| | now |", "|---|---|"] + [f"| {name} | {value} |" for name, value in rows]
     return "\n".join(lines)
+
+
+def _backend_rows(engine, backend: str) -> list[tuple[str, str]]:
+    """Where the engines run, for the ray and openai backends (nothing for the local one)."""
+    if backend == "local":
+        return []
+    rows = [("Backend", backend)]
+    replicas = engine.replica_stats() if hasattr(engine, "replica_stats") else []
+    if replicas:
+        up = sum(1 for r in replicas if r.get("alive"))
+        rows.append(("Replicas", f"{up} running of {len(replicas)}: " + ", ".join(
+            f"{r['replica']} ({(r.get('engine') or {}).get('num_running', 0)} running)" if r.get("alive")
+            else f"{r['replica']} (down)" for r in replicas)))
+    return rows
 
 
 def throughput_frame(recent) -> pd.DataFrame:

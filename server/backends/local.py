@@ -1,0 +1,64 @@
+"""The local backend: today's in-process `AsyncEngine`, with the few members the engine-client
+interface adds (all answered at once: admission happens in `add_request`)."""
+
+from __future__ import annotations
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.request import SamplingParams
+
+
+def engine_config(fields: dict) -> EngineConfig:
+    """The EngineConfig of the model and engine settings (server.backends.iter_engine_fields)."""
+    return EngineConfig(block_size=fields["block_size"], num_kv_blocks=fields["num_kv_blocks"],
+                        kv_cache_memory=fields["kv_cache_memory"], max_num_seqs=fields["max_num_seqs"],
+                        max_num_batched_tokens=fields["max_num_batched_tokens"], max_queue=fields["max_queue"],
+                        max_model_len=fields["max_model_len"], seed=fields["seed"],
+                        max_restarts=fields["max_engine_restarts"])
+
+
+def load_engine(fields: dict, engine_class=AsyncEngine) -> AsyncEngine:
+    """Load the model the fields name and build its engine (not started). Raises ModelLoadError,
+    or ValueError for a bad engine setting."""
+    from engine.loading import load_model
+
+    config = engine_config(fields)
+    loaded = load_model(fields["model_id"], dtype=fields["dtype"], device=fields["device"],
+                        trust_remote_code=fields["trust_remote_code"], quantize=fields["quantize"],
+                        activations=fields["activations"])
+    return engine_class(loaded, config)
+
+
+class LocalEngine(AsyncEngine):
+    """The engine in this process (the default backend)."""
+
+    backend = "local"
+    continuable = True
+
+    @classmethod
+    def from_settings(cls, settings) -> "LocalEngine":
+        from server.backends import iter_engine_fields
+
+        return load_engine(dict(iter_engine_fields(settings)), cls)
+
+    def unavailable_reason(self) -> str:
+        return "The engine is not running; the server cannot generate. Check /health."
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                    prior_output_ids: list[int] = (), session: str | None = None):
+        """`session` is for backends with several replicas; one engine has one prefix cache."""
+        return super().add_request(prompt_token_ids, params, request_id, prior_output_ids)
+
+    def text_streamer(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                      timeout: float | None = None, session: str | None = None):
+        return super().text_streamer(prompt_token_ids, params, request_id, timeout)
+
+    async def wait_admitted(self, request_id: str, timeout: float | None = None) -> None:
+        return None  # add_request already admitted it or raised
+
+    def replica_stats(self) -> list[dict]:
+        return []
+
+    def health_info(self) -> dict:
+        return {"backend": "local", "weights": self.loaded.weights, "linears": self.core.linears,
+                "engine_restarts": self.num_restarts}

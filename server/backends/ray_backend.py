@@ -1,0 +1,240 @@
+"""The ray backend: engine replicas as Ray Serve deployments, one rill engine each.
+
+    front end (this process)                          Ray (local instance, or --ray-address)
+    routes, page, resume, metrics, keys, limits       EngineReplica x N (ray_replica.py), each
+    tokenizer (from a replica)   --- DeploymentHandle ---> one AsyncEngine, its KV cache, prefix cache
+    PrefixAffinityRouter (ray_router.py)              StatsBoard: their stats, for /health, /metrics
+
+Streaming: `handle.options(stream=True).generate.remote(...)`; the first item says whether the
+replica's engine took the request (its own checks and admission: 400, 429, 503 as locally), the
+rest are lists of `RequestOutput` with token ids, so a resumed stream continues on any replica.
+Overload is rill's own admission: each replica's engine takes `max_num_seqs + max_queue`
+sequences and refuses the next with QueueFull, a 429 with Retry-After. Ray Serve routes up to
+twice that to a replica (`max_ongoing_requests`), so it never holds a request back while an engine
+could refuse it, and its own bound (`max_queued_requests`, a BackPressureError) is a 429 too. A request whose replica died before it was taken is sent again (another
+replica takes it); one that dies mid-stream ends with an error event. Ray Serve replaces the
+dead replica (its health check and its actor's death).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from pathlib import Path
+
+import ray
+from ray import serve
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.serve.config import AutoscalingConfig, RequestRouterConfig
+from ray.serve.exceptions import BackPressureError
+
+from server.backends import BackendError
+from server.backends.ray_replica import build_app, stats_board
+from server.backends.remote import Admitted, Refused, RemoteEngine
+
+log = logging.getLogger("rill.backend")
+
+ROOT = Path(__file__).resolve().parents[2]
+APP_NAME = "rill"
+DEPLOYMENT_NAME = "rill-engine"
+NAMESPACE = "rill"
+POLL_PERIOD_S = 0.5  # how often the front reads the replicas' statistics
+STALE_S = 10.0  # a replica that has not posted for this long counts as dead (a busy one posts late)
+FORGET_S = 60.0  # and is dropped from /health after this long
+ADMIT_RETRIES = 3  # a replica that died before taking a request: try this many times in all
+
+
+def _start_ray(settings) -> bool:
+    """Connect to the cluster at --ray-address, or start a local instance; True when started here."""
+    if ray.is_initialized():
+        return False
+    quiet = dict(include_dashboard=False, namespace=NAMESPACE, logging_level=logging.WARNING,
+                 log_to_driver=settings.log_level == "debug")
+    try:
+        if settings.ray_address:
+            # The replicas import rill: ship this checkout to the cluster (an image with rill installed works too).
+            ray.init(address=settings.ray_address, runtime_env={
+                "working_dir": str(ROOT), "excludes": [".venv", ".git", "**/__pycache__", ".pytest_cache"]},
+                **quiet)
+            return False
+        # A local instance: its workers inherit this environment, so they find rill on PYTHONPATH.
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+        cpus = max(1, round(settings.replicas * settings.replica_cpus))
+        ray.init(num_cpus=cpus, **quiet)
+        return True
+    except Exception as exc:  # noqa: BLE001 - one line for the operator
+        raise BackendError(f"Ray did not start ({'--ray-address ' + settings.ray_address if settings.ray_address else 'a local instance'}): "
+                           f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
+
+
+def _existing_app():
+    """The handle of a `rill` application already deployed on the cluster (by a RayService), or None."""
+    try:
+        if APP_NAME in serve.status().applications:
+            return serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=APP_NAME)
+    except Exception:  # noqa: BLE001 - no Serve on the cluster yet
+        log.debug("no Serve application on the cluster", exc_info=True)
+    return None
+
+
+def vars_of(settings) -> dict:
+    """The settings as keyword arguments (what build_app takes)."""
+    return {name: getattr(settings, name) for name in settings.__slots__}
+
+
+def deployment_options(settings) -> dict:
+    """The Serve deployment of the replicas: size, overload bounds, autoscaling, router, health."""
+    options = dict(
+        name=DEPLOYMENT_NAME,
+        # Twice what the replica's engine admits: Ray keeps routing to a full replica, whose engine
+        # refuses with QueueFull (a 429 now) instead of Ray holding the request back unbounded.
+        max_ongoing_requests=2 * (settings.max_num_seqs + settings.max_queue),
+        # Requests waiting for a replica slot; Ray counts every request it is still routing, so a
+        # burst of simultaneous arrivals needs this much room (past it: 429).
+        max_queued_requests=settings.max_num_seqs + settings.max_queue,
+        ray_actor_options={"num_cpus": settings.replica_cpus},
+        health_check_period_s=2.0,
+        health_check_timeout_s=30.0,
+        graceful_shutdown_timeout_s=5.0,
+        request_router_config=RequestRouterConfig(
+            request_router_class="server.backends.ray_router.PrefixAffinityRouter",
+            request_router_kwargs={"block_size": settings.block_size}),
+    )
+    if settings.max_replicas > settings.replicas:
+        options["autoscaling_config"] = AutoscalingConfig(
+            min_replicas=settings.replicas, max_replicas=settings.max_replicas,
+            target_ongoing_requests=max(1, settings.max_num_seqs // 2))
+    else:
+        options["num_replicas"] = settings.replicas
+    return options
+
+
+class RayEngine(RemoteEngine):
+    """The engine client over Ray Serve replicas."""
+
+    backend = "ray"
+    continuable = True  # replicas return token ids: a resumed stream continues from them
+
+    def __init__(self, handle, board, info: dict, started_ray: bool):
+        self._handle = handle
+        self._stream_handle = handle.options(stream=True)
+        self._board = board
+        self._info = {k: v for k, v in info.items() if k != "tokenizer"}
+        self._started_ray = started_ray
+        self._entries: dict[str, dict] = {}
+        self.attention_path = info.get("attention_path", "paged")
+        super().__init__(model_name=info["model_name"], max_model_len=info["max_model_len"],
+                         tokenizer=info["tokenizer"])
+        self._entries = ray.get(board.read.remote())
+        self._poller = asyncio.run_coroutine_threadsafe(self._poll_forever(), self.loop)
+
+    @classmethod
+    def from_settings(cls, settings) -> "RayEngine":
+        started = _start_ray(settings)
+        try:
+            board = stats_board()
+            handle = None if started else _existing_app()
+            if handle is None:
+                serve.start(proxy_location="Disabled")
+                log.info("starting %d engine replica(s) on Ray Serve", settings.replicas)
+                handle = serve.run(build_app(vars_of(settings)), name=APP_NAME, route_prefix=None)
+            else:
+                log.info("using the engine replicas of the Serve application %r already on the cluster", APP_NAME)
+            info = handle.info.remote().result()
+        except Exception as exc:
+            if started:
+                ray.shutdown()
+            raise BackendError(f"the engine replicas did not start on Ray Serve: {type(exc).__name__}: "
+                               f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}") from exc
+        return cls(handle, board, info, started)
+
+    # ---- state of the replicas ------------------------------------------------------------
+
+    async def _poll_forever(self) -> None:
+        while True:
+            try:
+                self._entries = await self._board.read.remote()
+            except Exception:  # noqa: BLE001 - the board restarts with Ray; keep the last view
+                log.debug("reading the replicas' statistics failed", exc_info=True)
+            await asyncio.sleep(POLL_PERIOD_S)
+
+    def replica_stats(self) -> list[dict]:
+        now = time.time()
+        entries = []
+        for replica, entry in sorted(self._entries.items(), key=lambda item: item[1].get("started", 0)):
+            age = now - entry.get("time", 0)
+            if age > FORGET_S:
+                continue
+            entries.append({**entry, "replica": replica, "alive": bool(entry.get("alive")) and age < STALE_S})
+        return entries
+
+    def stats(self):
+        from server.backends.remote import aggregate_stats
+
+        return aggregate_stats([e["engine"] for e in self.replica_stats() if e["alive"]])
+
+    @property
+    def alive(self) -> bool:
+        return not self._stopping and any(entry["alive"] for entry in self.replica_stats())
+
+    def unavailable_reason(self) -> str:
+        return ("No engine replica is running (they are starting, or restarting after a failure). "
+                "Retry in a moment; /health lists the replicas.")
+
+    def health_info(self) -> dict:
+        replicas = self.replica_stats()
+        return {"backend": "ray", "weights": self._info.get("weights"), "linears": self._info.get("linears"),
+                "engine_restarts": sum(int(e.get("engine_restarts", 0)) for e in replicas),
+                "replicas": [{"replica": e["replica"], "pid": e.get("pid"), "alive": e["alive"],
+                              "requests_total": e.get("requests_total", 0), "engine": e.get("engine")}
+                             for e in replicas]}
+
+    # ---- one request ----------------------------------------------------------------------
+
+    async def _open(self, request_id, prompt_token_ids, params, prior_output_ids, session):
+        handle = self._stream_handle if not session else self._handle.options(stream=True, session_id=session)
+        response, first = None, None
+        for attempt in range(ADMIT_RETRIES):
+            try:
+                response = handle.generate.remote(prompt_token_ids=prompt_token_ids, params=params,
+                                                  request_id=request_id, prior_output_ids=prior_output_ids)
+                first = await response.__anext__()
+                break
+            except BackPressureError:
+                if response is not None:
+                    response.cancel()
+                raise Refused("queue_full", "Every engine replica is at capacity and the queue in front of them "
+                                            "is full. Retry in a moment.") from None
+            except (ActorDiedError, ActorUnavailableError, RayActorError):
+                response.cancel()  # that replica died before it took the request: another one may
+                if attempt + 1 == ADMIT_RETRIES:
+                    raise
+                await asyncio.sleep(0.2 * (attempt + 1))
+        try:
+            if "refused" in first:
+                raise Refused(first["refused"], first["message"], first.get("param"))
+            yield Admitted(first["admitted"])
+            async for batch in response:
+                yield batch
+        finally:
+            response.cancel()  # a no-op once the stream ended; else the replica aborts the request
+
+    def failure_message(self, exc: BaseException) -> str:
+        if isinstance(exc, (RayActorError, ActorUnavailableError)):
+            return ("The engine replica serving this request stopped (its process died); the other replicas "
+                    "take new requests and Ray starts a new one. Send the request again.")
+        return "The engine replica's stream broke off; send the request again."
+
+    def _close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+        try:
+            if self._started_ray:
+                serve.shutdown()
+                ray.shutdown()
+            else:
+                serve.delete(APP_NAME)
+        except Exception:  # noqa: BLE001 - shutting down anyway
+            log.warning("stopping the Ray Serve application failed", exc_info=True)
