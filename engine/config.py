@@ -22,6 +22,7 @@ class EngineConfig:
     decode_kernel: bool = True  # on CPU (float32), decode attention in a C kernel built once into $RILL_CACHE
     linear_kernel: bool = True  # on CPU (float32), linears in a C kernel of the same library (else oneDNN)
     native_decode: bool = True  # on CPU (float32, Llama family), decode steps in C, one call per layer
+    native_prefill_tokens: int = 128  # steps with at most this many prompt tokens run natively too
     max_restarts: int = 3  # core rebuilds after faults within 10 minutes; one more death and it stays dead
 
     def __post_init__(self):
@@ -36,5 +37,6 @@ class EngineConfig:
         need(self.max_num_seqs >= 1, "max_num_seqs must be >= 1", self.max_num_seqs)
         need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1", self.max_num_batched_tokens)
         need(self.max_queue >= 0, "max_queue must be >= 0", self.max_queue)
+        need(self.native_prefill_tokens >= 0, "native_prefill_tokens must be >= 0", self.native_prefill_tokens)
         need(self.max_restarts >= 0, "max_restarts must be >= 0", self.max_restarts)
         need(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2", self.max_model_len)

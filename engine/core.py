@@ -189,7 +189,8 @@ class EngineCore:
             if on_cpu and config.decode_kernel and model.dtype == torch.float32:
                 kernel = decode_attention_kernel(rill_cache_dir())
             native = self._native_decoder(model) if kernel is not None and config.native_decode else None
-            self.runner = PagedRunner(model, self.num_kv_blocks, config.block_size, decode_kernel=kernel, native=native)
+            self.runner = PagedRunner(model, self.num_kv_blocks, config.block_size, decode_kernel=kernel, native=native,
+                                      native_prefill_tokens=config.native_prefill_tokens)
             log.info("engine: decode attention %s", f"in the C kernel {kernel.path}" if kernel else "on the torch path")
         else:
             self.runner = FallbackRunner(model)

@@ -1,9 +1,10 @@
 """A decode step of a Llama-family model without Python per layer (csrc/decode_layer.c).
 
-When every scheduled sequence decodes one token, `PagedRunner` hands the step to `NativeDecoder`:
-the embedding, the model's own rotary module (so any RoPE variant it has), one C call per decoder
-layer, the final norm and the output head. Prefill steps, and every model it does not take, keep
-transformers' modules. It takes a model only when each piece is what the C layer computes:
+When a step's tokens are decodes and at most `EngineConfig.native_prefill_tokens` prompt tokens,
+`PagedRunner` hands it to `NativeDecoder`: the embedding, the model's own rotary module (so any
+RoPE variant it has), one C call per decoder layer (a prompt token attends as a decode would, to
+the positions up to its own), the final norm and the output head of the rows that sample. Longer
+prompt chunks, and every model it does not take, keep transformers' modules. It takes a model only when each piece is what the C layer computes:
 `LlamaForCausalLM` (Llama, SmolLM), `MistralForCausalLM` (its sliding window) and
 `Qwen2ForCausalLM` (q/k/v biases, a window per layer type), with RMSNorm and SiLU, and every
 linear already on a C kernel (float32 panels or blocks). Otherwise it says why and the runner
@@ -126,9 +127,11 @@ class NativeDecoder:
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, cache, slot_mapping: torch.Tensor,
-            decode_slots: torch.Tensor, decode_lens: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions, slot_mapping, decode_lens: [rows] int64; decode_slots: [rows, width]
-        int64. Returns float32 logits [rows, vocab]."""
+            token_slots: torch.Tensor, token_lens: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions, slot_mapping, token_lens: [rows] int64; token_slots: [rows, width]
+        int64 (row r attends token_slots[r, :token_lens[r]]: a decode token its whole context, a
+        prompt token the positions up to its own); keep: [samples] int64, the rows whose logits are
+        wanted (None: all). Returns float32 logits [samples, vocab]."""
         model = self.model
         rows = input_ids.shape[0]
         x = model.model.embed_tokens(input_ids).contiguous()  # [rows, hidden]
@@ -136,19 +139,21 @@ class NativeDecoder:
         cos, sin = cos[0].contiguous(), sin[0].contiguous()
         qd = self.heads * self.head_dim
         scratch = torch.empty(rows * (2 * self.hidden + qd + self.widest + 2 + self.intermediate))
-        slot_mapping, decode_slots, decode_lens = (t.contiguous() for t in (slot_mapping, decode_slots, decode_lens))
+        slot_mapping, token_slots, token_lens = (t.contiguous() for t in (slot_mapping, token_slots, token_lens))
         for index, layer in enumerate(self.layers):
             status = self._fn(
                 x.data_ptr(), rows, self.hidden, layer["norm1"].data_ptr(), layer["norm2"].data_ptr(), layer["eps"],
                 layer["qkv"], layer["n_qkv"], layer["q_off"], layer["k_off"], layer["v_off"], layer["o"],
                 layer["gu"], layer["n_gu"], layer["up_off"], layer["down"], self.intermediate,
                 cos.data_ptr(), sin.data_ptr(), cache.keys[index].data_ptr(), cache.values[index].data_ptr(),
-                slot_mapping.data_ptr(), decode_slots.data_ptr(), decode_slots.shape[1], decode_lens.data_ptr(),
+                slot_mapping.data_ptr(), token_slots.data_ptr(), token_slots.shape[1], token_lens.data_ptr(),
                 self.heads, self.kv_heads, self.head_dim, layer["scale"], layer["window"], scratch.data_ptr(),
                 self.threads)
             if status == -2:
                 raise MemoryError(f"the native decode layer could not allocate its buffers for {rows} rows")
             if status != 0:
                 raise RuntimeError(f"the native decode layer refused its arguments (layer {index})")
+        if keep is not None:
+            x = x.index_select(0, keep)
         x = model.model.norm(x)
         return model.lm_head(x).float()

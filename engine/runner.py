@@ -18,6 +18,7 @@ from engine.scheduler import ScheduledChunk
 log = logging.getLogger("rill.engine")
 
 
+
 class RequestFault(RuntimeError):
     """Raised by the test hook inside a forward; names the one sequence that must fail."""
 
@@ -81,15 +82,22 @@ class PagedRunner:
 
     path = "paged"
 
-    def __init__(self, model, num_blocks: int, block_size: int, decode_kernel=None, native=None):
+    def __init__(self, model, num_blocks: int, block_size: int, decode_kernel=None, native=None,
+                 native_prefill_tokens: int = 128):
         self.model = model
         self.decode_kernel = decode_kernel  # cpu.DecodeAttentionKernel or None (torch path)
-        self.native = native  # native.NativeDecoder for all-decode steps, or None (transformers' modules)
+        self.native = native  # native.NativeDecoder for decode steps and short prefills, or None (modules)
+        # Steps with at most this many prompt tokens run natively too (each prompt token attending
+        # as a decode would); longer chunks keep the modules, whose attention (torch's SDPA) reads a
+        # long chunk faster and whose Python costs little beside that much work.
+        self.native_prefill_tokens = native_prefill_tokens
         self.device = model.device
         num_layers, num_kv_heads, head_dim = kv_geometry(model.config)
         self.cache = PagedKVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim,
                                   model.dtype, self.device)
         self.block_size = block_size
+        # tokens of prompt chunks (of 2 or more tokens): all, and those run by the native layers
+        self.prompt_tokens = self.native_prompt_tokens = 0
 
     @torch.inference_mode()
     def run(self, plan: list[ScheduledChunk]) -> torch.Tensor:
@@ -140,8 +148,19 @@ class PagedRunner:
             decode_slots = slots(rows, ctx).view(len(dec_rows), ctx_len).to(dev)  # [num_decodes, max_context]
             decode_lens = torch.tensor(dec_lens, device=dev)
             decode_index = torch.tensor(dec_index, device=dev)
-        if self.native is not None and not prefills and len(sample_rows) == len(input_ids):
-            return self.native.run(torch.tensor(input_ids), pos, self.cache, slot_mapping, decode_slots, decode_lens)
+        prompt_tokens = len(input_ids) - len(dec_index)
+        self.prompt_tokens += prompt_tokens
+        if self.native is not None and prompt_tokens <= self.native_prefill_tokens:
+            if prefills:  # every token attends as a decode would: its own row of slots, its position + 1
+                lens = pos + 1
+                context = int(lens.max())
+                rows = torch.tensor(token_rows).repeat_interleave(context)
+                token_slots = slots(rows, torch.arange(context).repeat(len(input_ids))).view(len(input_ids), context)
+            else:
+                token_slots, lens = decode_slots, decode_lens
+            keep = None if len(sample_rows) == len(input_ids) else torch.tensor(sample_rows, dtype=torch.long)
+            self.native_prompt_tokens += prompt_tokens
+            return self.native.run(torch.tensor(input_ids), pos, self.cache, slot_mapping, token_slots, lens, keep)
         chunks = []
         for offset, n, start, row in prefills:
             ctx = torch.arange(start + n)

@@ -67,15 +67,24 @@ def test_batched_greedy_equals_generate(tiny_model, arch, path_kind):
     assert llm.core.allocator.num_free == llm.core.num_kv_blocks  # every block came back
 
 
-@pytest.mark.parametrize("native", [True, False])
-def test_native_decode_steps_equal_generate(tiny_model, native):
-    """Llama's decode steps in csrc/decode_layer.c (one C call per layer), or through transformers'
-    modules: the same tokens as `generate`, 16 prompts at once (prefill chunks beside decodes)."""
+@pytest.mark.parametrize("native, limit", [(True, 128), (True, 120), (False, 128)])
+def test_native_decode_steps_equal_generate(tiny_model, native, limit):
+    """Llama's steps in csrc/decode_layer.c (one C call per layer: decodes and prompt chunks of up
+    to `native_prefill_tokens`), or through transformers' modules: the same tokens as `generate`,
+    16 prompts at once (prefill chunks beside decodes). A limit of 120 prompt tokens sends the
+    steps with more to the modules, beside native ones."""
     path, prompts, refs = prompts_and_refs(tiny_model, "llama")
-    llm = LLM(load_model(str(path)), EngineConfig(max_num_batched_tokens=128, native_decode=native))
+    llm = LLM(load_model(str(path)), EngineConfig(max_num_batched_tokens=128, native_decode=native,
+                                                  native_prefill_tokens=limit))
     assert (llm.core.runner.native is not None) == native
     assert engine_outputs(llm, prompts) == refs
-    assert engine_outputs(llm, prompts[:1]) == refs[:1]  # alone: every step after the prompt is native
+    runner = llm.core.runner
+    assert runner.prompt_tokens >= sum(PROMPT_LENGTHS) - 16  # chunks of one token count as decodes
+    if native and limit < 128:
+        assert 0 < runner.native_prompt_tokens < runner.prompt_tokens
+    else:
+        assert runner.native_prompt_tokens == (runner.prompt_tokens if native else 0)
+    assert engine_outputs(llm, prompts[:1]) == refs[:1]  # alone
 
 
 def test_the_native_decoder_takes_only_what_it_computes(tiny_model):

@@ -1,8 +1,9 @@
 /* One decoder layer of the Llama family for a decode step, in C (built by engine/cpu.py with the
  * kernels it calls): no Python between the layer's operations. engine/native.py calls it once per
- * layer when every scheduled sequence decodes one token; prefill steps keep transformers' modules.
+ * layer for steps of decodes and short prompt chunks; longer chunks keep transformers' modules.
  *
- * For x [rows, hidden] (one new token per sequence), in place:
+ * For x [rows, hidden] (one row per token; row r attends dec_slots[r, :lens[r]], which holds its
+ * own position: all K/V rows are written before attention), in place:
  *   h = rmsnorm(x) * norm1;  q, k, v = h Wq, h Wk, h Wv (one fused call or three);
  *   q, k = rope(q, k) with the step's cos/sin [rows, head_dim] (computed by the model's own
  *   rotary module); k, v -> the paged cache at slot_mapping; a = attention(q, cache);
