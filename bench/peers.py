@@ -515,7 +515,8 @@ def run_table(servers: list[str], workload_keys: list[str], clients: list[int] |
     table = markdown(results, workloads)
     lines = target_lines(results)
     md = (f"SmolLM2-135M-Instruct, `/v1/completions`, `ignore_eos`, greedy, closed loop, one server at a time; "
-          f"{document['cpu']}; commit {document['commit']}\n\n{table}\n\n" + "".join(f"- {t}\n" for t in lines)
+          f"{document['cpu']}; commit {document['commit']}\n\nWorkloads: "
+          + "; ".join(f"{w.key}: {w.title}" for w in workloads) + f".\n\n{table}\n\n" + "".join(f"- {t}\n" for t in lines)
           + "".join(f"- skipped {n}: {why}\n" for n, why in plan.skipped.items()))
     out.with_suffix(".md").write_text(md)
     print("\n" + md)
