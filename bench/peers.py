@@ -161,7 +161,9 @@ class LlamaServer:
         started = time.monotonic()
         try:
             with open(self.log, "w") as log, tempfile.TemporaryDirectory(prefix="rill-llama-") as tmp:
-                _run_logged([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                # the sdist only (`--no-binary :all:` would also build its build tools from source,
+                # cmake included, where the cmake on PATH is too old or missing)
+                _run_logged([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python",
                              f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", tmp], log)
                 sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
                 with tarfile.open(sdist) as archive:
