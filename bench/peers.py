@@ -178,19 +178,27 @@ class LlamaServer:
                 shutil.copytree(source / "build" / "bin", staging, symlinks=True)  # its .so files sit beside it
                 shutil.rmtree(self.folder / "bin", ignore_errors=True)
                 staging.rename(self.folder / "bin")
+            with open(self.log, "a") as log:  # the build tree is gone: the copy must load on its own
+                _run_logged([str(self.binary), "--version"], log, env=dict(os.environ, **self._env()))
         except (RuntimeError, OSError, StopIteration, tarfile.TarError) as error:
             reason = str(error) or type(error).__name__
             self.failed.write_text(reason + "\n")
+            shutil.rmtree(self.folder / "bin", ignore_errors=True)
             return PeerState(self.name, False, f"build failed: {reason} (log: {self.log})")
         finally:
             (self.folder / "building.txt").unlink(missing_ok=True)
         print(f"llama-server: built in {(time.monotonic() - started) / 60:.1f} min", flush=True)
         return self.state()
 
+    def _env(self) -> dict[str, str]:
+        # the binary's RUNPATH names the build tree, which is gone: its .so files sit beside it
+        return {"LD_LIBRARY_PATH": os.pathsep.join(filter(None, [str(self.binary.parent),
+                                                                 os.environ.get("LD_LIBRARY_PATH")]))}
+
     def command(self, port: int, gguf: Path, model_dir: Path) -> tuple[list[str], dict]:
         threads = str(os.cpu_count() or 2)
         return ([str(self.binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", threads,
-                 "-np", "32", "-c", "65536"], {})
+                 "-np", "32", "-c", "65536"], self._env())
 
 
 # ---------------------------------------------------------------------------------------------

@@ -79,6 +79,7 @@ def test_the_peer_commands():
     command, env = llama.command(8123, peers.Path("/m/model.gguf"), peers.Path("/m/folder"))
     assert command[1:3] == ["-m", "/m/model.gguf"] and command[-6:] == ["-t", str(os.cpu_count()), "-np", "32", "-c",
                                                                         "65536"]
+    assert env["LD_LIBRARY_PATH"].split(os.pathsep)[0] == str(llama.binary.parent)
     command, env = peers.VllmCpu(cache=peers.Path("/c")).command(8123, peers.Path("/m/model.gguf"),
                                                                  peers.Path("/m/folder"))
     assert command[1:5] == ["-m", "vllm.entrypoints.openai.api_server", "--model", "/m/folder"]
