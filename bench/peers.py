@@ -400,13 +400,16 @@ def measure_server(name: str, plan: Plan, gguf: Path, model_dir: Path, tokenizer
     try:
         startup = proc.wait_ready(plan.ready_timeout)
         model_name = model_name_of(proc.url)
-        print(f"== {name}: ready in {startup:.1f} s at {proc.url}, serving {model_name!r}", flush=True)
+        load = os.getloadavg()  # llama-server's spinning threads slow down many times when other work shares the cores
+        print(f"== {name}: ready in {startup:.1f} s at {proc.url}, serving {model_name!r}; load average "
+              f"{load[0]:.1f} (a busy machine skews the table)", flush=True)
         runs = {}
         for work in plan.workloads:
             cargs = _client_args(plan, work, proc.url, model_dir, model_name, proc.proc.pid)
             runs[work.key] = asyncio.run(run_benchmark(cargs, tokenizer, make_api(cargs), label=f"{name} {work.key}"))
         return {"server": name, "label": SERVER_LABELS[name], "command": " ".join(command), "env": env,
-                "startup_s": startup, "model_name": model_name, "runs": runs}
+                "startup_s": startup, "model_name": model_name, "load_average_before": load,
+                "load_average_after": os.getloadavg(), "runs": runs}
     finally:
         proc.stop()
 
