@@ -1,10 +1,10 @@
-# rill: make run | make test | make bench | make setup
+# rill: make run | make test | make bench | make bench-peers-setup | make setup
 PY := .venv/bin/python
 STAMP := .venv/.setup-done
 HOST ?= 127.0.0.1
 PORT ?= 7860
 
-.PHONY: setup browser run serve test test-fast bench soak clean constraints
+.PHONY: setup browser run serve test test-fast bench bench-peers-setup bench-peers soak clean constraints
 
 setup: $(STAMP)
 
@@ -33,6 +33,14 @@ test-fast: setup
 
 bench: setup
 	$(PY) -m bench.suite
+
+# llama-server (built for this CPU, ~10 min on 2 cores) and vLLM CPU (its own venv), once into
+# $$RILL_CACHE/peers; `make bench` then adds them to its peer table. `make bench-peers`: that table alone.
+bench-peers-setup: setup
+	$(PY) -m bench.peers setup
+
+bench-peers: setup
+	$(PY) -m bench.peers table
 
 soak: setup
 	RILL_SOAK_REQUESTS=2000 $(PY) -m pytest -q tests/test_soak.py

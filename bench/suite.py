@@ -18,6 +18,9 @@ each of its APIs, samples its peak RSS (process and children), stops it. Servers
 Writes bench/results/suite-<workload>.json (every run, every level), the same name with .md
 (the tables) and one plot (docs/bench.png for the default workload), and prints the ratios of
 rill to each baseline per concurrency level. Server logs go to bench/results/logs/.
+
+Then the peer table on the embedded SmolLM2 (bench/peers.py: rill against llama-server and
+vLLM CPU, each one that is built; `--peers-only` runs just that, `--no-peers` skips it).
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class Server:
     ready_path: str
     runs: list[Run] = field(default_factory=list)
     model_name: bool = False  # send the model folder as the OpenAI `model` field
+    env: dict[str, str] = field(default_factory=dict)  # set on top of the suite's environment
 
 
 def servers(python: str, max_levels: list[int]) -> dict[str, Server]:
@@ -116,14 +120,15 @@ def free_port() -> int:
 class ServerProcess:
     """A server started in its own process group; stopped with SIGTERM, then SIGKILL."""
 
-    def __init__(self, server: Server, model_dir: Path, log_path: Path):
+    def __init__(self, server: Server, model_dir: Path, log_path: Path, port: int | None = None):
         self.server = server
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         command = [part.format(model=model_dir, port=self.port) for part in server.command]
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", GRADIO_ANALYTICS_ENABLED="False",
                    PYTHONUNBUFFERED="1")
         env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env.update(server.env)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = log_path
         self._log = open(log_path, "w")
@@ -346,9 +351,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="results JSON (default bench/results/suite-<workload>.json)")
     p.add_argument("--plot", help="plot PNG (default docs/bench.png for the short workload, else bench/results/<workload>.png)")
     p.add_argument("--no-progress", action="store_true")
+    peers = p.add_argument_group("the peer table (bench/peers.py: llama-server and vLLM CPU on the embedded SmolLM2)")
+    peers.add_argument("--peers-only", action="store_true", help="run only the peer table")
+    peers.add_argument("--no-peers", action="store_true", help="skip the peer table")
+    peers.add_argument("--peer-servers", default="rill,llama-server,vllm")
+    peers.add_argument("--peer-workloads", default="short,long-prompt,shared-prefix")
+    peers.add_argument("--peer-clients", help="only these client counts in the peer table (e.g. 1,8; default 1,8,32)")
     args = p.parse_args(argv)
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.peers_only:
+        return peer_table(args)
     if args.nice:
         os.nice(args.nice)  # the servers inherit it
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
@@ -427,7 +440,19 @@ def main(argv: list[str] | None = None) -> int:
     for failure in failures:
         print(f"FAILED {failure.splitlines()[0]}")
     print(f"\nwrote {out}, {plot}, {md_path} in {elapsed / 60:.1f} min")
-    return 1 if failures else 0
+    peers_code = 0 if args.no_peers else peer_table(args)
+    return 1 if failures or peers_code else 0
+
+
+def peer_table(args) -> int:
+    """bench/peers.py's table; builds the peers first only when RILL_BENCH_PEERS_SETUP=1."""
+    from bench import peers
+
+    setup = os.environ.get("RILL_BENCH_PEERS_SETUP", "") not in ("", "0")  # else a peer not built is skipped
+    clients = [int(c) for c in args.peer_clients.split(",")] if args.peer_clients else None
+    return peers.run_table(peers.parse_names(args.peer_servers, ("rill", *peers.PEERS), "--peer-servers"),
+                           peers.parse_names(args.peer_workloads, tuple(peers.WORKLOADS), "--peer-workloads"),
+                           clients, setup=setup, progress=not args.no_progress)
 
 
 if __name__ == "__main__":
