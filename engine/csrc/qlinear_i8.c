@@ -181,10 +181,17 @@ static inline __attribute__((always_inline)) void qlinear_i8(const float *x, int
                                                              int64_t in, int threads, int8_t *xq, float *dx,
                                                              int32_t *xs, float *acc_all, const int kind) {
     const int64_t num_panels = (out + 15) / 16, blocks = in / 32, panel_bytes = blocks * block_bytes(kind);
+    /* a few rows are rounded here: in the threads, one would wait at the barrier for the other */
+    const int serial = rows <= 4;
+    for (int64_t r = 0; r < (serial ? rows : 0); r++)
+        quantize_row(x + r * x_row, in, xq + r * in, dx + r * blocks, xs + r * blocks);
     #pragma omp parallel num_threads(threads)
     {
-        #pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) quantize_row(x + r * x_row, in, xq + r * in, dx + r * blocks, xs + r * blocks);
+        if (!serial) {
+            #pragma omp for schedule(static)
+            for (int64_t r = 0; r < rows; r++)
+                quantize_row(x + r * x_row, in, xq + r * in, dx + r * blocks, xs + r * blocks);
+        }
         float *acc = acc_all + (size_t)omp_get_thread_num() * 16 * (size_t)rows;
         #pragma omp for schedule(static)
         for (int64_t p = 0; p < num_panels; p++) {
