@@ -6,7 +6,8 @@ RoPE variant it has), one C call per decoder layer (a prompt token attends as a 
 the positions up to its own), the final norm and the output head of the rows that sample. Longer
 prompt chunks, and every model it does not take, keep transformers' modules. It takes a model only when each piece is what the C layer computes:
 `LlamaForCausalLM` (Llama, SmolLM), `MistralForCausalLM` (its sliding window) and
-`Qwen2ForCausalLM` (q/k/v biases, a window per layer type), with RMSNorm and SiLU, and every
+`Qwen2ForCausalLM` (q/k/v biases, a window per layer type) and `Qwen3ForCausalLM` (q/k norms),
+with RMSNorm and SiLU, and every
 linear already on a C kernel (float32 panels or blocks). Otherwise it says why and the runner
 keeps the modules (the same tokens, more Python).
 """
@@ -58,7 +59,8 @@ def _projections(module: nn.Module, names: tuple[str, ...]):
     return (_Lin * len(lins))(*lins), len(lins), None, holders
 
 
-NATIVE_MODELS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")  # one layer shape, three names
+# one layer shape, four names (Qwen3: an RMSNorm on each head of q and k)
+NATIVE_MODELS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 def _window(model, attention) -> int:
@@ -80,6 +82,9 @@ def why_not_native(model) -> str | None:
         attn, mlp = layer.self_attn, layer.mlp
         if not isinstance(mlp.act_fn, (nn.SiLU, SiLUActivation)):
             return f"activation {type(mlp.act_fn).__name__} is not SiLU"
+        for norm in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)):
+            if norm is not None and getattr(norm, "variance_epsilon", None) != layer.input_layernorm.variance_epsilon:
+                return "a q/k norm whose epsilon is not the layer norm's"
         try:
             _projections(attn, ("q_proj", "k_proj", "v_proj"))
             _projections(mlp, ("gate_proj", "up_proj"))
@@ -98,7 +103,7 @@ class NativeDecoder:
         ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
         lins = ctypes.POINTER(_Lin)
         self._fn.argtypes = [ptr, i64, i64, ptr, ptr, f32, lins, i32, i64, i64, i64, ptr, lins, i32, i64, ptr,
-                             i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, i32, i32, i32, f32, i64, ptr, i32]
+                             i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, i32, i32, i32, f32, i64, ptr, i32, ptr, ptr]
         self._fn.restype = i32
         config = model.config
         self.hidden = config.hidden_size
@@ -121,7 +126,8 @@ class NativeDecoder:
                 norm1=layer.input_layernorm.weight, norm2=layer.post_attention_layernorm.weight,
                 eps=float(layer.input_layernorm.variance_epsilon), qkv=qkv, n_qkv=n_qkv, q_off=q_off, k_off=k_off,
                 v_off=v_off, o=ctypes.pointer(o), gu=gu, n_gu=n_gu, up_off=(gu_offsets or (0, 0))[1],
-                down=ctypes.pointer(down), scale=float(attn.scaling), window=_window(model, attn)))
+                down=ctypes.pointer(down), scale=float(attn.scaling), window=_window(model, attn),
+                q_norm=getattr(attn, "q_norm", None), k_norm=getattr(attn, "k_norm", None)))
             widths = sum(qkv[i].out for i in range(n_qkv)), sum(gu[i].out for i in range(n_gu))
             self.widest = max(self.widest, *widths)
 
@@ -148,7 +154,7 @@ class NativeDecoder:
                 cos.data_ptr(), sin.data_ptr(), cache.keys[index].data_ptr(), cache.values[index].data_ptr(),
                 slot_mapping.data_ptr(), token_slots.data_ptr(), token_slots.shape[1], token_lens.data_ptr(),
                 self.heads, self.kv_heads, self.head_dim, layer["scale"], layer["window"], scratch.data_ptr(),
-                self.threads)
+                self.threads, *(None if n is None else n.weight.data_ptr() for n in (layer["q_norm"], layer["k_norm"])))
             if status == -2:
                 raise MemoryError(f"the native decode layer could not allocate its buffers for {rows} rows")
             if status != 0:

@@ -15,6 +15,7 @@ from engine.loading import load_model
 
 PROMPT_LENGTHS = [1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 120, 150, 200, 233, 270, 300]
 MAX_TOKENS = 24
+NATIVE_ARCHS = ("llama", "mistral", "qwen2", "qwen3norm")  # their steps run in csrc/decode_layer.c
 
 
 def make_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
@@ -52,7 +53,8 @@ def prompts_and_refs(tiny_model, arch):
 
 
 @pytest.mark.parametrize("arch, path_kind", [("llama", "paged"), ("mistral", "paged"), ("qwen2", "paged"),
-                                             ("gpt2", "paged"), ("gemma2", "paged"), ("bloom", "fallback")])
+                                             ("qwen3norm", "paged"), ("gpt2", "paged"), ("gemma2", "paged"),
+                                             ("bloom", "fallback")])
 def test_batched_greedy_equals_generate(tiny_model, arch, path_kind):
     path, prompts, refs = prompts_and_refs(tiny_model, arch)
     llm = LLM(load_model(str(path)), EngineConfig(max_num_batched_tokens=128))
@@ -60,7 +62,7 @@ def test_batched_greedy_equals_generate(tiny_model, arch, path_kind):
     if path_kind == "paged":  # decodes go through the C kernel (needs a C compiler, as CI has)
         assert llm.core.runner.decode_kernel is not None, "the decode attention kernel was not built"
     assert llm.core.linears == "C kernel"  # every linear (needs the C compiler too)
-    assert (getattr(llm.core.runner, "native", None) is not None) == (arch in ("llama", "mistral", "qwen2"))
+    assert (getattr(llm.core.runner, "native", None) is not None) == (arch in NATIVE_ARCHS)
     got = engine_outputs(llm, prompts)
     for n, g, r in zip(PROMPT_LENGTHS, got, refs):
         assert g == r, f"{arch}: prompt of {n} tokens diverged"
@@ -93,7 +95,7 @@ def test_the_native_decoder_takes_only_what_it_computes(tiny_model):
     for arch in ("gemma2", "gpt2"):  # softcaps, norms around each block / LayerNorm, GELU, fused c_attn
         name = type(load_model(str(tiny_model(arch))).model).__name__
         assert why_not_native(load_model(str(tiny_model(arch))).model) == (
-            f"{name} is not one of LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM")
+            f"{name} is not one of LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM")
     llama = LLM(load_model(str(tiny_model("llama"))), EngineConfig(linear_kernel=False))  # oneDNN linears
     assert llama.core.runner.native is None
     assert "is not on a C kernel" in why_not_native(llama.core.model)

@@ -22,7 +22,7 @@ import random
 import sys
 from pathlib import Path
 
-ARCHS = ("llama", "mistral", "qwen2", "gpt2", "bloom", "gemma2")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3norm", "gpt2", "bloom", "gemma2")  # qwen3norm: Qwen3ForCausalLM
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
 PAD, BOS, EOS = SPECIAL_TOKENS
 TINY_VOCAB = 1024
@@ -109,6 +109,10 @@ def _config(arch: str, vocab_size: int, ids: dict):
         return tf.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                               num_key_value_heads=2, max_position_embeddings=CONTEXT, use_sliding_window=False,
                               initializer_range=init, tie_word_embeddings=False, **common)
+    if arch == "qwen3norm":  # Qwen3: q/k norms per head, head_dim apart from hidden / heads
+        return tf.Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=32, max_position_embeddings=CONTEXT,
+                              use_sliding_window=False, initializer_range=init, **common)
     if arch == "gpt2":
         return tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=CONTEXT, initializer_range=init, **common)
     if arch == "bloom":  # ALiBi, no attention interface: the engine's fallback path

@@ -5,6 +5,7 @@
  * For x [rows, hidden] (one row per token; row r attends dec_slots[r, :lens[r]], which holds its
  * own position: all K/V rows are written before attention), in place:
  *   h = rmsnorm(x) * norm1;  q, k, v = h Wq, h Wk, h Wv (one fused call or three);
+ *   (Qwen3: q, k = rmsnorm(q) * q_norm, rmsnorm(k) * k_norm per head; NULL: none)
  *   q, k = rope(q, k) with the step's cos/sin [rows, head_dim] (computed by the model's own
  *   rotary module); k, v -> the paged cache at slot_mapping; a = attention(q, cache);
  *   x += a Wo;  h = rmsnorm(x) * norm2;  x += (silu(h Wgate) * h Wup) Wdown.
@@ -86,7 +87,7 @@ int rill_decode_layer(float *x, int64_t rows, int64_t hidden, const float *norm1
                       int64_t intermediate, const float *cos, const float *sin, float *k_cache, float *v_cache,
                       const int64_t *slot_mapping, const int64_t *dec_slots, int64_t slots_width,
                       const int64_t *lens, int heads, int kv_heads, int head_dim, float scale, int64_t window,
-                      float *scratch, int threads) {
+                      float *scratch, int threads, const float *q_norm, const float *k_norm) {
     const int64_t qd = (int64_t)heads * head_dim, kvd = (int64_t)kv_heads * head_dim;
     float *h = scratch;                              /* [rows, hidden] */
     float *tmp = h + rows * hidden;                  /* [rows, hidden] */
@@ -115,6 +116,10 @@ int rill_decode_layer(float *x, int64_t rows, int64_t hidden, const float *norm1
     } else {
         return -1;
     }
+    for (int64_t r = 0; r < rows && q_norm; r++)  /* Qwen3: RMSNorm of each head of q and k, before RoPE */
+        rmsnorm(q + r * q_row, q_norm, eps, (float *)q + r * q_row, heads, head_dim);
+    for (int64_t r = 0; r < rows && k_norm; r++)
+        rmsnorm(k + r * k_row, k_norm, eps, (float *)k + r * k_row, kv_heads, head_dim);
     rope((float *)q, q_row, heads, head_dim, cos, sin, rows);
     rope((float *)k, k_row, kv_heads, head_dim, cos, sin, rows);
     for (int64_t r = 0; r < rows; r++) {
