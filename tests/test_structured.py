@@ -179,15 +179,16 @@ def test_a_compile_past_the_timeout_is_refused(tiny_model, monkeypatch):
     compiler.compile(Constraint("regex", "a+"))
 
 
-def _thinking_prompt(llm, opened: bool, **kwargs) -> list[int]:
+def _thinking_prompt(llm, **kwargs) -> list[int]:
+    """qwen3's chat prompt: the thought opened (by default) or written empty (enable_thinking=False)."""
     text = llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
                                              add_generation_prompt=True, **kwargs)
-    return llm.tokenizer.encode(text + ("<think>\n" if opened else ""), add_special_tokens=False)
+    return llm.tokenizer.encode(text, add_special_tokens=False)
 
 
 def test_thought_is_split_from_the_answer_and_its_budget_forces_the_end(qwen3):
     end_id = qwen3.tokenizer.convert_tokens_to_ids("</think>")
-    prompt = _thinking_prompt(qwen3, opened=True)
+    prompt = _thinking_prompt(qwen3)
     plain = _one(qwen3, prompt, max_tokens=30, temperature=0, ignore_eos=True)
     assert plain.outputs[0].reasoning == "" and end_id not in plain.token_ids[:30]  # not asked: one text
     result = _one(qwen3, prompt, max_tokens=30, temperature=0, ignore_eos=True, reasoning=True,
@@ -199,7 +200,7 @@ def test_thought_is_split_from_the_answer_and_its_budget_forces_the_end(qwen3):
 
 
 def test_grammar_applies_after_the_thought(qwen3):
-    prompt = _thinking_prompt(qwen3, opened=True)
+    prompt = _thinking_prompt(qwen3)
     constraint = Constraint("regex", "(red|green|blue)")
     result = _one(qwen3, prompt, max_tokens=40, temperature=0.8, seed=5, reasoning=True, max_reasoning_tokens=8,
                   constraint=constraint)
@@ -207,7 +208,7 @@ def test_grammar_applies_after_the_thought(qwen3):
     assert result.text in ("red", "green", "blue")
     assert len(result.outputs[0].reasoning) > 0  # the thought was free text
     # with thinking switched off in the template, the answer is constrained from its first token
-    closed = _thinking_prompt(qwen3, opened=False, enable_thinking=False)
+    closed = _thinking_prompt(qwen3, enable_thinking=False)
     direct = _one(qwen3, closed, max_tokens=40, temperature=0, reasoning=True, constraint=constraint)
     assert direct.text in ("red", "green", "blue") and direct.outputs[0].reasoning == ""
 
@@ -216,7 +217,7 @@ def test_grammar_lets_the_first_token_open_a_thought(qwen3):
     """Without an opened thought in the prompt, a thinking model may start with <think>: the grammar
     allows it (and nothing else outside the grammar)."""
     start_id = qwen3.tokenizer.convert_tokens_to_ids("<think>")
-    prompt = _thinking_prompt(qwen3, opened=False)
+    prompt = qwen3.tokenizer.encode("Hello", add_special_tokens=False)  # no chat template: no thought opened
     seq_params = SamplingParams(max_tokens=1, temperature=0, reasoning=True, constraint=Constraint("regex", "zzz"))
     qwen3.core.add_request("probe", prompt, seq_params)
     seq = qwen3.core.by_request["probe"][0]

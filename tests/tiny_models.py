@@ -17,7 +17,8 @@ with a ChatML chat template.
 adds <think>, </think>, <tool_call>, </tool_call> (ids 1024-1027, not special, as Qwen's are),
 the model's vocabulary is padded to 1088 (logits wider than the tokenizer, as Qwen's 151936 are
 wider than its 151665 tokens), and QWEN3_CHAT_TEMPLATE renders tools, tool calls, tool results
-and `enable_thinking`.
+and `enable_thinking` (on by default: the generation prompt opens the thought with `<think>`, as
+Qwen3's thinking-only releases and DeepSeek-R1's templates do; off, it writes an empty thought).
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ QWEN3_CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}"
     "{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- else %}{{- '<think>\\n' }}{%- endif %}"
     "{%- endif %}"
 )
 
