@@ -29,15 +29,34 @@ CACHE_SIZE = 128  # compiled constraints kept (least recently used dropped first
 MAX_ERROR_CHARS = 600  # of llguidance's message, in the 400
 
 
+def closed_objects(schema):
+    """The schema with `additionalProperties: false` on every object schema that does not say
+    (OpenAI's strict mode: only the declared keys). A copy; recursion bounded by the JSON's depth."""
+    if isinstance(schema, list):
+        return [closed_objects(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {key: closed_objects(value) for key, value in schema.items()}
+    if "properties" in closed and "additionalProperties" not in closed:
+        closed["additionalProperties"] = False
+    return closed
+
+
 def grammar_text(constraint: Constraint) -> str:
-    """The llguidance grammar of a constraint (not yet checked)."""
+    """The llguidance grammar of a constraint (not yet checked). JSON is written compact (no
+    optional whitespace: a model cannot pad it without end); a strict schema closes its objects."""
+    import json
+
     import llguidance
 
-    options = {"whitespace_flexible": False, "lenient": not constraint.strict}  # compact JSON: no runaway spaces
+    options = {"whitespace_flexible": False, "lenient": not constraint.strict}
     if constraint.kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=options)
     if constraint.kind == "json_schema":
-        return llguidance.LLMatcher.grammar_from_json_schema(constraint.value, defaults=options)
+        schema = json.loads(constraint.value)
+        if constraint.strict:
+            schema = closed_objects(schema)
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
     if constraint.kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(constraint.value)
     return llguidance.LLMatcher.grammar_from_lark(constraint.value)
@@ -92,6 +111,8 @@ class GrammarCompiler:
             text = grammar_text(constraint)
         except (ValueError, TypeError) as exc:
             return f"{exc}"
+        except RecursionError:
+            return "it is nested too deeply"
         limits = llguidance.LLParserLimits()  # fuel and size bounds: a hostile grammar fails fast
         matcher = llguidance.LLMatcher(self.ll_tokenizer(), text, log_level=0, limits=limits)
         if matcher.is_error():

@@ -42,11 +42,11 @@ class ToolCall:
 class ToolRequest:
     """What the client asked: the tools (OpenAI's `{"type": "function", "function": {...}}` dicts),
     the choice ("auto", "required", or a function's name; "none" means no ToolRequest) and whether
-    several calls may come in one answer."""
+    several calls may come in one answer (None: not said; the format's default)."""
 
     tools: tuple[dict, ...]
     choice: str = "auto"
-    parallel: bool = True
+    parallel: bool | None = None
 
     @property
     def functions(self) -> list[dict]:
@@ -328,7 +328,7 @@ class HermesFormat(ToolFormat):
             return None
         start, end = (_token_or_text(tokenizer, t) for t in (HermesParser.START, HermesParser.END))
         schema = _compact(_any_of([_call_schema(f) for f in request.functions]))
-        calls = 'call ("\\n" call)*' if request.parallel else "call"
+        calls = "call" if request.parallel is False else 'call ("\\n" call)*'  # parallel unless told not
         top = calls if request.forced else f"TEXT | {calls}"
         lark = (f"start: {top}\nTEXT: /[^<](.|\\n)*/\n"
                 f'call: {start} "\\n" %json {json.dumps(schema)} "\\n" {end}\n')
@@ -350,12 +350,18 @@ class Llama3Format(ToolFormat):
 
 
 class GenericFormat(ToolFormat):
+    """Several calls in one reply only with `parallel_tool_calls: true` said: a small model given a
+    list goes on repeating its call until max_tokens."""
+
     name = "generic"
     parser = GenericParser
     passes_tools = False
 
+    def _parallel(self, request: ToolRequest | None) -> bool:
+        return request is not None and request.parallel is True
+
     def _call_key(self, request: ToolRequest) -> str:
-        return "tool_calls" if request.parallel else "tool_call"
+        return "tool_calls" if self._parallel(request) else "tool_call"
 
     def messages(self, messages: list[dict], request: ToolRequest | None) -> list[dict]:
         """The tools described in the system message; calls and results written as the JSON the model
@@ -365,8 +371,7 @@ class GenericFormat(ToolFormat):
             if m["role"] == "assistant" and m.get("tool_calls"):
                 calls = [{"name": c["function"]["name"], "arguments": _template_call(c)["function"].get("arguments")}
                          for c in m["tool_calls"]]
-                body = {"tool_calls": calls} if len(calls) > 1 or (request and request.parallel) else \
-                    {"tool_call": calls[0]}
+                body = {"tool_calls": calls} if len(calls) > 1 or self._parallel(request) else {"tool_call": calls[0]}
                 out.append({"role": "assistant", "content": json.dumps(body, ensure_ascii=False)})
             elif m["role"] == "assistant" and request is not None:
                 out.append({"role": "assistant", "content": json.dumps({"response": m.get("content") or ""},
@@ -391,7 +396,7 @@ class GenericFormat(ToolFormat):
                           for f in request.functions)
         key = self._call_key(request)
         call = '{"name": <tool name>, "arguments": <arguments object>}'
-        shape = f'{{"{key}": [{call}, ...]}}' if request.parallel else f'{{"{key}": {call}}}'
+        shape = f'{{"{key}": [{call}, ...]}}' if self._parallel(request) else f'{{"{key}": {call}}}'
         how = f"To call a tool, answer with {shape}."
         if not request.forced:
             how += ' To answer the user directly, answer with {"response": "<your answer>"}.'
@@ -400,7 +405,7 @@ class GenericFormat(ToolFormat):
     def constraint(self, request: ToolRequest, tokenizer=None) -> Constraint | None:
         call = _any_of([_call_schema(f) for f in request.functions])
         key = self._call_key(request)
-        value = {"type": "array", "items": call, "minItems": 1} if request.parallel else call
+        value = {"type": "array", "items": call, "minItems": 1} if self._parallel(request) else call
         calls = {"type": "object", "properties": {key: value}, "required": [key], "additionalProperties": False}
         if request.forced:
             return Constraint.json_schema(_compact(calls), strict=request.strict)
