@@ -17,6 +17,7 @@ import json
 import platform
 import statistics
 import subprocess
+import sys
 import time
 
 from engine import LLM, SamplingParams
@@ -83,9 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(load_model(None))
     run(llm, 4, 8, 2)  # warm-up: kernels, llguidance's tokenizer, the schema's compile
     none, half = [], []
-    for _ in range(args.rounds):
+    for round_ in range(args.rounds):
         none.append(run(llm, args.streams, args.tokens, 0))
         half.append(run(llm, args.streams, args.tokens, args.streams // 2))
+        print(f"round {round_ + 1}: none {none[-1]:.1f} tok/s, half {half[-1]:.1f} tok/s", file=sys.stderr, flush=True)
     fill = mask_fill_ms(llm, args.streams // 2)
     print(json.dumps({"cpu": cpu_name(), "model": llm.loaded.name, "vocab": llm.core.logits_width,
                       "streams": args.streams, "tokens_per_stream": args.tokens, "rounds": args.rounds,

@@ -302,8 +302,8 @@ class EngineCore:
             kind = seq.reasoning.on_token(token_id) if seq.reasoning is not None else "answer"
             if kind == "thought":
                 seq.reasoning.detokenizer.add(token_id)
-            elif kind == "end" and seq.grammar is not None:
-                seq.grammar.active = True
+            elif kind in ("start", "end") and seq.grammar is not None:
+                seq.grammar.active = kind == "end"
             elif kind == "answer":
                 answer.append(token_id)
                 if seq.grammar is not None and seq.grammar.active:
@@ -492,6 +492,8 @@ class EngineCore:
             kind = reasoning.on_token(token_id) if reasoning is not None else "answer"
             if kind == "thought":
                 thought = reasoning.detokenizer.add(token_id)
+            elif kind == "start" and grammar is not None:
+                grammar.active = False  # the model opened a thought: free text until it ends
             elif kind == "end":
                 thought = reasoning.detokenizer.flush()
                 if grammar is not None:

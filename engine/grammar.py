@@ -29,14 +29,28 @@ CACHE_SIZE = 128  # compiled constraints kept (least recently used dropped first
 MAX_ERROR_CHARS = 600  # of llguidance's message, in the 400
 
 
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
+_SCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames")
+
+
 def closed_objects(schema):
-    """The schema with `additionalProperties: false` on every object schema that does not say
-    (OpenAI's strict mode: only the declared keys). A copy; recursion bounded by the JSON's depth."""
-    if isinstance(schema, list):
-        return [closed_objects(item) for item in schema]
+    """The schema with `additionalProperties: false` on every object schema with `properties` that
+    does not say (OpenAI's strict mode: only the declared keys). A copy; it walks schema positions
+    only (a property named "properties" is a name, not a keyword)."""
     if not isinstance(schema, dict):
         return schema
-    closed = {key: closed_objects(value) for key, value in schema.items()}
+    closed = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(closed.get(key), dict):
+            closed[key] = {name: closed_objects(sub) for name, sub in closed[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(closed.get(key), list):
+            closed[key] = [closed_objects(sub) for sub in closed[key]]
+    for key in _SCHEMAS:
+        if key in closed:
+            value = closed[key]
+            closed[key] = [closed_objects(v) for v in value] if isinstance(value, list) else closed_objects(value)
     if "properties" in closed and "additionalProperties" not in closed:
         closed["additionalProperties"] = False
     return closed
@@ -77,7 +91,8 @@ class GrammarCompiler:
         self.eos_token_ids = list(eos_token_ids)
         self.timeout_s = timeout_s
         self.cache_size = cache_size
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the cache and the pending compiles
+        self._tokenizer_lock = threading.Lock()  # the one build of llguidance's tokenizer (a second)
         self._cache: OrderedDict[Constraint, object] = OrderedDict()  # constraint -> LLMatcher template or error str
         self._pending: dict[Constraint, concurrent.futures.Future] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="rill-grammar")
@@ -91,7 +106,7 @@ class GrammarCompiler:
 
     def ll_tokenizer(self):
         """llguidance's view of the tokenizer (about a second to build; built once, on first use)."""
-        with self._lock:
+        with self._tokenizer_lock:
             if self._ll_tokenizer is None:
                 import llguidance.hf
 

@@ -196,9 +196,11 @@ class Llama3Parser(_Parser):
             head = self.buffer.lstrip()
             if head.startswith(self.TAG):
                 head = head[len(self.TAG):].lstrip()
+            elif self.TAG.startswith(head) and not final:
+                return []  # nothing yet, or the tag being written
             if head:
                 self.mode = "call" if head.startswith("{") else "text"
-            elif not final and (not self.buffer.strip() or self.TAG.startswith(self.buffer.strip())):
+            elif not final:
                 return []
             else:
                 self.mode = "text"

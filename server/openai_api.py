@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 
 from engine.request import FinishReason, RequestOutput, SamplingParams
 from engine.tools import ToolFormat, tool_format
-from server.chat import run_while_connected
+from server.chat import compile_constraint, run_while_connected
 from server.errors import ApiError, error_body, internal_error_message
 from server.generation import Generation, RequestFailed, admission, check_prompt_chars, off_loop, request_id_from
 from server.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
@@ -123,12 +123,6 @@ class _Reply:
         if self.reasoning:
             message["reasoning"] = message["reasoning_content"] = "".join(self.reasoning)
         return message
-
-
-async def compile_constraint(engine, params: SamplingParams) -> None:
-    """Compile the request's constraint off the event loop before admission (a 400 if it cannot be)."""
-    if params.constraint is not None:
-        await off_loop(engine.compile_constraint, params)
 
 
 def _default_max_tokens(engine, num_prompt_tokens: int) -> int:

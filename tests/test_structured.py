@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from engine import LLM, InvalidRequest, SamplingParams
-from engine.grammar import GrammarCompiler, allowed_tokens
+from engine.grammar import GrammarCompiler, allowed_tokens, closed_objects
 from engine.loading import load_model
-from engine.request import Constraint, FinishReason
+from engine.request import Constraint, FinishReason, QueueFull
 from tests.tiny_models import QWEN3_VOCAB, THINK_TOKENS, TINY_VOCAB
 
 PERSON = {"type": "object", "properties": {
@@ -48,7 +48,7 @@ def _replays(llm, constraint: Constraint, token_ids: list[int]) -> bool:
 @pytest.mark.parametrize("temperature", [0, 0.8])
 def test_json_schema_output_validates_and_ends_with_stop(llama, temperature):
     constraint = Constraint.json_schema(PERSON, strict=True)
-    for seed in range(2):
+    for seed in (range(2) if temperature else [0]):  # greedy: one run says it all
         result = _one(llama, "Describe a person:", max_tokens=200, temperature=temperature, seed=seed,
                       constraint=constraint)
         assert result.finish_reason is FinishReason.STOP, result.text
@@ -72,6 +72,19 @@ def test_regex_json_object_and_lark_grammar(llama):
     assert lark.text in ("yes", "no") or (lark.text.startswith("maybe ") and len(lark.text) == 8)
 
 
+def test_strict_closes_objects_only_where_the_schema_is_silent():
+    schema = {"type": "object", "properties": {"properties": {"type": "object", "properties": {"a": {}}},
+                                               "open": {"type": "object", "properties": {},
+                                                        "additionalProperties": True}},
+              "$defs": {"x": {"properties": {"b": {}}}}, "anyOf": [{"properties": {}}]}
+    closed = closed_objects(schema)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["properties"]["additionalProperties"] is False  # a property named "properties"
+    assert "additionalProperties" not in closed["properties"]  # ...is a name, not a keyword
+    assert closed["properties"]["open"]["additionalProperties"] is True
+    assert closed["$defs"]["x"]["additionalProperties"] is False and closed["anyOf"][0]["additionalProperties"] is False
+
+
 def test_cut_by_max_tokens_is_length(llama):
     result = _one(llama, "List:", max_tokens=4, temperature=0,
                   constraint=Constraint.json_schema({"type": "array", "items": {"type": "integer"}, "minItems": 50}))
@@ -87,16 +100,16 @@ def test_stop_string_inside_the_constrained_answer_stops_there(llama):
 
 
 def test_unconstrained_rows_are_untouched_and_seeded_rows_repeat(llama):
-    prompts = ["Hello there", "Once upon a time", "The capital of France"]
+    prompts = ["Hello there", "Once upon a time"]
     plain = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
              SamplingParams(max_tokens=24, temperature=0.9, seed=7, ignore_eos=True)]
     alone = [_one(llama, p, **_fields(q)).token_ids for p in prompts for q in plain]
     constrained = SamplingParams(max_tokens=40, temperature=0.9, seed=11, constraint=Constraint.json_schema(PERSON))
     mixed = llama.generate(prompts * 2 + ["Person:"] * 3,
                            [q for q in plain for _ in prompts] + [constrained] * 3)
-    together = {(r.prompt_token_ids[0], i // 3): r.token_ids for i, r in enumerate(mixed[:6])}
+    together = {(r.prompt_token_ids[0], i // len(prompts)): r.token_ids for i, r in enumerate(mixed[:4])}
     assert [together[(llama.tokenizer.encode(p)[0], k)] for p in prompts for k in range(2)] == alone
-    seeded = [r.token_ids for r in mixed[6:]]
+    seeded = [r.token_ids for r in mixed[4:]]
     assert seeded[0] == seeded[1] == seeded[2] == _one(llama, "Person:", **_fields(constrained)).token_ids
 
 
@@ -177,6 +190,11 @@ def test_a_compile_past_the_timeout_is_refused(tiny_model, monkeypatch):
         compiler.compile(Constraint("regex", "a+"))
     compiler.submit(Constraint("regex", "a+")).result(5)  # it finishes in the background, then is cached
     compiler.compile(Constraint("regex", "a+"))
+    monkeypatch.setattr("engine.grammar.MAX_PENDING_COMPILES", 1)
+    compiler.submit(Constraint("regex", "b+"))
+    compiler.submit(Constraint("regex", "b+"))  # the same constraint shares the compile in progress
+    with pytest.raises(QueueFull, match="Too many grammars are compiling"):
+        compiler.submit(Constraint("regex", "c+"))
 
 
 def _thinking_prompt(llm, **kwargs) -> list[int]:
@@ -218,12 +236,18 @@ def test_grammar_lets_the_first_token_open_a_thought(qwen3):
     allows it (and nothing else outside the grammar)."""
     start_id = qwen3.tokenizer.convert_tokens_to_ids("<think>")
     prompt = qwen3.tokenizer.encode("Hello", add_special_tokens=False)  # no chat template: no thought opened
-    seq_params = SamplingParams(max_tokens=1, temperature=0, reasoning=True, constraint=Constraint("regex", "zzz"))
+    seq_params = SamplingParams(max_tokens=8, temperature=0, reasoning=True, constraint=Constraint("regex", "zzz"))
     qwen3.core.add_request("probe", prompt, seq_params)
     seq = qwen3.core.by_request["probe"][0]
-    bitmask = qwen3.core.grammars.fill_bitmasks([seq.grammar.matcher])
-    qwen3.core.abort("probe")
-    allowed = set(np.flatnonzero(allowed_tokens(bitmask, QWEN3_VOCAB)[0]).tolist())
-    assert start_id not in allowed  # the grammar alone...
-    masked = qwen3.core.sampler._mask(torch.zeros(1, QWEN3_VOCAB), [seq], [0])  # [1, vocab]
-    assert set(masked[0].isfinite().nonzero().flatten().tolist()) == allowed | {start_id}  # the thought may open
+    try:
+        bitmask = qwen3.core.grammars.fill_bitmasks([seq.grammar.matcher])
+        allowed = set(np.flatnonzero(allowed_tokens(bitmask, QWEN3_VOCAB)[0]).tolist())
+        assert start_id not in allowed  # the grammar alone...
+        masked = qwen3.core.sampler._mask(torch.zeros(1, QWEN3_VOCAB), [seq], [0])  # [1, vocab]
+        assert set(masked[0].isfinite().nonzero().flatten().tolist()) == allowed | {start_id}  # ...may open a thought
+        qwen3.core._append_token(seq, start_id, None, 0.0)  # the model opens it
+        assert seq.reasoning.thinking and not seq.grammar.active  # free text until </think>
+        qwen3.core._append_token(seq, qwen3.tokenizer.convert_tokens_to_ids("</think>"), None, 0.0)
+        assert seq.grammar.active and not seq.reasoning.may_open
+    finally:
+        qwen3.core.abort("probe")
