@@ -66,6 +66,8 @@ class AsyncEngine:
         self.core = EngineCore(loaded.model, loaded.tokenizer, self.config, loaded.context_length)
         self.max_model_len = self.core.max_model_len
         self.attention_path = self.core.attention_path
+        self.grammars = self.core.grammars  # compiles constraints off the engine thread (engine/grammar.py)
+        self.think_tags = self.core.think_tags  # None unless the model thinks between <think> tags
         self._commands: deque = deque()  # callables run by the engine thread before its next step
         self._wakeup = threading.Event()
         self._lock = threading.Lock()
@@ -103,11 +105,19 @@ class AsyncEngine:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return encode_chat(self.tokenizer, messages, add_generation_prompt)
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                    **template_kwargs) -> list[int]:
+        return encode_chat(self.tokenizer, messages, add_generation_prompt, tools, **template_kwargs)
 
     def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.core.check_prompt(prompt_token_ids, params)
+
+    def compile_constraint(self, params: SamplingParams) -> None:
+        """Blocking (call it off the event loop, before add_request): compiles the request's constraint
+        into the cache the engine thread reads, so that admitting it costs the batch nothing; raises
+        InvalidRequest when it does not compile (within the compile timeout)."""
+        if params.constraint is not None:
+            self.grammars.compile(params.constraint)
 
     def _not_running(self) -> EngineNotRunning | None:
         if self._stopping:
@@ -318,7 +328,8 @@ class AsyncEngine:
             # The same pool size: sized from free memory again, it would find the old pool's memory
             # still held (the allocator keeps it) and shrink at every restart.
             config = dataclasses.replace(self.config, num_kv_blocks=old.num_kv_blocks)
-            self.core = EngineCore(self.loaded.model, self.loaded.tokenizer, config, self.loaded.context_length)
+            self.core = EngineCore(self.loaded.model, self.loaded.tokenizer, config, self.loaded.context_length,
+                                   grammars=old.grammars)
             self.core.linears = old.linears  # the model's linears were repacked by the first core, not this one
         except Exception:
             log.exception("rebuilding the engine failed; it stays dead")

@@ -19,6 +19,7 @@ import torch
 from engine.attention import PagedKVCache
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, replacement_is_final
+from engine.grammar import GrammarCompiler, GrammarState
 from engine.kv_cache import BlockAllocator
 from engine.loading import rill_cache_dir
 from engine.request import (
@@ -31,6 +32,7 @@ from engine.request import (
 )
 from engine.cpu import decode_attention_kernel, keep_freed_memory, linear_kernel, pack_linears
 from engine.quant import FusedProjections, QuantLinear
+from engine.reasoning import ReasoningState, think_tags
 from engine.runner import FallbackRunner, PagedRunner, kv_geometry, supports_paged_attention
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledChunk, Scheduler
@@ -160,7 +162,8 @@ class ModelBroken(RuntimeError):
 class EngineCore:
     """Owns the model, the KV cache and the queues; `step()` advances every running sequence."""
 
-    def __init__(self, model, tokenizer, config: EngineConfig | None = None, context_length: int | None = None):
+    def __init__(self, model, tokenizer, config: EngineConfig | None = None, context_length: int | None = None,
+                 grammars: GrammarCompiler | None = None):
         self.config = config = config or EngineConfig()
         self.model = model
         self.tokenizer = tokenizer
@@ -199,7 +202,10 @@ class EngineCore:
         self.allocator = BlockAllocator(self.num_kv_blocks, config.block_size,
                                         prefix_caching=config.prefix_caching and self.attention_path == "paged")
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens)
-        self.sampler = Sampler(self.eos_token_ids, config.seed)
+        # constrained output (kept across rebuilds: the compiled grammars stay valid) and think tags
+        self.grammars = grammars or GrammarCompiler(tokenizer, self.logits_width, self.eos_token_ids)
+        self.think_tags = think_tags(tokenizer)
+        self.sampler = Sampler(self.eos_token_ids, config.seed, self.grammars)
         self.seqs: dict[str, Sequence] = {}  # seq_id -> live sequence
         self.by_request: dict[str, list[Sequence]] = {}  # request_id -> its live sequences
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -273,6 +279,40 @@ class EngineCore:
         """Token ids the model can embed: [0, vocab_size)."""
         return self.model.get_input_embeddings().num_embeddings
 
+    @functools.cached_property
+    def logits_width(self) -> int:
+        """Entries of a logits row: the output layer's size (padded vocabularies are wider than the tokenizer)."""
+        head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
+        return int(getattr(head, "out_features", 0) or getattr(self.model.config, "vocab_size", 0) or self.vocab_size)
+
+    def _new_detokenizer(self, params: SamplingParams, stop=None) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.tokenizer, params.stop if stop is None else stop,
+                                      params.skip_special_tokens, self.replacement_is_final)
+
+    def _guide(self, seq: Sequence, detok: IncrementalDetokenizer, prior_output_ids) -> None:
+        """The sequence's grammar and reasoning states, replayed over output it already had."""
+        params = seq.params
+        if params.reasoning and self.think_tags is not None:
+            seq.reasoning = ReasoningState(self.think_tags, seq.token_ids[:seq.num_prompt_tokens],
+                                           params.max_reasoning_tokens, self._new_detokenizer(params, ()))
+        if params.constraint is not None:
+            seq.grammar = GrammarState(self.grammars.matcher(params.constraint),
+                                       active=seq.reasoning is None or not seq.reasoning.thinking)
+        answer = []
+        for token_id in prior_output_ids:
+            kind = seq.reasoning.on_token(token_id) if seq.reasoning is not None else "answer"
+            if kind == "thought":
+                seq.reasoning.detokenizer.add(token_id)
+            elif kind in ("start", "end") and seq.grammar is not None:
+                seq.grammar.active = kind == "end"
+            elif kind == "answer":
+                answer.append(token_id)
+                if seq.grammar is not None and seq.grammar.active:
+                    seq.grammar.accept(token_id)
+        if seq.reasoning is not None:
+            seq.reasoning.detokenizer.prime([])
+        detok.prime(answer)
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prior_output_ids: list[int] = ()) -> list[Sequence]:
         """Queue a request. `prior_output_ids` continues one whose output so far is known (a
@@ -286,9 +326,8 @@ class EngineCore:
             seq = Sequence(seq_id=f"{request_id}#{index}", request_id=request_id, index=index,
                            token_ids=list(prompt_token_ids) + list(prior_output_ids),
                            num_prompt_tokens=len(prompt_token_ids), params=params)
-            detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens,
-                                           self.replacement_is_final)
-            detok.prime(list(prior_output_ids))
+            detok = self._new_detokenizer(params)
+            self._guide(seq, detok, list(prior_output_ids))
             made.append((seq, detok))
         for seq, detok in made:
             self.seqs[seq.seq_id] = seq
@@ -443,27 +482,44 @@ class EngineCore:
             seq.first_token_time = now
         logprobs = [logprob] if logprob is not None else None
         num_out = seq.num_output_tokens
+        grammar, reasoning = seq.grammar, seq.reasoning
+        constrained = grammar is not None and grammar.active
         reason = None
+        text = thought = ""
         if ((token_id in self.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids) \
-                and num_out >= params.min_tokens:
+                and (num_out >= params.min_tokens or constrained):
             reason = FinishReason.STOP  # the EOS / stop token is kept in token_ids, not in the text
-            text = ""
         else:
-            detok = self.detokenizers[seq.seq_id]
-            text = detok.add(token_id)
-            if detok.stopped:
-                reason = FinishReason.STOP
+            kind = reasoning.on_token(token_id) if reasoning is not None else "answer"
+            if kind == "thought":
+                thought = reasoning.detokenizer.add(token_id)
+            elif kind == "start" and grammar is not None:
+                grammar.active = False  # the model opened a thought: free text until it ends
+            elif kind == "end":
+                thought = reasoning.detokenizer.flush()
+                if grammar is not None:
+                    grammar.active = True  # the constraint applies to the answer, after the thought
+            elif kind == "answer":
+                if constrained and not grammar.accept(token_id):
+                    return self._finish(seq, FinishReason.ERROR, f"The constraint rejected token {token_id}: "
+                                        f"{grammar.error}", [token_id], logprobs=logprobs)
+                detok = self.detokenizers[seq.seq_id]
+                text = detok.add(token_id)
+                if reasoning is not None:
+                    text = reasoning.answer_text(text)
+                if detok.stopped or (constrained and grammar.complete):
+                    reason = FinishReason.STOP  # a stop string, or the grammar is complete
         if reason is None and (num_out >= params.max_tokens or len(seq.token_ids) >= self.max_model_len):
             reason = FinishReason.LENGTH
         if reason is not None:
-            return self._finish(seq, reason, None, [token_id], text, logprobs)
+            return self._finish(seq, reason, None, [token_id], text, logprobs, thought)
         return RequestOutput(seq.request_id, seq.index, [token_id], text, logprobs=logprobs,
                              num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=num_out,
                              first_token_time=seq.first_token_time, arrival_time=seq.arrival_time,
-                             scheduled_time=seq.scheduled_time)
+                             scheduled_time=seq.scheduled_time, reasoning=thought)
 
     def _finish(self, seq: Sequence, reason: FinishReason, error: str | None, token_ids: list[int],
-                text: str = "", logprobs=None) -> RequestOutput:
+                text: str = "", logprobs=None, thought: str = "") -> RequestOutput:
         if seq.status is not RequestStatus.FINISHED:
             self.scheduler.finish(seq)
         self.runner.free(seq.seq_id)
@@ -471,6 +527,10 @@ class EngineCore:
         detok = self.detokenizers.pop(seq.seq_id, None)
         if detok is not None and reason is not FinishReason.ERROR:
             text += detok.flush()
+            if seq.reasoning is not None:
+                text = seq.reasoning.answer_text(text)
+                if seq.reasoning.thinking:  # ended inside the thought: what it held back is thought
+                    thought += seq.reasoning.detokenizer.flush()
         seq.finish_reason = reason
         seq.error = error
         self.seqs.pop(seq.seq_id, None)
@@ -484,7 +544,7 @@ class EngineCore:
                              logprobs=logprobs, num_prompt_tokens=seq.num_prompt_tokens,
                              num_output_tokens=seq.num_output_tokens, error=error,
                              first_token_time=seq.first_token_time, arrival_time=seq.arrival_time,
-                             scheduled_time=seq.scheduled_time)
+                             scheduled_time=seq.scheduled_time, reasoning=thought)
 
     def stats(self, num_pending: int = 0) -> EngineStats:
         return EngineStats(

@@ -36,6 +36,7 @@ class LLM:
                 c = results[out.request_id].outputs[out.index]
                 c.text += out.text
                 c.token_ids.extend(out.token_ids)
+                c.reasoning += out.reasoning
                 if out.logprobs and c.logprobs is not None:
                     c.logprobs.extend(out.logprobs)
                 if out.finished:

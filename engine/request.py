@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -67,6 +68,68 @@ def _real(value, param: str, low: float, high: float, *, low_open: bool = False,
     _check(ok, param, allowed, value)
 
 
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "grammar")  # "grammar": a Lark grammar
+MAX_CONSTRAINT_CHARS = 200_000  # a schema, regex or grammar longer than this is refused before compiling
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """What a request's output must match; plain data (a `SamplingParams` field).
+
+    kind: "json_schema" (value: the schema as JSON text), "json_object" (any JSON object; value
+    empty), "regex" (value: a regular expression, Rust `regex` syntax, anchored at both ends) or
+    "grammar" (value: a Lark grammar in llguidance's dialect, which also takes `%json {...}`).
+    strict: for a JSON schema, every keyword must be enforceable (an unsupported one is a 400);
+    not strict, unsupported keywords are ignored and the rest is still enforced.
+    """
+
+    kind: str
+    value: str = ""
+    strict: bool = False
+
+    def __post_init__(self):
+        if self.kind not in CONSTRAINT_KINDS:
+            raise InvalidRequest(f"A constraint's kind must be one of {', '.join(CONSTRAINT_KINDS)}. "
+                                 f"Given: {self.kind!r}", "constraint")
+        if not isinstance(self.value, str):
+            raise InvalidRequest(f"A constraint's value must be a string. Given: {type(self.value).__name__}",
+                                 "constraint")
+        if not isinstance(self.strict, bool):
+            raise InvalidRequest(f"A constraint's strict must be true or false. Given: {self.strict!r}", "constraint")
+        if len(self.value) > MAX_CONSTRAINT_CHARS:
+            raise InvalidRequest(f"The {self.label} is too long: at most {MAX_CONSTRAINT_CHARS} characters are "
+                                 f"allowed. Given: {len(self.value)} characters.", self.param)
+        if self.kind in ("json_schema", "regex", "grammar") and not self.value:
+            raise InvalidRequest(f"The {self.label} is empty.", self.param)
+        if self.kind == "json_schema":
+            try:
+                schema = json.loads(self.value)
+            except ValueError as exc:
+                raise InvalidRequest(f"The JSON schema is not valid JSON: {exc}", self.param) from None
+            except RecursionError:
+                raise InvalidRequest("The JSON schema is nested too deeply to be read.", self.param) from None
+            if not isinstance(schema, (dict, bool)):
+                raise InvalidRequest("The JSON schema must be a JSON object (or true/false). "
+                                     f"Given: {type(schema).__name__}", self.param)
+
+    @classmethod
+    def json_schema(cls, schema: dict | bool | str, strict: bool = False) -> "Constraint":
+        """From a schema as a dict (its key order kept: it is the order properties are generated in)."""
+        text = schema if isinstance(schema, str) else json.dumps(schema, ensure_ascii=False)
+        return cls("json_schema", text, strict)
+
+    @property
+    def label(self) -> str:
+        return {"json_schema": "JSON schema", "json_object": "JSON object constraint", "regex": "regex",
+                "grammar": "Lark grammar"}[self.kind]
+
+    @property
+    def param(self) -> str:
+        """The request field a client names it with (the error's `param`)."""
+        return {"json_schema": "response_format", "json_object": "response_format"}.get(self.kind, self.kind)
+
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to sample one request. Frozen and validated at construction: every field is checked
@@ -93,6 +156,9 @@ class SamplingParams:
     logprobs: int | None = None  # None = off; N >= 0 = chosen token's logprob and the top N
     n: int = 1  # independent samples of one prompt
     skip_special_tokens: bool = True  # in the detokenized text
+    constraint: Constraint | None = None  # the answer must match it (engine/grammar.py); it decides the end
+    reasoning: bool = False  # split the model's thought (between its think tags) into RequestOutput.reasoning
+    max_reasoning_tokens: int | None = None  # with reasoning: past this many thought tokens the end tag is forced
 
     def __post_init__(self):
         stop, stop_ids = self.stop, self.stop_token_ids
@@ -132,6 +198,13 @@ class SamplingParams:
         _check(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"an integer between 1 and {MAX_N}", self.n)
         _check(isinstance(self.skip_special_tokens, bool), "skip_special_tokens", "true or false",
                self.skip_special_tokens)
+        _check(self.constraint is None or isinstance(self.constraint, Constraint), "constraint",
+               "null or a Constraint (JSON schema, JSON object, regex or Lark grammar)", self.constraint)
+        _check(isinstance(self.reasoning, bool), "reasoning", "true or false", self.reasoning)
+        _check(self.max_reasoning_tokens is None or (_is_int(self.max_reasoning_tokens)
+                                                     and 0 <= self.max_reasoning_tokens <= self.max_tokens),
+               "max_reasoning_tokens", f"null or an integer between 0 and max_tokens ({self.max_tokens})",
+               self.max_reasoning_tokens)
 
     @property
     def greedy(self) -> bool:
@@ -188,6 +261,7 @@ class RequestOutput:
     first_token_time: float | None = None  # time.monotonic() of the first token
     arrival_time: float = 0.0  # time.monotonic() when the engine received the request
     scheduled_time: float | None = None  # time.monotonic() when it first ran (queue time ends)
+    reasoning: str = ""  # new text of the model's thought (params.reasoning), apart from `text`
 
 
 @dataclass(slots=True)
@@ -199,6 +273,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: FinishReason | None
     logprobs: list[TokenLogprob] | None = None
+    reasoning: str = ""  # the thought, when params.reasoning split it from the text
 
 
 @dataclass(slots=True)
@@ -249,6 +324,8 @@ class Sequence:
     first_token_time: float | None = None
     scheduled_time: float | None = None  # first time the scheduler ran it (queue time ends)
     fault: bool = False  # test hook: the next forward including this sequence raises
+    grammar: object | None = None  # engine.grammar.GrammarState when params.constraint is set
+    reasoning: object | None = None  # engine.reasoning.ReasoningState when params.reasoning on a thinking model
 
     @property
     def num_output_tokens(self) -> int:

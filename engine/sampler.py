@@ -3,6 +3,11 @@
 Penalties, temperature, top-k, top-p and min-p are tensor operations over `[rows, vocab]`.
 The only per-row Python work is drawing noise for seeded rows from their own generators,
 so a seeded request samples the same tokens whatever else shares the batch.
+
+Constrained rows (an active grammar, engine/grammar.py) get their bitmask filled for this step
+and -inf on every token it forbids, over the whole logits row (a padded vocabulary's extra ids
+included), before penalties, greedy or sampling and logprobs; other rows are untouched. A row
+whose thought reached its budget (engine/reasoning.py) takes the forced end tag.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.grammar import allowed_tokens
 from engine.request import Sequence, TokenLogprob
 
 
@@ -22,8 +28,9 @@ class SampleResult:
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: list[int], seed: int = 0):
+    def __init__(self, eos_token_ids: list[int], seed: int = 0, grammars=None):
         self.eos_token_ids = eos_token_ids
+        self.grammars = grammars  # engine.grammar.GrammarCompiler: fills the constrained rows' bitmasks
         self.generator = torch.Generator().manual_seed(seed)  # shared by unseeded rows
         self.seq_generators: dict[str, torch.Generator] = {}  # seq_id -> its own generator
 
@@ -47,12 +54,15 @@ class Sampler:
         bad_rows = [i for i in range(rows) if not finite[i]] if not bool(finite.all()) else []
         if bad_rows:
             logits = torch.nan_to_num(logits, nan=0.0, posinf=0.0, neginf=0.0)
+        constrained = [i for i, s in enumerate(seqs) if s.grammar is not None and s.grammar.active]
+        if constrained:
+            logits = self._mask(logits, seqs, constrained)
         raw = logits
 
         logits = self._apply_penalties(logits, seqs)
-        # min_tokens: hide EOS and stop ids until enough tokens exist
+        # min_tokens: hide EOS and stop ids until enough tokens exist (a grammar decides its own end)
         for i, (s, p) in enumerate(zip(seqs, params)):
-            if s.num_output_tokens < p.min_tokens:
+            if s.num_output_tokens < p.min_tokens and not (s.grammar is not None and s.grammar.active):
                 banned = [t for t in (*self.eos_token_ids, *p.stop_token_ids) if t < vocab]
                 if banned:
                     logits = logits.clone() if logits is raw else logits
@@ -65,6 +75,9 @@ class Sampler:
             chosen = torch.where(greedy, chosen, self._sample(logits, seqs, params, temps))
 
         token_ids = chosen.tolist()
+        for i, s in enumerate(seqs):
+            if s.reasoning is not None and (forced := s.reasoning.forced_token()) is not None:
+                token_ids[i] = forced  # the thought used its budget: it ends here
         logprobs: list[TokenLogprob | None] = [None] * rows
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         if want:
@@ -73,12 +86,25 @@ class Sampler:
             top_vals, top_ids = lp.topk(max(top_n, 1), dim=-1)
             for j, i in enumerate(want):
                 n = params[i].logprobs
-                logprobs[i] = TokenLogprob(
-                    token_id=token_ids[i],
-                    logprob=float(lp[j, token_ids[i]]),
-                    top=list(zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist())),
-                )
+                top = [(t, v) for t, v in zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist())
+                       if v != float("-inf")]  # a token the grammar forbids is no alternative
+                logprobs[i] = TokenLogprob(token_id=token_ids[i], logprob=float(lp[j, token_ids[i]]), top=top)
         return SampleResult(token_ids, logprobs, bad_rows)
+
+    def _mask(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> torch.Tensor:
+        """logits [rows, vocab] with -inf where the grammar of each row in `rows` forbids the token
+        (a copy; the other rows unchanged). The first token may also open a thought."""
+        vocab = logits.shape[1]
+        bitmask = self.grammars.fill_bitmasks([seqs[i].grammar.matcher for i in rows])  # [len(rows), words]
+        allowed = torch.from_numpy(allowed_tokens(bitmask, vocab))  # [len(rows), vocab] bool
+        for j, i in enumerate(rows):
+            reasoning = seqs[i].reasoning
+            if reasoning is not None and reasoning.may_open and reasoning.tags.start_id < vocab:
+                allowed[j, reasoning.tags.start_id] = True
+        index = torch.tensor(rows)
+        logits = logits.clone()
+        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+        return logits
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         params = [s.params for s in seqs]

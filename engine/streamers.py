@@ -13,6 +13,11 @@ if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
 
 
+class ReasoningPiece(str):
+    """A piece of the model's thought (params.reasoning) in a text streamer's queue: iterating the
+    streamer yields it like any text; `isinstance(piece, ReasoningPiece)` tells it from the answer."""
+
+
 def _one_sample(params: SamplingParams) -> None:
     if params.n != 1:
         raise InvalidRequest(f"A text streamer carries one sample: `n` must be 1. Given: {params.n}", "n")
@@ -40,6 +45,8 @@ class _TextSinkMixin(_Sink):
         self.arrival_time, self.scheduled_time = out.arrival_time, out.scheduled_time
         if out.finished:
             self.finish_reason, self.error = out.finish_reason, out.error
+        if out.reasoning:
+            self.on_finalized_text(ReasoningPiece(out.reasoning))
         if out.text:
             self.on_finalized_text(out.text)
         if out.finished:

@@ -1,6 +1,7 @@
 """`POST /chat` (the seed's SSE protocol, extended) and `GET /chat/{request_id}` (resume).
 
-Wire format of a stream: one event per text piece (`id: k`, `data: <piece>`), then
+Wire format of a stream: one event per text piece (`id: k`, `data: <piece>`; a thinking model's
+thought as `event: reasoning` pieces before them), then
 `event: usage` (JSON: prompt_tokens, completion_tokens, finish_reason), then `event: end` with
 `data: [DONE]`. A failure after the stream started is `event: error` (JSON `{"error": ...}`)
 followed by the end event. Every event has an increasing `id:`; a client that lost the
@@ -17,8 +18,8 @@ import json
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import JSONResponse
 
-from engine.request import FinishReason, InvalidRequest, SamplingParams
-from server.errors import BODY_FIELDS, ApiError, internal_error_message, log_internal_error
+from engine.request import FinishReason, InvalidRequest, QueueFull, SamplingParams
+from server.errors import BODY_FIELDS, ApiError, internal_error_message, log_internal_error, queue_full_error
 from server.generation import (Generation, RequestFailed, admission, check_prompt_chars, off_loop, request_id_from,
                                start_generation)
 from server.resume import ResumableStream
@@ -51,18 +52,22 @@ def _prompt_token_ids(engine, body: ChatBody) -> list[int]:
         messages = [{"role": "user", "content": body.prompt}]
     if body.system is not None:
         messages.insert(0, {"role": "system", "content": body.system})
-    return engine.encode_chat(messages)
+    return engine.encode_chat(messages, True, None, **(body.chat_template_kwargs or {}))
 
 
-def _sampling_params(body: ChatBody, settings) -> SamplingParams:
+def _sampling_params(body: ChatBody, settings, engine) -> SamplingParams:
+    max_tokens = body.max_new_tokens or settings.default_max_new_tokens
     return SamplingParams(
-        max_tokens=body.max_new_tokens or settings.default_max_new_tokens,
+        max_tokens=max_tokens,
         temperature=body.temperature,
         top_p=body.top_p,
         top_k=body.top_k,
         repetition_penalty=body.repetition_penalty,
         stop=tuple(body.stop_list()),
         seed=body.seed,
+        constraint=body.constraint(),
+        reasoning=getattr(engine, "think_tags", None) is not None,
+        max_reasoning_tokens=None if body.max_reasoning_tokens is None else min(body.max_reasoning_tokens, max_tokens),
     )
 
 
@@ -72,6 +77,18 @@ def _usage(gen: Generation, completion_tokens: int, finish_reason) -> dict:
             "finish_reason": reason}
 
 
+async def compile_constraint(engine, params: SamplingParams) -> None:
+    """The request's constraint compiled off the event loop before admission, so the batch never waits
+    for it: a 400 when it cannot be compiled, a 429 when too many are compiling."""
+    compile_ = getattr(engine, "compile_constraint", None)  # an engine without it compiles at admission
+    if params.constraint is None or compile_ is None:
+        return
+    try:
+        await off_loop(compile_, params)
+    except QueueFull as exc:
+        raise queue_full_error(exc, 1) from None
+
+
 async def _pump(gen: Generation, record: ResumableStream) -> None:
     """Read the engine request into the resumable record, whatever the HTTP connection does."""
     completion_tokens = 0
@@ -79,6 +96,8 @@ async def _pump(gen: Generation, record: ResumableStream) -> None:
     try:
         async for out in gen.deltas():
             record.add_output(out.token_ids)
+            if out.reasoning:
+                record.append("reasoning", out.reasoning)
             if out.text:
                 record.append(None, out.text)
             completion_tokens = out.num_output_tokens
@@ -130,9 +149,10 @@ async def _continue(request: Request, record: ResumableStream) -> None:
     _start_pump(request.app.state, gen, record)
 
 
-async def _collect(gen: Generation, request: Request) -> tuple[str, int, object]:
-    """All text of a non-streaming request; aborts it when the client goes away."""
+async def _collect(gen: Generation, request: Request) -> tuple[str, str, int, object]:
+    """All text (and thought) of a non-streaming request; aborts it when the client goes away."""
     pieces: list[str] = []
+    thought: list[str] = []
     completion_tokens = 0
     finish_reason = None
 
@@ -140,12 +160,13 @@ async def _collect(gen: Generation, request: Request) -> tuple[str, int, object]
         nonlocal completion_tokens, finish_reason
         async for out in gen.deltas():
             pieces.append(out.text)
+            thought.append(out.reasoning)
             completion_tokens = out.num_output_tokens
             if out.finished:
                 finish_reason = out.finish_reason
 
     await run_while_connected(read(), request, gen)
-    return "".join(pieces), completion_tokens, finish_reason
+    return "".join(pieces), "".join(thought), completion_tokens, finish_reason
 
 
 async def run_while_connected(coro, request: Request, gen: Generation):
@@ -177,9 +198,10 @@ async def chat(body: ChatBody, request: Request, x_request_id: str | None = Head
     state = request.app.state
     engine, settings = state.engine, state.settings
     request_id = request_id_from(x_request_id)  # a label; resuming needs the record's token too
-    params = _sampling_params(body, settings)
+    params = _sampling_params(body, settings, engine)
     _check_prompt_size(engine, body)
     prompt_ids = await off_loop(_prompt_token_ids, engine, body)
+    await compile_constraint(engine, params)
     try:
         gen = await start_generation(engine, prompt_ids, params, request_id, **admission(request, "chat"))
     except InvalidRequest as exc:  # the engine names OpenAI's `max_tokens`; /chat calls it max_new_tokens
@@ -187,9 +209,11 @@ async def chat(body: ChatBody, request: Request, x_request_id: str | None = Head
             raise InvalidRequest(str(exc).replace("max_tokens", "max_new_tokens"), "max_new_tokens") from None
         raise
     if not body.stream:
-        text, completion_tokens, finish_reason = await _collect(gen, request)
-        return JSONResponse({"response": text, "usage": _usage(gen, completion_tokens, finish_reason),
-                             "request_id": request_id}, headers={"x-request-id": request_id})
+        text, thought, completion_tokens, finish_reason = await _collect(gen, request)
+        reply = {"response": text, "usage": _usage(gen, completion_tokens, finish_reason), "request_id": request_id}
+        if thought:
+            reply["reasoning"] = thought
+        return JSONResponse(reply, headers={"x-request-id": request_id})
     record = state.resume.create(request_id, prompt_ids, params)
     _start_pump(state, gen, record)
     headers = {RESUME_TOKEN_HEADER: record.token} if record.token is not None else None

@@ -18,7 +18,8 @@ from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse
 
 from engine.request import FinishReason, RequestOutput, SamplingParams
-from server.chat import run_while_connected
+from engine.tools import ToolFormat, tool_format
+from server.chat import compile_constraint, run_while_connected
 from server.errors import ApiError, error_body, internal_error_message
 from server.generation import (Generation, RequestFailed, admission, check_prompt_chars, off_loop, request_id_from,
                                start_generation)
@@ -54,7 +55,8 @@ def _finish(reason) -> str | None:
     return value
 
 
-def _params(body: _SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def _params(body: _SamplingFields, max_tokens: int, logprobs: int | None, constraint=None,
+            reasoning: bool = False) -> SamplingParams:
     return SamplingParams(
         max_tokens=max_tokens,
         min_tokens=min(body.min_tokens, max_tokens),
@@ -71,7 +73,57 @@ def _params(body: _SamplingFields, max_tokens: int, logprobs: int | None) -> Sam
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
         n=body.n,
+        constraint=constraint,
+        reasoning=reasoning,
+        max_reasoning_tokens=None if body.max_reasoning_tokens is None else min(body.max_reasoning_tokens, max_tokens),
     )
+
+
+class _Reply:
+    """One choice's reply as the client sees it: the thought, the content and the tool calls parsed out
+    of the text by the model's tool format (no call's text reaches `content`)."""
+
+    def __init__(self, fmt: ToolFormat | None):
+        self.parser = fmt.parser() if fmt is not None else None
+        self.reasoning: list[str] = []
+        self.content: list[str] = []
+        self.calls: list = []  # engine.tools.ToolCall
+
+    def feed(self, out: RequestOutput) -> list[dict]:
+        """The stream deltas this output adds (several for a tool call: its name, then its arguments)."""
+        deltas = []
+        if out.reasoning:
+            self.reasoning.append(out.reasoning)
+            deltas.append({"reasoning": out.reasoning, "reasoning_content": out.reasoning})
+        if self.parser is None:
+            events = [("content", out.text)] if out.text else []
+        else:
+            events = self.parser.feed(out.text) + (self.parser.finish() if out.finished else [])
+        for kind, value in events:
+            if kind == "content":
+                self.content.append(value)
+                deltas.append({"content": value})
+                continue
+            index = len(self.calls)
+            self.calls.append(value)
+            deltas.append({"tool_calls": [{"index": index, "id": value.id, "type": "function",
+                                           "function": {"name": value.name, "arguments": ""}}]})
+            deltas.append({"tool_calls": [{"index": index, "function": {"arguments": value.arguments}}]})
+        return deltas
+
+    def finish_reason(self, reason) -> str | None:
+        reason = _finish(reason)
+        return "tool_calls" if self.calls and reason == "stop" else reason
+
+    def message(self) -> dict:
+        content = "".join(self.content)
+        message = {"role": "assistant", "content": content if content or not self.calls else None}
+        if self.calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function",
+                                      "function": {"name": c.name, "arguments": c.arguments}} for c in self.calls]
+        if self.reasoning:
+            message["reasoning"] = message["reasoning_content"] = "".join(self.reasoning)
+        return message
 
 
 def _default_max_tokens(engine, num_prompt_tokens: int) -> int:
@@ -227,35 +279,45 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, x_requ
     engine = state.engine
     check_model(state, body.model)
     request_id = request_id_from(x_request_id)
-    messages = [{"role": _ROLE_MAP.get(m.role, m.role), "content": m.text()} for m in body.messages]
-    check_prompt_chars(engine, sum(len(m["content"]) for m in messages), "messages")
-    prompt_ids = await off_loop(engine.encode_chat, messages)
+    tools = body.tool_request()
+    fmt = tool_format(engine.tokenizer) if tools is not None else None
+    messages = [m.template_message(_ROLE_MAP.get(m.role, m.role)) for m in body.messages]
+    if fmt is not None or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+        messages = (fmt or tool_format(engine.tokenizer)).messages(messages, tools)
+    template_tools = [dict(t) for t in tools.tools] if fmt is not None and fmt.passes_tools else None
+    check_prompt_chars(engine, sum(len(m.get("content") or "") + len(json.dumps(m.get("tool_calls") or ""))
+                                   for m in messages) + len(json.dumps(template_tools or "")), "messages")
+    prompt_ids = await off_loop(lambda: engine.encode_chat(messages, True, template_tools,
+                                                           **(body.chat_template_kwargs or {})))
     max_tokens = body.max_completion_tokens or body.max_tokens or _default_max_tokens(engine, len(prompt_ids))
     top_n = body.top_logprobs or 0
-    params = _params(body, max_tokens, top_n if body.logprobs else None)
+    constraint = fmt.constraint(tools, engine.tokenizer) if fmt is not None else body.constraint()
+    params = _params(body, max_tokens, top_n if body.logprobs else None, constraint,
+                     reasoning=getattr(engine, "think_tags", None) is not None)
+    await compile_constraint(engine, params)
     gen = (await _admit_all(request, [prompt_ids], params, request_id, "v1_chat"))[0]
     token_text = _TokenText(engine.tokenizer)
     meta = {"id": f"chatcmpl-{request_id}", "created": int(time.time()), "model": engine.model_name}
     headers = {"x-request-id": request_id}
 
+    replies = [_Reply(fmt) for _ in range(body.n)]
     if not body.stream:
-        texts = [[] for _ in range(body.n)]
         logprobs: list[dict | None] = [None] * body.n
         reasons: list[str | None] = [None] * body.n
         counts = [0] * body.n
 
         async def read():
             async for out in gen.deltas():
-                texts[out.index].append(out.text)
+                replies[out.index].feed(out)
                 logprobs[out.index] = _merge_logprobs(logprobs[out.index], _chat_logprobs(out, token_text, top_n), True)
                 counts[out.index] = out.num_output_tokens
                 if out.finished:
-                    reasons[out.index] = _finish(out.finish_reason)
+                    reasons[out.index] = replies[out.index].finish_reason(out.finish_reason)
 
         await _run_or_500(read(), request, gen)
         if body.logprobs:
             logprobs = [lp if lp is not None else {"content": []} for lp in logprobs]
-        choices = [{"index": i, "message": {"role": "assistant", "content": "".join(texts[i])},
+        choices = [{"index": i, "message": replies[i].message(),
                     "logprobs": logprobs[i] if body.logprobs else None, "finish_reason": reasons[i]}
                    for i in range(body.n)]
         completion = sum(counts)
@@ -280,12 +342,17 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, x_requ
             async for _, out in _merged([gen]):
                 counts[out.index] = out.num_output_tokens
                 lp = _chat_logprobs(out, token_text, top_n) if body.logprobs else None
-                if out.text or lp:
-                    yield chunk([{"index": out.index, "delta": {"content": out.text}, "logprobs": lp,
+                deltas = replies[out.index].feed(out)
+                if lp and not any("content" in d for d in deltas):
+                    deltas.append({"content": ""})  # the logprobs of text held back (a tool call's)
+                for delta in deltas:
+                    yield chunk([{"index": out.index, "delta": delta, "logprobs": lp if "content" in delta else None,
                                   "finish_reason": None}])
+                    if "content" in delta:
+                        lp = None
                 if out.finished:
                     yield chunk([{"index": out.index, "delta": {}, "logprobs": None,
-                                  "finish_reason": _finish(out.finish_reason)}])
+                                  "finish_reason": replies[out.index].finish_reason(out.finish_reason)}])
             if include_usage:
                 yield chunk([], _usage(gen.num_prompt_tokens, sum(counts)))
         except Exception as exc:  # RequestFailed, or a bug: the client is told, never left hanging
@@ -319,7 +386,8 @@ async def completions(body: CompletionRequest, request: Request, x_request_id: s
     else:
         max_tokens = _default_max_tokens(engine, max(len(p) for p in prompts))
     top_n = body.logprobs or 0
-    params = _params(body, max_tokens, body.logprobs)
+    params = _params(body, max_tokens, body.logprobs, body.constraint())
+    await compile_constraint(engine, params)
     gens = await _admit_all(request, prompts, params, request_id, "v1_completions")
     token_text = _TokenText(engine.tokenizer)
     n = body.n

@@ -10,11 +10,78 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from engine.request import MAX_N, MAX_STOP_LENGTH, MAX_STOP_STRINGS
+from engine.request import MAX_N, MAX_STOP_LENGTH, MAX_STOP_STRINGS, Constraint
+from engine.tools import ToolRequest
 
 Role = Literal["system", "user", "assistant"]
 MAX_STOP = MAX_STOP_STRINGS
 MAX_PROMPTS = 64  # prompts in one `/v1/completions` list
+MAX_TOOLS = 128  # functions in one request's `tools`
+MAX_TEMPLATE_KWARGS = 16  # entries of `chat_template_kwargs`
+RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "tokenize",
+                                     "continue_final_message", "return_dict", "chat_template", "bos_token",
+                                     "eos_token", "raise_exception", "tools_in_user_message"})
+
+
+class JsonSchemaFormat(BaseModel):
+    """`response_format.json_schema`: OpenAI's {name, description, schema, strict}."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    schema_: dict | bool = Field(..., alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """`response_format`: {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {...}}."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_when_asked(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('`response_format` of type "json_schema" needs a `json_schema` object '
+                             "with the schema: {\"name\": ..., \"schema\": {...}, \"strict\": true}")
+        return self
+
+    def constraint(self) -> Constraint | None:
+        if self.type == "json_object":
+            return Constraint("json_object")
+        if self.type == "json_schema":
+            return Constraint.json_schema(self.json_schema.schema_, strict=bool(self.json_schema.strict))
+        return None
+
+
+def _template_kwargs(value: dict | None) -> dict | None:
+    if value is None:
+        return None
+    if len(value) > MAX_TEMPLATE_KWARGS:
+        raise ValueError(f"at most {MAX_TEMPLATE_KWARGS} entries are allowed. Given: {len(value)}")
+    taken = sorted(set(value) & RESERVED_TEMPLATE_NAMES)
+    if taken:
+        raise ValueError(f"these names are set by the server and cannot be passed: {', '.join(taken)}")
+    return value
+
+
+class _ConstraintFields(BaseModel):
+    """Constrained output (engine/grammar.py) and the template's own switches; one constraint at most."""
+
+    response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="extra variables for the chat template, "
+                                                        "e.g. {\"enable_thinking\": false}")
+    max_reasoning_tokens: int | None = Field(None, ge=0, description="a thinking model's thought is closed after this "
+                                             "many tokens")
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _check_template_kwargs(cls, value):
+        return _template_kwargs(value)
+
+    def constraint(self) -> Constraint | None:
+        return self.response_format.constraint() if self.response_format is not None else None
 
 
 class ChatMessage(BaseModel):
@@ -40,7 +107,7 @@ def _stop_list(value: str | list[str] | None) -> list[str]:
     return stops
 
 
-class ChatBody(BaseModel):
+class ChatBody(_ConstraintFields):
     """`POST /chat`: the seed's `{"prompt", "stream", "max_new_tokens", "temperature"}`, extended."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -56,12 +123,28 @@ class ChatBody(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0, le=100)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    regex: str | None = Field(None, description="the reply must match this regular expression (Rust regex syntax)")
+    grammar: str | None = Field(None, description="the reply must match this Lark grammar (llguidance's dialect)")
 
     @field_validator("stop")
     @classmethod
     def _check_stop(cls, value):
         _stop_list(value)
         return value
+
+    def constraint(self) -> Constraint | None:
+        if self.regex is not None:
+            return Constraint("regex", self.regex)
+        if self.grammar is not None:
+            return Constraint("grammar", self.grammar)
+        return super().constraint()
+
+    @model_validator(mode="after")
+    def _one_constraint(self):
+        given = [name for name in ("response_format", "regex", "grammar") if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give at most one of `response_format`, `regex` or `grammar`. Given: {', '.join(given)}")
+        return self
 
     @model_validator(mode="after")
     def _prompt_or_messages(self):
@@ -88,6 +171,21 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCallIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: str = "{}"  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(BaseModel):
+    """An earlier assistant message's tool call, sent back in the conversation."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class OpenAIMessage(BaseModel):
     """A chat message as OpenAI clients send it (content may be a list of text parts)."""
 
@@ -95,6 +193,8 @@ class OpenAIMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant messages (content may then be null)
+    tool_call_id: str | None = None  # tool messages: the call this is the result of
 
     def text(self) -> str:
         if self.content is None:
@@ -103,13 +203,49 @@ class OpenAIMessage(BaseModel):
             return self.content
         return "".join(part.text for part in self.content)
 
+    def template_message(self, role: str) -> dict:
+        """The message as chat templates take it."""
+        message = {"role": role, "content": self.text()}
+        if self.tool_calls:
+            message["content"] = self.text() or None
+            message["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            message["name"] = self.name
+        return message
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
+    strict: bool | None = None  # the arguments are enforced exactly by the grammar
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class _NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: _NamedFunction
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(_ConstraintFields):
     """The sampling settings both OpenAI routes share, with the common extensions."""
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
@@ -150,12 +286,41 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # None: the format's default (engine/tools.py)
 
     @model_validator(mode="after")
     def _check_logprobs(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("`top_logprobs` needs `logprobs: true`")
         return self
+
+    @model_validator(mode="after")
+    def _check_tools(self):
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise ValueError(f"`tools` must have distinct function names. Given: {names}")
+        choice = self.tool_choice
+        if choice == "required" and not names:
+            raise ValueError('`tool_choice` "required" needs `tools`')
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"`tool_choice` names the function `{choice.function.name}`, which is not in "
+                             f"`tools`. Given tools: {names}")
+        if self.tool_request() is not None and self.response_format is not None \
+                and self.response_format.type != "text":
+            raise ValueError("`response_format` cannot be combined with `tools` here (unless `tool_choice` is "
+                             '"none"): the tools decide the format of the reply')
+        return self
+
+    def tool_request(self) -> ToolRequest | None:
+        """The tools the model may call, or None (no tools, or tool_choice "none")."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        choice = self.tool_choice
+        name = choice.function.name if isinstance(choice, NamedToolChoice) else (choice or "auto")
+        return ToolRequest(tuple(t.model_dump(exclude_none=True) for t in self.tools), name,
+                           self.parallel_tool_calls)
 
 
 PromptType = str | list[str] | list[Annotated[int, Field(ge=0)]] | list[list[Annotated[int, Field(ge=0)]]]

@@ -12,6 +12,13 @@ The tokenizer is a byte-level BPE trained here on the small corpus below (Englis
 emoji, code), so any text round-trips and a Chinese character or an emoji spans several tokens.
 Special tokens follow SmolLM2: <|endoftext|> (0, pad), <|im_start|> (1, bos), <|im_end|> (2, eos),
 with a ChatML chat template.
+
+`tiny_model("qwen3")` is a Qwen2 model dressed as a thinking, tool-calling Qwen3: the tokenizer
+adds <think>, </think>, <tool_call>, </tool_call> (ids 1024-1027, not special, as Qwen's are),
+the model's vocabulary is padded to 1088 (logits wider than the tokenizer, as Qwen's 151936 are
+wider than its 151665 tokens), and QWEN3_CHAT_TEMPLATE renders tools, tool calls, tool results
+and `enable_thinking` (on by default: the generation prompt opens the thought with `<think>`, as
+Qwen3's thinking-only releases and DeepSeek-R1's templates do; off, it writes an empty thought).
 """
 
 from __future__ import annotations
@@ -35,6 +42,47 @@ CHAT_TEMPLATE = (
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+THINK_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>")  # ids 1024-1027 in "qwen3"
+QWEN3_VOCAB = 1088  # the padded vocabulary of "qwen3" (the tokenizer has 1028 tokens)
+QWEN3_CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, "
+    "\"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' and loop.first %}"
+    "{%- elif message.role in ('user', 'system') %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if message.content %}{{- message.content.split('</think>')[-1].lstrip('\\n') }}{%- endif %}"
+    "{%- for call in message.tool_calls or [] %}"
+    "{%- set function = call.function if call.function is defined else call %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + function.name + '\", \"arguments\": ' }}"
+    "{%- if function.arguments is string %}{{- function.arguments }}{%- else %}{{- function.arguments | tojson }}"
+    "{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message.content + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- else %}{{- '<think>\\n' }}{%- endif %}"
+    "{%- endif %}"
 )
 
 CORPUS = """\
@@ -154,6 +202,15 @@ def build_tiny_model(arch: str, out_dir: str | Path, tokenizer=None, seed: int =
     return _save_model(config, tokenizer, Path(out_dir), seed)
 
 
+def build_tiny_qwen3(out_dir: str | Path, seed: int = SEED) -> Path:
+    """The thinking, tool-calling "qwen3" (see the module docstring): a Qwen2 model, padded vocabulary."""
+    tokenizer = build_tokenizer(TINY_VOCAB)
+    tokenizer.add_tokens(list(THINK_TOKENS))
+    tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
+    config = _config("qwen2", QWEN3_VOCAB, _special_ids(tokenizer))
+    return _save_model(config, tokenizer, Path(out_dir), seed)
+
+
 def bench_llama(out_dir: str | Path, seed: int = SEED) -> Path:
     """The benchmark model: random-weight Llama, hidden 512, 8 layers, 8 heads / 4 KV heads,
     intermediate 2048, vocab 4096 (a tokenizer of 4096 tokens trained like the tiny one), fp32."""
@@ -182,8 +239,12 @@ if pytest is not None:
         shared = {}
 
         def make(arch: str = "llama") -> Path:
+            if arch == "qwen3":
+                if arch not in built:
+                    built[arch] = build_tiny_qwen3(root / arch)
+                return built[arch]
             if arch not in ARCHS:
-                raise ValueError(f"arch must be one of {', '.join(ARCHS)}. Given: {arch!r}")
+                raise ValueError(f"arch must be one of {', '.join(ARCHS)}, or qwen3. Given: {arch!r}")
             if arch not in built:
                 if "tokenizer" not in shared:
                     shared["tokenizer"] = build_tokenizer(TINY_VOCAB)
@@ -196,12 +257,17 @@ if pytest is not None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.tiny_models",
                                      description="Build a tiny random-weight model folder (no network).")
-    parser.add_argument("arch", choices=(*ARCHS, "bench"), help="architecture; 'bench' is the benchmark Llama")
+    parser.add_argument("arch", choices=(*ARCHS, "qwen3", "bench"),
+                        help="architecture; 'qwen3' the thinking, tool-calling Qwen2; 'bench' the benchmark Llama")
     parser.add_argument("out_dir", type=Path, help="folder to write (created if missing)")
     parser.add_argument("--seed", type=int, default=SEED)
     args = parser.parse_args(argv)
-    path = bench_llama(args.out_dir, args.seed) if args.arch == "bench" else \
-        build_tiny_model(args.arch, args.out_dir, seed=args.seed)
+    if args.arch == "bench":
+        path = bench_llama(args.out_dir, args.seed)
+    elif args.arch == "qwen3":
+        path = build_tiny_qwen3(args.out_dir, args.seed)
+    else:
+        path = build_tiny_model(args.arch, args.out_dir, seed=args.seed)
     config = json.loads((path / "config.json").read_text())
     print(f"{path} ({config['model_type']}, vocab {config['vocab_size']})")
     return 0

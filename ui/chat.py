@@ -14,16 +14,21 @@
 
 from __future__ import annotations
 
+import json
 import queue
 import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from engine.request import MAX_CHARS_PER_TOKEN, InvalidRequest, QueueFull, SamplingParams, prompt_char_limit
+from engine.request import (MAX_CHARS_PER_TOKEN, Constraint, InvalidRequest, QueueFull, SamplingParams,
+                            prompt_char_limit)
+from engine.streamers import ReasoningPiece
 from engine.telemetry import queue_time_of
+from engine.tools import HermesParser, Llama3Parser
 
 WAIT_POLL_S = 0.25  # while no token comes, the generator wakes this often so Stop can close it
+OUTPUT_FORMATS = ("Text", "JSON object", "JSON schema")  # the page's "JSON mode / schema" choice
 MAX_HISTORY_MESSAGES = 1000  # messages of a conversation the page or its API takes
 MAX_HISTORY_CHARS = 1_000_000  # characters of all its messages together
 
@@ -42,14 +47,38 @@ class ChatSettings:
     top_k: int = 50
     max_new_tokens: int = 512
     repetition_penalty: float = 1.1
+    output_format: str = "Text"  # one of OUTPUT_FORMATS
+    json_schema: str = ""  # the schema (JSON text) when output_format is "JSON schema"
+    reasoning: bool = False  # split a thinking model's thought from its answer
+    max_reasoning_tokens: int | None = None  # the thought's budget (None or 0: no limit but max_new_tokens)
+
+    def constraint(self) -> Constraint | None:
+        if self.output_format not in OUTPUT_FORMATS:
+            raise ChatError(f"The output format must be one of {', '.join(OUTPUT_FORMATS)}. "
+                            f"Given: {self.output_format!r}")
+        if self.output_format == "JSON object":
+            return Constraint("json_object")
+        if self.output_format == "JSON schema":
+            if not isinstance(self.json_schema, str) or not self.json_schema.strip():
+                raise ChatError("JSON schema output needs a schema: paste one into the schema box "
+                                '(for example {"type": "object", "properties": {"name": {"type": "string"}}}).')
+            try:
+                return Constraint("json_schema", self.json_schema, strict=True)
+            except InvalidRequest as exc:
+                raise ChatError(str(exc)) from exc
+        return None
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """Raises `ChatError` with the engine's message (what was wrong, allowed, given). Values go
         to `SamplingParams` as they came (it checks type, finiteness and range), except that a
         whole float such as a slider's 50.0 counts as the integer it is."""
+        constraint = self.constraint()
+        budget = _whole(self.max_reasoning_tokens) or None
         try:
             return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                                  top_k=_whole(self.top_k), repetition_penalty=self.repetition_penalty)
+                                  top_k=_whole(self.top_k), repetition_penalty=self.repetition_penalty,
+                                  constraint=constraint, reasoning=self.reasoning,
+                                  max_reasoning_tokens=min(budget, max_tokens) if isinstance(budget, int) else budget)
         except InvalidRequest as exc:
             raise ChatError(str(exc)) from exc
 
@@ -301,6 +330,9 @@ class AnswerStats:
     decode_tokens_per_s: float | None = None  # tokens after the first, per second after the first
     finish_reason: str | None = None  # None while streaming
     dropped_turns: int = 0
+    reasoning: str = ""  # the thought so far (a thinking model)
+    thinking: bool = False  # the thought is still being written
+    reasoning_s: float | None = None  # how long the thought took (from its first piece to the answer's)
 
     def markdown(self) -> str:
         if self.num_output_tokens == 0 and self.finish_reason is None:
@@ -352,6 +384,9 @@ def stream_answer(engine, metrics, route: str, history: list[dict], message: str
              f"(asked: {max_new_tokens}); it may be cut short.")
     params = settings.sampling_params(fitted.max_tokens)
     try:
+        compile_constraint = getattr(engine, "compile_constraint", None)
+        if compile_constraint is not None:
+            compile_constraint(params)  # this worker thread waits for the grammar, not the engine
         streamer = engine.text_streamer(fitted.prompt_token_ids, params)
     except QueueFull as exc:
         if metrics is not None:
@@ -373,6 +408,7 @@ def stream_answer(engine, metrics, route: str, history: list[dict], message: str
     stats = AnswerStats(num_prompt_tokens=len(fitted.prompt_token_ids), dropped_turns=fitted.dropped_turns)
     text = ""
     first_time: float | None = None
+    thought_start = arrival
     finished = False
     try:
         iterator = iter(streamer)
@@ -398,7 +434,16 @@ def stream_answer(engine, metrics, route: str, history: list[dict], message: str
             stats.elapsed_s = now - arrival
             if first_time is not None and stats.num_output_tokens > 1 and now > first_time:
                 stats.decode_tokens_per_s = (stats.num_output_tokens - 1) / (now - first_time)
-            if piece:
+            if isinstance(piece, ReasoningPiece):
+                if not stats.thinking:
+                    stats.thinking, thought_start = True, now
+                stats.reasoning += piece
+                stats.reasoning_s = now - thought_start
+                yield text, stats
+            elif piece:
+                if stats.thinking:
+                    stats.thinking = False
+                    stats.reasoning_s = now - thought_start
                 text += piece
                 yield text, stats
         finished = True
@@ -413,6 +458,9 @@ def stream_answer(engine, metrics, route: str, history: list[dict], message: str
         produced = int(getattr(streamer, "num_output_tokens", 0) or 0)
         stats.num_output_tokens = max(produced, stats.num_output_tokens)
         stats.finish_reason = reason
+        if stats.thinking:
+            stats.thinking = False
+            stats.reasoning_s = now - thought_start
         stats.elapsed_s = now - arrival
         if first_time is not None and stats.num_output_tokens > 1 and now > first_time:
             stats.decode_tokens_per_s = (stats.num_output_tokens - 1) / (now - first_time)
@@ -426,3 +474,41 @@ def stream_answer(engine, metrics, route: str, history: list[dict], message: str
     if reason == "error":
         raise ChatError(f"The engine failed while answering: {getattr(streamer, 'error', None) or 'unknown error'}")
     yield text, stats  # the final stats (finish reason, totals)
+
+
+# --- what the page shows of an answer ------------------------------------------------------------
+
+_PARSERS = {"hermes": HermesParser, "llama3_json": Llama3Parser}  # formats a model writes calls in unasked
+
+
+def answer_messages(text: str, stats: AnswerStats, tool_format: str | None = None) -> list[dict]:
+    """The chat messages of one answer: a collapsible "Thinking" message (pending while the thought
+    is written, then done with its duration), the answer, and each tool call the model wrote (in
+    `tool_format`, hermes or llama3_json) as a tool message with its arguments, never raw markup.
+    Text is HTML-escaped (see `escape_html`)."""
+    messages = []
+    if stats.reasoning:
+        metadata = {"title": "Thinking", "status": "pending" if stats.thinking else "done"}
+        if stats.reasoning_s is not None and not stats.thinking:
+            metadata["duration"] = round(stats.reasoning_s, 2)
+        messages.append({"role": "assistant", "content": escape_html(stats.reasoning), "metadata": metadata})
+    parser_class = _PARSERS.get(tool_format or "")
+    if parser_class is None:
+        return messages + [{"role": "assistant", "content": escape_html(text)}]
+    parser = parser_class()
+    events = parser.feed(text) + (parser.finish() if stats.finish_reason is not None else [])
+    content = "".join(value for kind, value in events if kind == "content")
+    if content or not any(kind == "call" for kind, _ in events):
+        messages.append({"role": "assistant", "content": escape_html(content)})
+    for kind, call in events:
+        if kind == "call":
+            try:
+                arguments = json.dumps(json.loads(call.arguments), indent=2, ensure_ascii=False)
+            except ValueError:
+                arguments = call.arguments
+            messages.append({"role": "assistant", "content": f"```json\n{arguments}\n```",
+                             "metadata": {"title": f"🛠️ Called tool `{call.name}`", "status": "done"}})
+    if isinstance(parser, HermesParser) and parser.inside:  # a call being written
+        messages.append({"role": "assistant", "content": "", "metadata": {"title": "🛠️ Calling a tool…",
+                                                                         "status": "pending"}})
+    return messages

@@ -6,7 +6,9 @@ import gradio as gr
 
 from engine.telemetry import RequestMetrics
 from ui import status
-from ui.chat import ChatError, ChatSettings, escape_html, stream_answer, to_engine_messages
+from engine.tools import tool_format
+from ui.chat import (OUTPUT_FORMATS, ChatError, ChatSettings, answer_messages, escape_html, stream_answer,
+                     to_engine_messages)
 
 DEFAULTS = ChatSettings()
 EXAMPLES = [
@@ -86,9 +88,12 @@ def build_demo(engine, settings=None, metrics: RequestMetrics | None = None) -> 
     model_name = getattr(engine, "model_name", None) or getattr(settings, "model_id", None) or "model"
 
     visitors = VisitorStreams()
+    thinks = getattr(engine, "think_tags", None) is not None  # a thinking model: its thought in its own box
+    tokenizer = getattr(engine, "tokenizer", None)
+    calls_format = tool_format(tokenizer).name if tokenizer is not None else None  # calls shown as tool messages
 
     def respond(history, system_prompt, temperature, top_p, top_k, max_new_tokens, repetition_penalty,
-                request: gr.Request):
+                output_format, json_schema, thinking_budget, request: gr.Request):
         """The page's generator: answers the last user message of `history`, streaming."""
         history = list(history or [])
         if not history or not isinstance(history[-1], dict) or history[-1].get("role") != "user":
@@ -101,13 +106,13 @@ def build_demo(engine, settings=None, metrics: RequestMetrics | None = None) -> 
             return
         message = messages.pop()["content"]
         chat_settings = ChatSettings(system_prompt or "", temperature, top_p, top_k, max_new_tokens,
-                                     repetition_penalty)
-        answer = {"role": "assistant", "content": ""}
+                                     repetition_penalty, output_format or "Text", json_schema or "", thinks,
+                                     thinking_budget or None)
+        fmt = calls_format if chat_settings.output_format == "Text" else None  # JSON mode: the JSON as it is
         try:
             for text, stats in stream_answer(engine, metrics, "gradio", messages, message, chat_settings,
                                              warn=gr.Warning, watch=visitors.watcher(request)):
-                answer["content"] = escape_html(text)
-                yield history + [answer], stats.markdown()
+                yield history + answer_messages(text, stats, fmt), stats.markdown()
         except ChatError as exc:
             raise gr.Error(str(exc)) from None
 
@@ -168,6 +173,19 @@ def build_demo(engine, settings=None, metrics: RequestMetrics | None = None) -> 
                         repetition_penalty = gr.Slider(1.0, 2.0, value=DEFAULTS.repetition_penalty, step=0.05,
                                                        label="Repetition penalty", info="1 = off",
                                                        elem_id="rill-repetition-penalty")
+                    with gr.Row():
+                        output_format = gr.Radio(list(OUTPUT_FORMATS), value="Text", label="JSON mode / schema",
+                                                 info="constrain the answer to JSON, or to a JSON schema",
+                                                 elem_id="rill-output-format")
+                        thinking_budget = gr.Slider(0, max(1, min(context, 4096)), value=0, step=1,
+                                                    label="Thinking budget", visible=thinks,
+                                                    info="tokens of thought before the answer; 0 = no limit",
+                                                    elem_id="rill-thinking-budget")
+                    json_schema = gr.Code(label="JSON schema", language="json", visible=False, lines=6,
+                                          value='{"type": "object", "properties": {"answer": {"type": "string"}},'
+                                                ' "required": ["answer"]}', elem_id="rill-json-schema")
+                    output_format.change(lambda choice: gr.update(visible=choice == "JSON schema"), output_format,
+                                         json_schema, api_visibility="private", queue=False)
             with gr.Tab("Status", id="status") as status_tab:
                 status_md = gr.Markdown(elem_id="rill-status")
                 with gr.Row():
@@ -177,7 +195,8 @@ def build_demo(engine, settings=None, metrics: RequestMetrics | None = None) -> 
                                             height=240, y_lim=[0, None], elem_id="rill-ttft")
                 timer = gr.Timer(STATUS_REFRESH_S, active=False)
 
-        settings_inputs = [system_prompt, temperature, top_p, top_k, max_new_tokens, repetition_penalty]
+        settings_inputs = [system_prompt, temperature, top_p, top_k, max_new_tokens, repetition_penalty,
+                           output_format, json_schema, thinking_budget]
         # (send, stop, textbox) while an answer streams and after
         generating = (gr.update(visible=False), gr.update(visible=True), gr.update(interactive=False))
         idle = (gr.update(visible=True), gr.update(visible=False), gr.update(interactive=True))
