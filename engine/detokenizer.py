@@ -175,11 +175,12 @@ class IncrementalDetokenizer:
         self.read_offset = read_offset
 
     def prime(self, token_ids: list[int]) -> None:
-        """Start after output that was already shown (a resumed stream): the state these tokens
-        left when they streamed, so what was held back then (a split character, a possible
-        stop string) is still held, and later tokens decode in their context."""
+        """Start after output that was already shown (a resumed stream): the text of these
+        tokens counts as emitted, and later tokens decode in their context."""
         for token_id in token_ids:
             self.add(token_id)
+        self.flush()
+        self.emitted = len(self.text)
 
     def flush(self) -> str:
         """At the end: whatever was held back (never a broken stop string: it is removed)."""

@@ -57,24 +57,6 @@ def stream(tokenizer, ids: list[int]) -> list[str]:
     return [detok.add(t) for t in ids] + [detok.flush()]
 
 
-def test_a_primed_detokenizer_continues_as_the_stream_would_at_every_cut(llm):
-    """A resumed stream: what was shown up to any token, then the primed continuation, is the
-    uninterrupted stream's text (a split character or a possible stop string held at the cut
-    included)."""
-    tok = llm.tokenizer
-    ids = tok.encode("ab 你好😀 cd STOP? no: STOP here", add_special_tokens=False) + [tok.encode("😀")[0]]
-    for stop in ((), ("STOP here",)):
-        whole = IncrementalDetokenizer(tok, stop=stop or None)
-        expected = "".join([whole.add(t) for t in ids] + [whole.flush()])
-        for cut in range(len(ids) + 1):
-            first = IncrementalDetokenizer(tok, stop=stop or None)
-            shown = "".join(first.add(t) for t in ids[:cut])
-            resumed = IncrementalDetokenizer(tok, stop=stop or None)
-            resumed.prime(ids[:cut])
-            rest = "".join([resumed.add(t) for t in ids[cut:]] + [resumed.flush()])
-            assert shown + rest == expected, (stop, cut)
-
-
 def test_stray_bytes_are_released_once_final(llm):
     """A random model may emit bytes that never form a character: they show as U+FFFD as soon as
     the next byte proves them final, instead of holding all later text back to the end."""
