@@ -140,8 +140,9 @@ class RemoteEngine:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return encode_chat(self.tokenizer, messages, add_generation_prompt)
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                    **template_kwargs) -> list[int]:
+        return encode_chat(self.tokenizer, messages, add_generation_prompt, tools, **template_kwargs)
 
     def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """The engine behind checks the prompt against its context, vocabulary and KV cache when
