@@ -127,7 +127,8 @@ class NativeDecoder:
                 eps=float(layer.input_layernorm.variance_epsilon), qkv=qkv, n_qkv=n_qkv, q_off=q_off, k_off=k_off,
                 v_off=v_off, o=ctypes.pointer(o), gu=gu, n_gu=n_gu, up_off=(gu_offsets or (0, 0))[1],
                 down=ctypes.pointer(down), scale=float(attn.scaling), window=_window(model, attn),
-                q_norm=getattr(attn, "q_norm", None), k_norm=getattr(attn, "k_norm", None)))
+                qk_norms=[None if n is None else n.weight.data_ptr()  # Qwen3's; the model keeps the weights
+                          for n in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None))]))
             widths = sum(qkv[i].out for i in range(n_qkv)), sum(gu[i].out for i in range(n_gu))
             self.widest = max(self.widest, *widths)
 
@@ -154,7 +155,7 @@ class NativeDecoder:
                 cos.data_ptr(), sin.data_ptr(), cache.keys[index].data_ptr(), cache.values[index].data_ptr(),
                 slot_mapping.data_ptr(), token_slots.data_ptr(), token_slots.shape[1], token_lens.data_ptr(),
                 self.heads, self.kv_heads, self.head_dim, layer["scale"], layer["window"], scratch.data_ptr(),
-                self.threads, *(None if n is None else n.weight.data_ptr() for n in (layer["q_norm"], layer["k_norm"])))
+                self.threads, *layer["qk_norms"])
             if status == -2:
                 raise MemoryError(f"the native decode layer could not allocate its buffers for {rows} rows")
             if status != 0:
