@@ -94,16 +94,39 @@ def why_not_native(model) -> str | None:
     return None
 
 
+class _Layer(ctypes.Structure):  # csrc/decode_layer.c's rill_layer
+    _fields_ = [("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p), ("qkv", ctypes.POINTER(_Lin)),
+                ("o", ctypes.POINTER(_Lin)), ("gate_up", ctypes.POINTER(_Lin)), ("down", ctypes.POINTER(_Lin)),
+                ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("k_cache", ctypes.c_void_p),
+                ("v_cache", ctypes.c_void_p), ("n_qkv", ctypes.c_int64), ("q_off", ctypes.c_int64),
+                ("k_off", ctypes.c_int64), ("v_off", ctypes.c_int64), ("n_gu", ctypes.c_int64),
+                ("up_off", ctypes.c_int64), ("window", ctypes.c_int64), ("eps", ctypes.c_float),
+                ("scale", ctypes.c_float)]
+
+
+def _head(model):
+    """(the final norm's weight, its epsilon, the output head's C struct and owner) when the C step can
+    end with them (an RMSNorm and a head on a C kernel), else None: the model's own modules do."""
+    norm, head = model.model.norm, model.lm_head
+    if getattr(norm, "weight", None) is None or getattr(norm, "variance_epsilon", None) is None or \
+            type(norm).__name__ not in ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"):
+        return None
+    try:
+        lin, width, owner = _lin(head)
+    except TypeError:
+        return None
+    return norm.weight, float(norm.variance_epsilon), lin, width, owner
+
+
 class NativeDecoder:
-    """The decode step of a `LlamaForCausalLM` on csrc/decode_layer.c."""
+    """The decode step of a Llama-family model on csrc/decode_layer.c: one C call per step."""
 
     def __init__(self, model, library: ctypes.CDLL):
         self.model = model
-        self._fn = library.rill_decode_layer
+        self._fn = library.rill_decode_step
         ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-        lins = ctypes.POINTER(_Lin)
-        self._fn.argtypes = [ptr, i64, i64, ptr, ptr, f32, lins, i32, i64, i64, i64, ptr, lins, i32, i64, ptr,
-                             i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, i32, i32, i32, f32, i64, ptr, i32, ptr, ptr]
+        self._fn.argtypes = [ctypes.POINTER(_Layer), i32, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, i32, i32,
+                             i32, ptr, i32, ptr, i64, ptr, f32, ctypes.POINTER(_Lin), ptr, ctypes.POINTER(ctypes.c_int)]
         self._fn.restype = i32
         config = model.config
         self.hidden = config.hidden_size
@@ -111,55 +134,74 @@ class NativeDecoder:
         self.head_dim = getattr(config, "head_dim", None) or self.hidden // self.heads
         self.intermediate = config.intermediate_size
         self.threads = torch.get_num_threads()
-        self.layers = []
         self._keep = []  # the modules whose buffers the structs point into
         self.widest = 0
+        layers = []
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             qkv, n_qkv, qkv_offsets, held = _projections(attn, ("q_proj", "k_proj", "v_proj"))
             gu, n_gu, gu_offsets, held2 = _projections(mlp, ("gate_proj", "up_proj"))
             o, _, o_holder = _lin(attn.o_proj)
             down, _, down_holder = _lin(mlp.down_proj)
-            self._keep += [qkv, gu, o, down, *held, *held2, o_holder, down_holder]
+            norms = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
+            self._keep += [qkv, gu, o, down, *held, *held2, o_holder, down_holder, *norms]
             q_off, k_off, v_off = qkv_offsets or (0, 0, 0)
-            self.layers.append(dict(
-                norm1=layer.input_layernorm.weight, norm2=layer.post_attention_layernorm.weight,
-                eps=float(layer.input_layernorm.variance_epsilon), qkv=qkv, n_qkv=n_qkv, q_off=q_off, k_off=k_off,
-                v_off=v_off, o=ctypes.pointer(o), gu=gu, n_gu=n_gu, up_off=(gu_offsets or (0, 0))[1],
-                down=ctypes.pointer(down), scale=float(attn.scaling), window=_window(model, attn),
-                qk_norms=[None if n is None else n.weight.data_ptr()  # Qwen3's; the model keeps the weights
-                          for n in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None))]))
+            q_norm, k_norm = (None if n is None else n.weight.data_ptr()  # Qwen3's; the model keeps the weights
+                              for n in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)))
+            layers.append(_Layer(
+                norm1=norms[0].data_ptr(), norm2=norms[1].data_ptr(), qkv=qkv, o=ctypes.pointer(o), gate_up=gu,
+                down=ctypes.pointer(down), q_norm=q_norm, k_norm=k_norm, n_qkv=n_qkv, q_off=q_off, k_off=k_off,
+                v_off=v_off, n_gu=n_gu, up_off=(gu_offsets or (0, 0))[1], window=_window(model, attn),
+                eps=float(layer.input_layernorm.variance_epsilon), scale=float(attn.scaling)))
             widths = sum(qkv[i].out for i in range(n_qkv)), sum(gu[i].out for i in range(n_gu))
             self.widest = max(self.widest, *widths)
+        self.layers = (_Layer * len(layers))(*layers)
+        self._cache = None  # the paged cache whose tensors self.layers points into
+        self.head = _head(model)  # None: the model's norm and lm_head end the step
+        self._failed = ctypes.c_int(0)
+
+    def _bind(self, cache) -> None:
+        """Point each layer at its K/V tensors of `cache` (once per cache)."""
+        if self._cache is not cache:
+            for index, layer in enumerate(self.layers):
+                layer.k_cache, layer.v_cache = cache.keys[index].data_ptr(), cache.values[index].data_ptr()
+            self._cache = cache
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, cache, slot_mapping: torch.Tensor,
             token_slots: torch.Tensor, token_lens: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions, slot_mapping, token_lens: [rows] int64; token_slots: [rows, width]
         int64 (row r attends token_slots[r, :token_lens[r]]: a decode token its whole context, a
-        prompt token the positions up to its own); keep: [samples] int64, the rows whose logits are
-        wanted (None: all). Returns float32 logits [samples, vocab]."""
+        prompt token the positions up to its own); keep: [samples] int64, ascending, the rows whose
+        logits are wanted (None: all). Returns float32 logits [samples, vocab]."""
         model = self.model
         rows = input_ids.shape[0]
+        self._bind(cache)
         x = model.model.embed_tokens(input_ids).contiguous()  # [rows, hidden]
         cos, sin = model.model.rotary_emb(x[None], positions[None])  # [1, rows, head_dim]
         cos, sin = cos[0].contiguous(), sin[0].contiguous()
         qd = self.heads * self.head_dim
         scratch = torch.empty(rows * (2 * self.hidden + qd + self.widest + 2 + self.intermediate))
         slot_mapping, token_slots, token_lens = (t.contiguous() for t in (slot_mapping, token_slots, token_lens))
-        for index, layer in enumerate(self.layers):
-            status = self._fn(
-                x.data_ptr(), rows, self.hidden, layer["norm1"].data_ptr(), layer["norm2"].data_ptr(), layer["eps"],
-                layer["qkv"], layer["n_qkv"], layer["q_off"], layer["k_off"], layer["v_off"], layer["o"],
-                layer["gu"], layer["n_gu"], layer["up_off"], layer["down"], self.intermediate,
-                cos.data_ptr(), sin.data_ptr(), cache.keys[index].data_ptr(), cache.values[index].data_ptr(),
-                slot_mapping.data_ptr(), token_slots.data_ptr(), token_slots.shape[1], token_lens.data_ptr(),
-                self.heads, self.kv_heads, self.head_dim, layer["scale"], layer["window"], scratch.data_ptr(),
-                self.threads, *layer["qk_norms"])
-            if status == -2:
-                raise MemoryError(f"the native decode layer could not allocate its buffers for {rows} rows")
-            if status != 0:
-                raise RuntimeError(f"the native decode layer refused its arguments (layer {index})")
+        samples = rows if keep is None else keep.shape[0]
+        logits = head = keep_ptr = None
+        if self.head is not None:
+            norm, eps, head, width, _ = self.head
+            logits = torch.empty(samples, width)
+            keep_ptr = None if keep is None else keep.contiguous().data_ptr()
+        status = self._fn(
+            self.layers, len(self.layers), x.data_ptr(), rows, self.hidden, self.intermediate, cos.data_ptr(),
+            sin.data_ptr(), slot_mapping.data_ptr(), token_slots.data_ptr(), token_slots.shape[1],
+            token_lens.data_ptr(), self.heads, self.kv_heads, self.head_dim, scratch.data_ptr(), self.threads,
+            keep_ptr, samples, None if head is None else norm.data_ptr(), 0.0 if head is None else eps,
+            None if head is None else ctypes.byref(head), None if head is None else logits.data_ptr(),
+            ctypes.byref(self._failed))
+        if status == -2:
+            raise MemoryError(f"the native decode step could not allocate its buffers for {rows} rows")
+        if status != 0:
+            raise RuntimeError(f"the native decode step refused its arguments (layer {self._failed.value})")
+        if head is not None:
+            return logits
         if keep is not None:
             x = x.index_select(0, keep)
         x = model.model.norm(x)

@@ -1,6 +1,7 @@
-/* One decoder layer of the Llama family for a decode step, in C (built by engine/cpu.py with the
- * kernels it calls): no Python between the layer's operations. engine/native.py calls it once per
- * layer for steps of decodes and short prompt chunks; longer chunks keep transformers' modules.
+/* The decoder layers of the Llama family for a decode step, in C (built by engine/cpu.py with the
+ * kernels it calls): no Python between the layers' operations. engine/native.py calls
+ * rill_decode_step once per step of decodes and short prompt chunks (all layers, then the final
+ * norm and the output head of the rows that sample); longer chunks keep transformers' modules.
  *
  * For x [rows, hidden] (one row per token; row r attends dec_slots[r, :lens[r]], which holds its
  * own position: all K/V rows are written before attention), in place:
@@ -15,6 +16,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 void rill_linear(const float *x, int64_t x_row, const float *panels, const float *bias, float *y,
                  int64_t rows, int64_t out, int64_t in, int threads);
@@ -81,7 +83,7 @@ static void rope(float *v, int64_t row_stride, int64_t heads, int64_t head_dim, 
  * gate_up: n_gu = 1 (fused: gate at 0, up at up_off) or 2. scratch: at least rows * (2 hidden +
  * heads * head_dim + max(q/k/v width, gate/up width) + 2 + intermediate) floats. Returns 0, or
  * -1 for an argument it cannot take, -2 when out of memory. */
-int rill_decode_layer(float *x, int64_t rows, int64_t hidden, const float *norm1, const float *norm2, float eps,
+static int decode_layer(float *x, int64_t rows, int64_t hidden, const float *norm1, const float *norm2, float eps,
                       const rill_lin *qkv, int n_qkv, int64_t q_off, int64_t k_off, int64_t v_off,
                       const rill_lin *o, const rill_lin *gate_up, int n_gu, int64_t up_off, const rill_lin *down,
                       int64_t intermediate, const float *cos, const float *sin, float *k_cache, float *v_cache,
@@ -153,4 +155,45 @@ int rill_decode_layer(float *x, int64_t rows, int64_t hidden, const float *norm1
     if (linear(down, act, intermediate, tmp, rows, threads)) return -2;
     for (int64_t i = 0; i < rows * hidden; i++) x[i] += tmp[i];
     return 0;
+}
+
+/* one layer's weights and cache, as engine/native.py describes them once per model */
+typedef struct {
+    const float *norm1, *norm2;
+    const rill_lin *qkv, *o, *gate_up, *down;
+    const float *q_norm, *k_norm;  /* Qwen3's, else NULL */
+    float *k_cache, *v_cache;
+    int64_t n_qkv, q_off, k_off, v_off, n_gu, up_off, window;
+    float eps, scale;
+} rill_layer;
+
+/* Every layer over x [rows, hidden] in place (the arguments as decode_layer's), then, when head is
+ * not NULL: the rows keep[0..n_keep) (ascending; NULL: all rows) gathered to the front of x,
+ * RMSNorm by final_norm, and logits [n_keep, head->out] = head(x). One call per step: the
+ * interpreter is left once, not once per layer. Returns 0, -1 (an argument it cannot take) or -2
+ * (out of memory), and the index of the failing layer in *failed. */
+int rill_decode_step(const rill_layer *layers, int n_layers, float *x, int64_t rows, int64_t hidden,
+                     int64_t intermediate, const float *cos, const float *sin, const int64_t *slot_mapping,
+                     const int64_t *dec_slots, int64_t slots_width, const int64_t *lens, int heads, int kv_heads,
+                     int head_dim, float *scratch, int threads, const int64_t *keep, int64_t n_keep,
+                     const float *final_norm, float final_eps, const rill_lin *head, float *logits, int *failed) {
+    for (int l = 0; l < n_layers; l++) {
+        const rill_layer *L = &layers[l];
+        const int status = decode_layer(x, rows, hidden, L->norm1, L->norm2, L->eps, L->qkv, (int)L->n_qkv, L->q_off,
+                                        L->k_off, L->v_off, L->o, L->gate_up, (int)L->n_gu, L->up_off, L->down,
+                                        intermediate, cos, sin, L->k_cache, L->v_cache, slot_mapping, dec_slots,
+                                        slots_width, lens, heads, kv_heads, head_dim, L->scale, L->window, scratch,
+                                        threads, L->q_norm, L->k_norm);
+        if (status) {
+            *failed = l;
+            return status;
+        }
+    }
+    if (!head) return 0;
+    *failed = n_layers;
+    if (keep)
+        for (int64_t i = 0; i < n_keep; i++)
+            if (keep[i] != i) memmove(x + i * hidden, x + keep[i] * hidden, (size_t)hidden * sizeof(float));
+    rmsnorm(x, final_norm, final_eps, scratch, n_keep, hidden);
+    return linear(head, scratch, hidden, logits, n_keep, threads);
 }
