@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import importlib.metadata
 import importlib.util
 import json
@@ -211,10 +212,22 @@ def _load_hub(model_id: str, **kwargs) -> tuple:
     return _load_pretrained(model_id, what="hub model", **kwargs)
 
 
+GGUF_KEY_BYTES = 16 << 20  # the converted folder is named by a digest of this much of the file's head and tail
+
+
 def _gguf_cache_key(gguf: Path) -> str:
-    stat = gguf.stat()
+    """The converted folder's name: the file's name, size and a digest of its first and last 16 MiB
+    (its header, metadata and tensors at both ends), not its mtime: a reinstalled copy of the same
+    file (a fresh venv, a new clone) finds its conversion instead of adding another."""
+    size = gguf.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with open(gguf, "rb") as f:
+        digest.update(f.read(GGUF_KEY_BYTES))
+        if size > GGUF_KEY_BYTES:
+            f.seek(max(GGUF_KEY_BYTES, size - GGUF_KEY_BYTES))
+            digest.update(f.read())
     stem = re.sub(r"[^A-Za-z0-9._-]+", "_", gguf.stem)
-    return f"{stem}-{stat.st_size}-{int(stat.st_mtime)}-v{CACHE_FORMAT}"
+    return f"{stem}-{size}-{digest.hexdigest()[:16]}-v{CACHE_FORMAT}"
 
 
 @contextlib.contextmanager
@@ -301,7 +314,7 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
 
 
 def converted_gguf_dir(gguf: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Path:
-    """The cache folder a GGUF converts into (keyed by file name, size and modification time)."""
+    """The cache folder a GGUF converts into (keyed by file name, size and a digest of its ends)."""
     gguf = Path(gguf).expanduser().resolve()
     return rill_cache_dir(cache_dir) / "gguf" / _gguf_cache_key(gguf)
 

@@ -185,7 +185,7 @@ static inline __attribute__((always_inline)) void qlinear(const float *x, int64_
     {
         float w[32 * 16] __attribute__((aligned(64)));
         float *acc = acc_all + (size_t)omp_get_thread_num() * 16 * (size_t)rows;
-        #pragma omp for schedule(static)
+        #pragma omp for schedule(guided)
         for (int64_t p = 0; p < num_panels; p++) {
             panel_rows(x, x_row, xsum, panels + p * panel_bytes, blocks, rows, acc, w, kind);
             const int cols = out - p * 16 < 16 ? (int)(out - p * 16) : 16;

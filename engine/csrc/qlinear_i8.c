@@ -188,12 +188,12 @@ static inline __attribute__((always_inline)) void qlinear_i8(const float *x, int
     #pragma omp parallel num_threads(threads)
     {
         if (!serial) {
-            #pragma omp for schedule(static)
+            #pragma omp for schedule(guided)
             for (int64_t r = 0; r < rows; r++)
                 quantize_row(x + r * x_row, in, xq + r * in, dx + r * blocks, xs + r * blocks);
         }
         float *acc = acc_all + (size_t)omp_get_thread_num() * 16 * (size_t)rows;
-        #pragma omp for schedule(static)
+        #pragma omp for schedule(guided)
         for (int64_t p = 0; p < num_panels; p++) {
             panel_rows(xq, dx, xs, panels + p * panel_bytes, blocks, rows, in, acc, kind);
             const int cols = out - p * 16 < 16 ? (int)(out - p * 16) : 16;
