@@ -229,7 +229,7 @@ class EngineCore:
         if reason is None:
             try:
                 decoder = NativeDecoder(model, _library(rill_cache_dir())[0])
-                log.info("engine: decode steps in C (csrc/decode_layer.c), one call per layer")
+                log.info("engine: decode steps in C (csrc/decode_layer.c), one call per step")
                 return decoder
             except Exception as exc:  # an old library without the symbol, ...
                 reason = str(exc)

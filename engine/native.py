@@ -1,15 +1,18 @@
 """A decode step of a Llama-family model without Python per layer (csrc/decode_layer.c).
 
 When a step's tokens are decodes and at most `EngineConfig.native_prefill_tokens` prompt tokens,
-`PagedRunner` hands it to `NativeDecoder`: the embedding, the model's own rotary module (so any
-RoPE variant it has), one C call per decoder layer (a prompt token attends as a decode would, to
-the positions up to its own), the final norm and the output head of the rows that sample. Longer
-prompt chunks, and every model it does not take, keep transformers' modules. It takes a model only when each piece is what the C layer computes:
-`LlamaForCausalLM` (Llama, SmolLM), `MistralForCausalLM` (its sliding window) and
+`PagedRunner` hands it to `NativeDecoder`: the embedding and the model's own rotary module (so any
+RoPE variant it has) in torch, then one C call for the whole rest of the step: every decoder layer
+(a prompt token attends as a decode would, to the positions up to its own), the final norm and the
+output head of the rows that sample. One call, not one per layer: the engine thread leaves and
+re-takes the interpreter lock once a step, so the event loop never holds it up between layers
+(engine alone, one sequence: 11.09 -> 10.35 ms a step). Longer prompt chunks, and every model it
+does not take, keep transformers' modules. It takes a model only when each piece is what the C
+layer computes: `LlamaForCausalLM` (Llama, SmolLM), `MistralForCausalLM` (its sliding window),
 `Qwen2ForCausalLM` (q/k/v biases, a window per layer type) and `Qwen3ForCausalLM` (q/k norms),
-with RMSNorm and SiLU, and every
-linear already on a C kernel (float32 panels or blocks). Otherwise it says why and the runner
-keeps the modules (the same tokens, more Python).
+with RMSNorm and SiLU, and every linear already on a C kernel (float32 panels or blocks). Otherwise
+it says why and the runner keeps the modules (the same tokens, more Python). A head that is not on
+a C kernel runs in torch after the call.
 """
 
 from __future__ import annotations
