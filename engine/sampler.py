@@ -154,7 +154,8 @@ class Sampler:
         return torch.from_numpy(chosen)
 
 
-NUCLEUS_PROBE = 256  # top-p looks for its nucleus among this many best tokens before sorting them all
+NUCLEUS_PROBES = (256, 4096)  # top-p looks for its nucleus among this many best tokens, then sorts them all
+CDF_BLOCK = 512  # the inverse CDF finds its block of this many tokens first, then the token inside it
 
 
 def _draw(row: np.ndarray, p, u: float) -> int:
@@ -165,31 +166,48 @@ def _draw(row: np.ndarray, p, u: float) -> int:
     vocab = row.shape[0]
     top = row.max()
     z = (row - (top if np.isfinite(top) else 0.0)) / np.float32(p.temperature)
-    weights = np.exp(z)  # [vocab] unnormalized probabilities, the best at 1
-    total = float(weights.sum(dtype=np.float64))
+    weights = torch.exp(torch.from_numpy(z)).numpy()  # [vocab] unnormalized probabilities, the best at 1
+    starts = np.arange(0, vocab, CDF_BLOCK)
+    block_mass = np.add.reduceat(weights, starts, dtype=np.float64)
+    total = float(block_mass.sum())
     if not total > 0:
         return int(row.argmax())
     top_k = p.top_k if 0 < p.top_k < vocab else vocab
     if top_k < vocab or p.top_p < 1:
-        probe = min(top_k, NUCLEUS_PROBE)
-        ids = np.argpartition(weights, vocab - probe)[vocab - probe:] if probe < vocab else np.arange(vocab)
-        ids = ids[np.argsort(-weights[ids], kind="stable")]  # best first
-        keep = len(ids)
-        if p.top_p < 1:
-            # keep tokens while the mass before them (of the whole distribution) is below top_p
-            before = (np.cumsum(weights[ids], dtype=np.float64) - weights[ids]) / total
-            cut = int(np.searchsorted(before, p.top_p, side="left"))
-            if cut == keep and keep < top_k:  # the nucleus is wider than the probe: sort everything
-                ids = np.argsort(-weights, kind="stable")[:top_k]
-                before = (np.cumsum(weights[ids], dtype=np.float64) - weights[ids]) / total
-                cut = int(np.searchsorted(before, p.top_p, side="left"))
-            keep = max(1, min(cut, len(ids)))
-        ids = ids[:keep]
+        ids = _kept(weights, total, top_k, p.top_p)
         weights = weights[ids]
     else:
         ids = None
     if p.min_p > 0:  # tokens below min_p times the best token's probability (the best is 1 here)
         weights = np.where(weights >= p.min_p * weights.max(), weights, 0.0)
+        block_mass = None
+    if ids is None and block_mass is not None:  # the whole vocabulary: find the block, then the token in it
+        cumulative = np.cumsum(block_mass)
+        block = min(int(np.searchsorted(cumulative, u * cumulative[-1], side="right")), len(cumulative) - 1)
+        inside = np.cumsum(weights[starts[block]:starts[block] + CDF_BLOCK], dtype=np.float64)
+        target = u * cumulative[-1] - (cumulative[block - 1] if block else 0.0)
+        return int(starts[block] + min(int(np.searchsorted(inside, target, side="right")), len(inside) - 1))
     cumulative = np.cumsum(weights, dtype=np.float64)
     pick = min(int(np.searchsorted(cumulative, u * cumulative[-1], side="right")), len(cumulative) - 1)
     return int(pick if ids is None else ids[pick])
+
+
+def _kept(weights: np.ndarray, total: float, top_k: int, top_p: float) -> np.ndarray:
+    """The ids top-k and top-p keep: the top_k best, cut where the mass before a token (of the whole
+    distribution) reaches top_p; at least the best token. Only candidates are sorted: the
+    NUCLEUS_PROBES best while the nucleus fits in them; a wider one is found from the sorted values
+    (every token at least as likely as the last one kept; the ids then unsorted)."""
+    vocab = weights.shape[0]
+    for probe in (n for n in (*NUCLEUS_PROBES, top_k) if n <= top_k and n < vocab):
+        ids = np.argpartition(weights, vocab - probe)[vocab - probe:]
+        ids = ids[np.argsort(-weights[ids], kind="stable")]  # best first
+        if top_p >= 1:
+            return ids
+        before = (np.cumsum(weights[ids], dtype=np.float64) - weights[ids]) / total
+        cut = int(np.searchsorted(before, top_p, side="left"))
+        if cut < len(ids) or probe == top_k:
+            return ids[:max(1, cut)]
+    best = np.sort(weights)[::-1][:top_k]  # values only: a vectorized sort, far faster than argsort
+    before = (np.cumsum(best, dtype=np.float64) - best) / total
+    cut = max(1, int(np.searchsorted(before, top_p, side="left")))
+    return np.flatnonzero(weights >= best[cut - 1])
