@@ -1,0 +1,73 @@
+"""torch.compile (Inductor) against rill's native step on the embedded model, one sequence.
+
+    python -m bench.compile_check [--tokens 48]
+
+Inductor's best case on this model: transformers' own `generate` with a static KV cache and the
+forward compiled (`cpp_wrapper`, `freezing`, fixed shapes, so no paged attention and no batching),
+on the float32 weights the GGUF converts to; beside it the same `generate` eager, and rill's
+`LLM.generate` (GGUF blocks, one C call per step). Each is timed as (N tokens - 1 token) / (N - 1),
+so the prompt and the compile are left out. Prints JSON: ms per token and the compile's seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+
+def _per_token(run, tokens: int) -> float:
+    run(1)
+    start = time.perf_counter()
+    run(1)
+    one = time.perf_counter() - start
+    start = time.perf_counter()
+    run(tokens)
+    return ((time.perf_counter() - start) - one) / (tokens - 1) * 1000
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=48)
+    args = parser.parse_args()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engine import LLM, SamplingParams
+    from engine.loading import converted_gguf_dir, embedded_gguf_path
+
+    llm = LLM(None)  # converts the GGUF once if needed
+    folder = converted_gguf_dir(embedded_gguf_path())
+    prompt = "Tell me a story about a dragon"
+    rill = _per_token(lambda n: llm.generate([prompt], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)),
+                      args.tokens)
+    del llm
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+
+    def hf(n: int):
+        with torch.inference_mode():
+            return model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                  cache_implementation="static")
+
+    eager = _per_token(hf, args.tokens)
+    import torch._inductor.config as inductor
+
+    inductor.cpp_wrapper = True
+    inductor.freezing = True
+    model.forward = torch.compile(model.forward, fullgraph=False, dynamic=False)
+    start = time.perf_counter()
+    hf(2)  # compiles the prompt's and the decode's graphs
+    compile_s = time.perf_counter() - start
+    compiled = _per_token(hf, args.tokens)
+    print(json.dumps({"ms_per_token": {"rill native step (GGUF blocks)": round(rill, 2),
+                                       "transformers generate, static cache, eager (float32)": round(eager, 2),
+                                       "transformers generate, static cache, torch.compile (float32)": round(compiled, 2)},
+                      "compile_s": round(compile_s, 1), "torch": torch.__version__,
+                      "threads": torch.get_num_threads()}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
