@@ -184,12 +184,23 @@ def _draw(row: np.ndarray, p, u: float) -> int:
     if ids is None and block_mass is not None:  # the whole vocabulary: find the block, then the token in it
         cumulative = np.cumsum(block_mass)
         block = min(int(np.searchsorted(cumulative, u * cumulative[-1], side="right")), len(cumulative) - 1)
-        inside = np.cumsum(weights[starts[block]:starts[block] + CDF_BLOCK], dtype=np.float64)
+        part = weights[starts[block]:starts[block] + CDF_BLOCK]
+        inside = np.cumsum(part, dtype=np.float64)
         target = u * cumulative[-1] - (cumulative[block - 1] if block else 0.0)
-        return int(starts[block] + min(int(np.searchsorted(inside, target, side="right")), len(inside) - 1))
+        return int(starts[block] + _possible(part, int(np.searchsorted(inside, target, side="right"))))
     cumulative = np.cumsum(weights, dtype=np.float64)
-    pick = min(int(np.searchsorted(cumulative, u * cumulative[-1], side="right")), len(cumulative) - 1)
+    pick = _possible(weights, int(np.searchsorted(cumulative, u * cumulative[-1], side="right")))
     return int(pick if ids is None else ids[pick])
+
+
+def _possible(weights: np.ndarray, pick: int) -> int:
+    """`pick`, or the nearest token before it (else after it) whose weight is not 0: rounding in the
+    sums can land a draw on a token that cannot come (one a grammar or min-p removed)."""
+    pick = min(max(pick, 0), len(weights) - 1)
+    if weights[pick] > 0:
+        return pick
+    before = np.flatnonzero(weights[:pick] > 0)
+    return int(before[-1]) if len(before) else pick + 1 + int(np.flatnonzero(weights[pick + 1:] > 0)[0])
 
 
 def _kept(weights: np.ndarray, total: float, top_k: int, top_p: float) -> np.ndarray:

@@ -73,3 +73,16 @@ def test_seeded_rows_repeat_and_unseeded_rows_vary():
     assert seeded[0] == seeded[1] == seeded[2]  # its own generator: the engine's seed does not matter
     unseeded = {tuple(_draws(logits, 1, engine_seed=s, temperature=1.0, top_p=0.95)) for s in range(12)}
     assert len(unseeded) > 1
+
+
+def test_a_draw_never_lands_on_a_token_that_cannot_come():
+    # every other token removed (as a grammar mask does, -inf), and draws at the very ends of [0, 1):
+    # rounding in the sums must not pick a removed token
+    from engine.sampler import _draw
+
+    row = torch.randn(49152).numpy() * 3
+    row[1::2] = float("-inf")
+    for kw in (dict(), dict(top_p=0.9), dict(min_p=0.3), dict(top_k=7)):
+        params = SamplingParams(max_tokens=4, temperature=0.8, **kw)
+        for u in (0.0, 1e-300, 0.5, 1 - 1e-16, 0.9999999999):
+            assert _draw(row, params, u) % 2 == 0, (kw, u)
