@@ -13,6 +13,7 @@ Wiring: load the model -> start the engine -> the FastAPI app with /chat, /v1, /
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import gc
 import logging
 import os
@@ -437,6 +438,7 @@ def serve(app, settings: Settings, engine=None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     settings = parse_settings(argv)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 <pid>: every thread's stack on stderr
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from engine.loading import ModelLoadError
     from server.backends import BackendError, create_engine

@@ -156,13 +156,16 @@ class GrammarCompiler:
                 future.set_result(self._cache[constraint])
                 return future
             future = self._pending.get(constraint)
-            if future is None:
-                if len(self._pending) >= MAX_PENDING_COMPILES:
-                    raise QueueFull(f"Too many grammars are compiling ({len(self._pending)}); retry in a moment.")
-                future = self._pool.submit(self._build, constraint)
-                self._pending[constraint] = future
-                future.add_done_callback(lambda f, c=constraint: self._done(c, f))
-            return future
+            if future is not None:
+                return future
+            if len(self._pending) >= MAX_PENDING_COMPILES:
+                raise QueueFull(f"Too many grammars are compiling ({len(self._pending)}); retry in a moment.")
+            future = self._pool.submit(self._build, constraint)
+            self._pending[constraint] = future
+        # Outside the lock: a compile that is already done runs `_done` right here, and `_done` takes
+        # the lock (inside it, that deadlocked every compile and the engine thread with them).
+        future.add_done_callback(lambda f, c=constraint: self._done(c, f))
+        return future
 
     def compile(self, constraint: Constraint) -> None:
         """Blocks until `constraint` is compiled (then `matcher` finds it cached); raises InvalidRequest

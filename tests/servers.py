@@ -206,6 +206,24 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.server)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test shows the end of its servers' logs, with every server thread's stack (app.py
+    dumps them on SIGUSR1): what a stuck or failing server was doing, in CI's output too."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "call" or not report.failed:
+        return
+    servers = {id(v): v for v in getattr(item, "funcargs", {}).values() if isinstance(v, ServerProcess)}
+    for server in servers.values():
+        if server.process is None:
+            continue
+        if server.process.poll() is None:
+            server.process.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)
+        report.sections.append((f"server log (app.py {' '.join(server.args)})", server.log()[-8000:]))
+
+
 # --------------------------------------------------------------------------- wire helpers
 
 @dataclass

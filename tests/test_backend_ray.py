@@ -163,21 +163,36 @@ def test_overload_is_a_429_with_retry_after(ray_front):
     wait_idle(ray_front.url)  # the samples admitted before the refusal were aborted
 
 
+def both_running(server, wait_s: float = 1.5) -> dict[str, int]:
+    """The replicas' running counts as soon as both run a sequence (polled every 0.1 s), else {}."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        running = {rid: r["engine"]["num_running"] for rid, r in replicas(server).items()}
+        if len(running) == 2 and all(running.values()):
+            return running
+        time.sleep(0.1)
+    return {}
+
+
 def test_a_killed_replica_errors_its_streams_the_other_serves_and_ray_restarts_it(ray_front):
-    """Last in the module: it kills a replica process."""
-    body = {"max_tokens": 1000, "ignore_eos": True, "stream": True}
-    clients, streams = [], []
+    """Last in the module: it kills a replica process. The kill comes as soon as both replicas
+    run a stream (their statistics are at most 0.5 s old). Each stream is 4 samples of 1,000
+    tokens (3.4 s alone on two cores, 1.4 s for one sample: the kill once came after the dead
+    replica had finished), so the dead one's are still running on a faster machine too."""
+    body = {"max_tokens": 1000, "ignore_eos": True, "stream": True, "n": 4}
+    clients, streams, running = [], [], {}
     try:
-        for i in range(12):  # until both replicas run some of them
-            client = httpx.Client(timeout=120)
-            request = client.build_request("POST", f"{ray_front.url}/v1/completions",
-                                           json={**body, "prompt": f"Stream {i}: say something long."})
-            clients.append(client)
-            streams.append(client.send(request, stream=True))
-            settle()
-            running = {rid: r["engine"]["num_running"] for rid, r in replicas(ray_front).items()}
-            if len(running) == 2 and all(running.values()):
+        for i in range(0, 6, 2):  # two at a time, until both replicas run some (24 samples fill one)
+            for j in (i, i + 1):
+                client = httpx.Client(timeout=120)
+                request = client.build_request("POST", f"{ray_front.url}/v1/completions",
+                                               json={**body, "prompt": f"Stream {j}: say something long."})
+                clients.append(client)
+                streams.append(client.send(request, stream=True))
+            running = both_running(ray_front)
+            if running:
                 break
+        assert running, f"the streams did not spread over both replicas: {ray_front.health()['replicas']}"
         victim_id = max(running, key=running.get)
         victim = replicas(ray_front)[victim_id]
         os.kill(victim["pid"], signal.SIGKILL)

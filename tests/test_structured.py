@@ -197,6 +197,43 @@ def test_a_compile_past_the_timeout_is_refused(tiny_model, monkeypatch):
         compiler.submit(Constraint("regex", "c+"))
 
 
+def test_a_compile_done_before_it_is_awaited_does_not_lock_the_compiler(tiny_model):
+    """A compile can end before `submit` attaches its callback (a fast one, a busy machine): that
+    callback then runs at once in the submitting thread. Forced here with a pool that compiles
+    synchronously; the compiler must answer, and go on answering, instead of waiting on itself
+    (it once did, and with it the engine thread and every constrained request)."""
+    import concurrent.futures
+    import threading
+
+    loaded = load_model(tiny_model("llama"))
+    compiler = GrammarCompiler(loaded.tokenizer, TINY_VOCAB, [2])
+
+    class AtOnce(concurrent.futures.Executor):
+        def submit(self, function, *args):
+            future = concurrent.futures.Future()
+            future.set_result(function(*args))
+            return future
+
+    compiler._pool = AtOnce()
+    answers = []
+
+    def use():  # in a daemon thread: a compiler waiting on itself must fail the test, not hang it
+        compiler.compile(Constraint("regex", "a+"))
+        answers.append(compiler.matcher(Constraint("regex", "a+")))
+        try:
+            compiler.compile(Constraint("grammar", "start: ("))
+        except InvalidRequest as exc:
+            answers.append(str(exc))
+
+    thread = threading.Thread(target=use, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive(), "the compiler waits on its own lock"
+    matcher, refusal = answers
+    assert not matcher.is_error() and "cannot be used for constrained output" in refusal
+    assert not compiler._pending
+
+
 def _thinking_prompt(llm, **kwargs) -> list[int]:
     """qwen3's chat prompt: the thought opened (by default) or written empty (enable_thinking=False)."""
     text = llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,

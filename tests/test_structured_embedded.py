@@ -77,7 +77,7 @@ CONVERT = {"type": "function", "function": {
 
 @pytest.fixture(scope="module")
 def client(embedded_server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{embedded_server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+    return openai.OpenAI(base_url=f"{embedded_server.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def _ask(client, prompt: str, schema: dict, temperature: float, seed: int) -> tuple[str, str]:
