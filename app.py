@@ -108,6 +108,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("--max-engine-restarts", ("MAX_ENGINE_RESTARTS",), "max_engine_restarts", int, 3,
            "times the engine is rebuilt in the process after an internal fault within 10 minutes; one more "
            "and the process exits with status 1 for the Space or supervisor to restart it", "N"),
+    Option("--stall-timeout", ("STALL_TIMEOUT",), "stall_timeout", float, 120.0,
+           "seconds the engine may spend inside one step; longer and it counts as stuck: /health answers 503, "
+           "requests get an error instead of waiting (0: never)", "S"),
     # backend
     Option("--backend", ("BACKEND",), "backend", str, "local",
            "where the engines run: local (in this process) | ray (engine replicas on Ray Serve; "

@@ -80,6 +80,7 @@ class AsyncEngine:
         self.num_restarts = 0  # core rebuilds after a death
         self._deaths: list[float] = []  # time.monotonic() of recent deaths (see RESTART_WINDOW_S)
         self.step_time_total = 0.0  # seconds in core.step()
+        self._busy_since: float | None = None  # time.monotonic() when the current step or command began
         self.dispatch_time_total = 0.0  # seconds handing outputs to consumers
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -98,7 +99,21 @@ class AsyncEngine:
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.dead is None
+        return self._thread is not None and self._thread.is_alive() and self.dead is None and not self.stalled
+
+    @property
+    def busy_s(self) -> float:
+        """How long the engine thread has been inside its current step (or command); 0 when idle."""
+        since = self._busy_since
+        return 0.0 if since is None else time.monotonic() - since
+
+    @property
+    def stalled(self) -> bool:
+        """Inside one step for longer than `config.stall_timeout_s`: stuck (a deadlock, a hung
+        kernel). Not alive meanwhile: /health answers 503, new requests are refused and waiting
+        ones end with an error instead of hanging; alive again if the step ever returns."""
+        limit = self.config.stall_timeout_s
+        return limit > 0 and self.busy_s > limit
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -267,8 +282,10 @@ class AsyncEngine:
 
     def _serve(self) -> None:
         while not self._stopping:
+            self._busy_since = time.monotonic()
             self._run_commands()
             if not self.core.has_work():
+                self._busy_since = None
                 self._wakeup.wait(0.5)
                 self._wakeup.clear()
                 continue

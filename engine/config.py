@@ -24,6 +24,7 @@ class EngineConfig:
     native_decode: bool = True  # on CPU (float32, Llama family), decode steps in C, one call per step
     native_prefill_tokens: int = 128  # steps with at most this many prompt tokens run natively too
     max_restarts: int = 3  # core rebuilds after faults within 10 minutes; one more death and it stays dead
+    stall_timeout_s: float = 120.0  # the engine thread inside one step this long is stuck: not alive; 0: never
 
     def __post_init__(self):
         def need(ok: bool, what: str, given) -> None:
@@ -39,4 +40,5 @@ class EngineConfig:
         need(self.max_queue >= 0, "max_queue must be >= 0", self.max_queue)
         need(self.native_prefill_tokens >= 0, "native_prefill_tokens must be >= 0", self.native_prefill_tokens)
         need(self.max_restarts >= 0, "max_restarts must be >= 0", self.max_restarts)
+        need(self.stall_timeout_s >= 0, "stall_timeout_s must be >= 0 (0: never)", self.stall_timeout_s)
         need(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2", self.max_model_len)

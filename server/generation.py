@@ -186,7 +186,9 @@ class Generation:
             if out is not None or self.stream.done:
                 return out
             if not self.engine.alive:
-                raise RequestFailed("The engine stopped running; this request cannot finish.", code="engine_dead")
+                reason = getattr(self.engine, "unavailable_reason", None)
+                raise RequestFailed("The engine stopped running; this request cannot finish." if reason is None
+                                    else f"This request cannot finish. {reason()}", code="engine_dead")
 
     def _arm_tick(self) -> None:
         wait = _ALIVE_CHECK_S

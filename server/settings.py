@@ -25,6 +25,7 @@ class Settings:
     kv_cache_memory: str | None = None  # e.g. "2GiB"; None = the engine's default
     max_model_len: int | None = None  # context limit; None = the model's
     seed: int = 0  # engine seed (requests without their own seed)
+    stall_timeout: float = 120.0  # seconds inside one engine step before the engine counts as stuck (0: never)
     max_engine_restarts: int = 3  # engine rebuilds after faults within 10 minutes; one more and the process exits 1
     # where the engines run (server/backends)
     backend: str = "local"  # local (this process) | ray (replicas on Ray Serve) | openai (a remote server)

@@ -323,6 +323,29 @@ def test_request_timeout_ends_a_long_request_with_a_clear_error(guarded):
     wait_idle(url)
 
 
+def test_a_stuck_engine_answers_503_and_ends_its_requests_instead_of_hanging(server_with):
+    """--stall-timeout 1, and a step that takes 5 s (as a deadlock or a hung kernel would hold it):
+    the stream ends with an error saying so, /health is 503 with the reason, and once the step
+    returns the server is healthy and answers again."""
+    server = server_with("--stall-timeout", "1")
+    url = server.url
+    httpx.post(f"{url}/_test/slow-steps", params={"seconds": 5}, timeout=10)
+    try:
+        events = stream_chat_events(url, {"prompt": "Talk.", "max_new_tokens": 4, "temperature": 0})
+        health = httpx.get(f"{url}/health", timeout=10)
+    finally:
+        httpx.post(f"{url}/_test/slow-steps", params={"seconds": 0}, timeout=10)
+    assert [e.event for e in events[-2:]] == ["error", "end"], events
+    error = json.loads(events[-2].data)["error"]
+    assert "inside one step" in error and "stuck" in error and "--stall-timeout 1 s" in error, error
+    assert health.status_code == 503 and "stuck" in health.json()["reason"], health.text
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{url}/health", timeout=10).status_code != 200 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    assert chat_text(stream_chat_events(url, {"prompt": "Hi", "max_new_tokens": 4, "temperature": 0}))
+
+
 # --------------------------------------------------------------------------- faults
 
 

@@ -14,7 +14,7 @@ def engine_config(fields: dict) -> EngineConfig:
                         kv_cache_memory=fields["kv_cache_memory"], max_num_seqs=fields["max_num_seqs"],
                         max_num_batched_tokens=fields["max_num_batched_tokens"], max_queue=fields["max_queue"],
                         max_model_len=fields["max_model_len"], seed=fields["seed"],
-                        max_restarts=fields["max_engine_restarts"])
+                        max_restarts=fields["max_engine_restarts"], stall_timeout_s=fields["stall_timeout"])
 
 
 def load_engine(fields: dict, engine_class=AsyncEngine) -> AsyncEngine:
@@ -42,6 +42,11 @@ class LocalEngine(AsyncEngine):
         return load_engine(dict(iter_engine_fields(settings)), cls)
 
     def unavailable_reason(self) -> str:
+        if self.stalled:
+            return (f"The engine has been inside one step for {self.busy_s:.0f} s (--stall-timeout "
+                    f"{self.config.stall_timeout_s:g} s): it is stuck, and requests are refused until it "
+                    "comes back. Restart the server if it does not; its log has every thread's stack after "
+                    "kill -USR1 <pid>.")
         return "The engine is not running; the server cannot generate. Check /health."
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
