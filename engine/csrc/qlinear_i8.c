@@ -192,7 +192,7 @@ static inline __attribute__((always_inline)) void qlinear_i8(const float *x, int
             for (int64_t r = 0; r < rows; r++)
                 quantize_row(x + r * x_row, in, xq + r * in, dx + r * blocks, xs + r * blocks);
         }
-        float *acc = acc_all + (size_t)omp_get_thread_num() * 16 * (size_t)rows;
+        float *acc = acc_all + (size_t)omp_get_thread_num() * (16 * (size_t)rows + 16);  /* apart: see qlinear.c */
         #pragma omp for schedule(guided)
         for (int64_t p = 0; p < num_panels; p++) {
             panel_rows(xq, dx, xs, panels + p * panel_bytes, blocks, rows, in, acc, kind);
@@ -209,10 +209,11 @@ int rill_qlinear_i8(const float *x, int64_t x_row, const uint8_t *panels, const 
                     int64_t rows, int64_t out, int64_t in, int threads, int kind) {
     if (rows <= 0) return 0;
     const int64_t blocks = in / 32;
-    /* per row: xq, dx, xs; per thread: 16 sums per row */
-    char *buffer = malloc((size_t)rows * ((size_t)in + 8 * (size_t)blocks) + sizeof(float) * 16 * (size_t)rows * threads);
+    /* per thread: 16 sums per row and a cache line of gap; per row: xq, dx, xs (64-byte aligned) */
+    const size_t sums = sizeof(float) * (16 * (size_t)rows + 16) * threads;
+    char *buffer = aligned_alloc(64, (sums + (size_t)rows * ((size_t)in + 8 * (size_t)blocks) + 63) / 64 * 64);
     if (!buffer) return -1;
-    float *acc = (float *)buffer, *dx = acc + (size_t)16 * rows * threads;
+    float *acc = (float *)buffer, *dx = (float *)(buffer + sums);
     int32_t *xs = (int32_t *)(dx + rows * blocks);
     int8_t *xq = (int8_t *)(xs + rows * blocks);
     if (kind == Q8_0) qlinear_i8(x, x_row, panels, bias, y, rows, out, in, threads, xq, dx, xs, acc, Q8_0);
