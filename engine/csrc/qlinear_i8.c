@@ -124,6 +124,8 @@ static inline __attribute__((always_inline)) void panel_rows(const int8_t *xq, c
     const int offset = kind == Q4_0 ? 8 : kind == Q8_0 ? Q8_OFFSET : 0;
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *blk = panel + b * block_bytes(kind);
+        for (int64_t o = 0; o < block_bytes(kind); o += 64)  /* 8 blocks ahead, as in qlinear.c */
+            __builtin_prefetch(blk + 8 * block_bytes(kind) + o, 0, 0);
         const float *scales = (const float *)(blk + (kind == Q8_0 ? 32 * 16 : 32 * 8));
         for (int half = 0; half < 2; half++) {
             __m256i w[8];
