@@ -80,8 +80,8 @@ class AsyncEngine:
         self.num_restarts = 0  # core rebuilds after a death
         self._deaths: list[float] = []  # time.monotonic() of recent deaths (see RESTART_WINDOW_S)
         self.step_time_total = 0.0  # seconds in core.step()
-        self._busy_since: float | None = None  # time.monotonic() when the current step or command began
         self.dispatch_time_total = 0.0  # seconds handing outputs to consumers
+        self._busy_since: float | None = None  # time.monotonic() when the current step or command began
 
     # ---- lifecycle ------------------------------------------------------------------------
 

@@ -167,6 +167,7 @@ def keep_freed_memory() -> bool:
 
 
 _SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))
+_HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))  # in the build key, not on the command line
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=gnu11", "-shared", "-fPIC"]
 
 
@@ -240,7 +241,7 @@ def _build(cache_dir: Path) -> Path:
     if Path("/proc/cpuinfo").exists():  # -march=native: a build is only good for this CPU
         cpu_flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
                           if line.startswith(("flags", "Features"))), "")
-    key = hashlib.sha256("\0".join([*(src.read_text() for src in _SOURCES), version, cpu_flags, *_CFLAGS]).encode())
+    key = hashlib.sha256("\0".join([*(src.read_text() for src in (*_SOURCES, *_HEADERS)), version, cpu_flags, *_CFLAGS]).encode())
     target = cache_dir / "kernels" / f"rill_kernels-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target

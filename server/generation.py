@@ -52,6 +52,12 @@ def check_prompt_chars(engine, num_chars: int, param: str) -> None:
                             f"than any text needs). Given: {num_chars} characters.", param=param)
 
 
+def _down_reason(engine) -> str:
+    """Why the engine cannot serve now, in the backend's words when it has them."""
+    reason = getattr(engine, "unavailable_reason", None)
+    return reason() if reason is not None else "The engine is not running; the server cannot generate. Check /health."
+
+
 async def off_loop(function, *args):
     """Runs `function(*args)` (tokenizing, rendering a chat template) in a worker thread, so that
     the event loop keeps serving the other streams meanwhile."""
@@ -136,10 +142,7 @@ class Generation:
 
     def _admit(self, engine, prompt_token_ids, params, on_admit, prior_output_ids) -> None:
         if not engine.alive:
-            reason = getattr(engine, "unavailable_reason", None)
-            raise ApiError(503, reason() if reason is not None else
-                           "The engine is not running; the server cannot generate. Check /health.",
-                           code="engine_dead")
+            raise ApiError(503, _down_reason(engine), code="engine_dead")
         engine.check_prompt(prompt_token_ids, params)
         extra = {"session": self.session} if self.session is not None else {}
         try:
@@ -186,9 +189,7 @@ class Generation:
             if out is not None or self.stream.done:
                 return out
             if not self.engine.alive:
-                reason = getattr(self.engine, "unavailable_reason", None)
-                raise RequestFailed("The engine stopped running; this request cannot finish." if reason is None
-                                    else f"This request cannot finish. {reason()}", code="engine_dead")
+                raise RequestFailed(f"This request cannot finish. {_down_reason(self.engine)}", code="engine_dead")
 
     def _arm_tick(self) -> None:
         wait = _ALIVE_CHECK_S

@@ -19,13 +19,13 @@
 #include <stdint.h>
 #include <omp.h>
 #include <stdlib.h>
+#include "blocks.h"
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
 
 typedef float v8 __attribute__((vector_size(32)));
 
-enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2 };
 enum { FEW_ROWS = 3 };  /* up to this many rows widen the weights in registers, row by row */
 
 static inline v8 loadf(const float *p) {
@@ -56,18 +56,6 @@ static inline void widen_q4(const uint8_t *p, v8 *w0, v8 *w1) {
 #else
     for (int j = 0; j < 8; j++) (*w0)[j] = (float)(p[j] & 15), (*w1)[j] = (float)(p[j] >> 4);
 #endif
-}
-
-/* bytes of one panel's block of 32 inputs */
-static inline int64_t block_bytes(int kind) { return kind == Q8_0 ? 32 * 16 + 64 : kind == Q4_0 ? 32 * 8 + 64 : 32 * 8 + 128; }
-
-/* The panel's block PREFETCH_BLOCKS ahead, asked for while this one is computed: at one row the
- * widening takes about as long as reading the weights, and without it the two took turns (the
- * hardware prefetcher alone left each thread waiting at every block). Measured in a C harness,
- * Q4_1 weights from memory, two threads: 0.71-0.99x the time at one row, 0.91-0.94x at 8. */
-enum { PREFETCH_BLOCKS = 8 };
-static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *blk, const int kind) {
-    for (int64_t o = 0; o < block_bytes(kind); o += 64) __builtin_prefetch(blk + PREFETCH_BLOCKS * block_bytes(kind) + o, 0, 0);
 }
 
 /* one panel's block -> its float32 weights w[32][16], computed as the de-quantized model's are */
@@ -185,13 +173,6 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, int
         }
     }
 }
-
-/* Floats between two threads' sums (16 per row for one panel's outputs, then a cache line of
- * gap), from a 64-byte aligned buffer: no cache line holds two threads' sums. Packed back to back,
- * the threads wrote into the same lines for every panel (every block of it with more rows than
- * FEW_ROWS): 0.64-0.68x the time of a 960 x 576 / 3072 x 576 Q4_1 linear at 8 rows once apart,
- * 0.81-0.94x at one row (weights from memory, medians of 40 alternations). */
-static inline int64_t acc_stride(int64_t rows) { return 16 * rows + 16; }
 
 /* acc: acc_stride(rows) floats per thread, for one panel's outputs of every row */
 static inline __attribute__((always_inline)) void qlinear(const float *x, int64_t x_row, const float *xsum,

@@ -21,13 +21,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "blocks.h"
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
-
-enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2 };
-
-static inline int64_t block_bytes(int kind) { return kind == Q8_0 ? 32 * 16 + 64 : kind == Q4_0 ? 32 * 8 + 64 : 32 * 8 + 128; }
 
 /* one row of x -> xq [in] int8, its scale dx and sum(xq) per block (ggml's rounding: nearest) */
 static void quantize_row(const float *x, int64_t in, int8_t *xq, float *dx, int32_t *xs) {
@@ -124,8 +121,7 @@ static inline __attribute__((always_inline)) void panel_rows(const int8_t *xq, c
     const int offset = kind == Q4_0 ? 8 : kind == Q8_0 ? Q8_OFFSET : 0;
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *blk = panel + b * block_bytes(kind);
-        for (int64_t o = 0; o < block_bytes(kind); o += 64)  /* 8 blocks ahead, as in qlinear.c */
-            __builtin_prefetch(blk + 8 * block_bytes(kind) + o, 0, 0);
+        prefetch_ahead(blk, kind);
         const float *scales = (const float *)(blk + (kind == Q8_0 ? 32 * 16 : 32 * 8));
         for (int half = 0; half < 2; half++) {
             __m256i w[8];
@@ -194,7 +190,7 @@ static inline __attribute__((always_inline)) void qlinear_i8(const float *x, int
             for (int64_t r = 0; r < rows; r++)
                 quantize_row(x + r * x_row, in, xq + r * in, dx + r * blocks, xs + r * blocks);
         }
-        float *acc = acc_all + (size_t)omp_get_thread_num() * (16 * (size_t)rows + 16);  /* apart: see qlinear.c */
+        float *acc = acc_all + (size_t)omp_get_thread_num() * (size_t)acc_stride(rows);
         #pragma omp for schedule(guided)
         for (int64_t p = 0; p < num_panels; p++) {
             panel_rows(xq, dx, xs, panels + p * panel_bytes, blocks, rows, in, acc, kind);
@@ -211,8 +207,8 @@ int rill_qlinear_i8(const float *x, int64_t x_row, const uint8_t *panels, const 
                     int64_t rows, int64_t out, int64_t in, int threads, int kind) {
     if (rows <= 0) return 0;
     const int64_t blocks = in / 32;
-    /* per thread: 16 sums per row and a cache line of gap; per row: xq, dx, xs (64-byte aligned) */
-    const size_t sums = sizeof(float) * (16 * (size_t)rows + 16) * threads;
+    /* per thread: acc_stride(rows) sums (blocks.h); per row: xq, dx, xs (64-byte aligned) */
+    const size_t sums = sizeof(float) * (size_t)acc_stride(rows) * threads;
     char *buffer = aligned_alloc(64, (sums + (size_t)rows * ((size_t)in + 8 * (size_t)blocks) + 63) / 64 * 64);
     if (!buffer) return -1;
     float *acc = (float *)buffer, *dx = (float *)(buffer + sums);

@@ -1,0 +1,30 @@
+/* What csrc/qlinear.c and csrc/qlinear_i8.c share about the GGUF blocks they compute from: the
+ * kinds, the bytes of one panel's block (its weights, then float d[16], Q4_1: and m[16]), the
+ * prefetch of the block ahead, and where each thread's sums go. */
+#ifndef RILL_BLOCKS_H
+#define RILL_BLOCKS_H
+#include <stdint.h>
+
+enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2 };
+
+/* bytes of one panel's block of 32 inputs */
+static inline int64_t block_bytes(int kind) { return kind == Q8_0 ? 32 * 16 + 64 : kind == Q4_0 ? 32 * 8 + 64 : 32 * 8 + 128; }
+
+/* The panel's block PREFETCH_BLOCKS ahead, asked for while this one is computed: at one row the
+ * widening takes about as long as reading the weights, and without it the two took turns (the
+ * hardware prefetcher alone left each thread waiting at every block). Measured in a C harness,
+ * Q4_1 weights from memory, two threads: 0.71-0.99x the time at one row, 0.91-0.94x at 8 (float32
+ * activations), 0.47-0.62x with int8 activations (with the sums apart, below). */
+enum { PREFETCH_BLOCKS = 8 };
+static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *blk, const int kind) {
+    for (int64_t o = 0; o < block_bytes(kind); o += 64) __builtin_prefetch(blk + PREFETCH_BLOCKS * block_bytes(kind) + o, 0, 0);
+}
+
+/* Floats between two threads' sums (16 per row for one panel's outputs, then a cache line of
+ * gap), from a 64-byte aligned buffer: no cache line holds two threads' sums. Packed back to back,
+ * the threads wrote into the same lines for every panel (every block of it with more rows than
+ * FEW_ROWS): 0.64-0.68x the time of a 960 x 576 / 3072 x 576 Q4_1 linear at 8 rows once apart,
+ * 0.81-0.94x at one row (weights from memory, medians of 40 alternations). */
+static inline int64_t acc_stride(int64_t rows) { return 16 * rows + 16; }
+
+#endif
