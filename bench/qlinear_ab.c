@@ -1,0 +1,67 @@
+/* The block kernels of two builds side by side (bench/qlinear_ab.py compiles this with the
+ * sources of a git revision renamed *_a and those of the working tree): one shape, weights from
+ * memory (30 different ones, as a model's layers), 40 alternations, medians in microseconds.
+ * argv: out in rows threads kind(0 Q8_0, 1 Q4_0, 2 Q4_1) int8(0/1) */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+
+typedef int (*kernel)(const float *, int64_t, const uint8_t *, const float *, float *, int64_t, int64_t, int64_t,
+                      int, int);
+int rill_qlinear(const float *, int64_t, const uint8_t *, const float *, float *, int64_t, int64_t, int64_t, int, int);
+int rill_qlinear_i8(const float *, int64_t, const uint8_t *, const float *, float *, int64_t, int64_t, int64_t, int,
+                    int);
+int rill_qlinear_a(const float *, int64_t, const uint8_t *, const float *, float *, int64_t, int64_t, int64_t, int,
+                   int);
+int rill_qlinear_i8_a(const float *, int64_t, const uint8_t *, const float *, float *, int64_t, int64_t, int64_t, int,
+                      int);
+
+enum { LAYERS = 30, ROUNDS = 40, CALLS = 50 };
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + t.tv_nsec * 1e-9;
+}
+
+static int by_value(const void *a, const void *b) {
+    const double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+int main(int argc, char **argv) {
+    if (argc != 7) {
+        fprintf(stderr, "usage: %s out in rows threads kind int8\n", argv[0]);
+        return 2;
+    }
+    const int64_t out = atoll(argv[1]), in = atoll(argv[2]), rows = atoll(argv[3]);
+    const int threads = atoi(argv[4]), kind = atoi(argv[5]), int8 = atoi(argv[6]);
+    const int64_t block = kind == 0 ? 32 * 16 + 64 : kind == 1 ? 32 * 8 + 64 : 32 * 8 + 128;
+    const int64_t blocks = ((out + 15) / 16) * (in / 32);
+    uint8_t *weights[LAYERS];
+    for (int l = 0; l < LAYERS; l++) {
+        weights[l] = malloc((size_t)(blocks * block));
+        for (int64_t i = 0; i < blocks * block; i++) weights[l][i] = (uint8_t)rand();
+        for (int64_t b = 0; b < blocks; b++) { /* sane scales: the floats after each block's weights */
+            float *scales = (float *)(weights[l] + b * block + (kind == 0 ? 32 * 16 : 32 * 8));
+            for (int j = 0; j < (kind == 2 ? 32 : 16); j++) scales[j] = 0.01f;
+        }
+    }
+    float *x = malloc(sizeof(float) * (size_t)(rows * in)), *y = malloc(sizeof(float) * (size_t)(rows * out));
+    for (int64_t i = 0; i < rows * in; i++) x[i] = (float)rand() / (float)RAND_MAX - 0.5f;
+    const kernel builds[2] = {int8 ? rill_qlinear_i8_a : rill_qlinear_a, int8 ? rill_qlinear_i8 : rill_qlinear};
+    double times[2][ROUNDS];
+    for (int r = 0; r < ROUNDS; r++)
+        for (int v = 0; v < 2; v++) {
+            const double t0 = now();
+            for (int c = 0; c < CALLS; c++)
+                for (int l = 0; l < LAYERS; l++) builds[v](x, in, weights[l], NULL, y, rows, out, in, threads, kind);
+            times[v][r] = (now() - t0) / (CALLS * LAYERS) * 1e6;
+        }
+    qsort(times[0], ROUNDS, sizeof(double), by_value);
+    qsort(times[1], ROUNDS, sizeof(double), by_value);
+    printf("%lld x %lld, %lld rows, %d threads: %.1f -> %.1f us (%.2fx)\n", (long long)out, (long long)in,
+           (long long)rows, threads, times[0][ROUNDS / 2], times[1][ROUNDS / 2], times[1][ROUNDS / 2] / times[0][ROUNDS / 2]);
+    return 0;
+}

@@ -1,0 +1,65 @@
+"""The block kernels (csrc/qlinear.c, csrc/qlinear_i8.c) of a git revision against the working
+tree's, side by side in one C process: SmolLM2-135M's four linear shapes, Q4_1, weights from
+memory, medians of 40 alternations.
+
+    python -m bench.qlinear_ab 948ef9f [--rows 1,8] [--threads 2] [--int8]
+
+The revision's sources are compiled with their entry points renamed (`-Drill_qlinear=...`), so
+both builds live in one binary and take turns under the same conditions."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CSRC = ROOT / "engine" / "csrc"
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # fused q/k/v, o, fused gate/up, down
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=gnu11"]
+KERNELS = ("qlinear.c", "qlinear_i8.c")
+
+
+def build(revision: str, where: Path) -> Path:
+    old = where / "old"
+    old.mkdir()
+    listed = subprocess.run(["git", "ls-tree", "--name-only", f"{revision}:engine/csrc"], cwd=ROOT,
+                            capture_output=True, text=True, check=True).stdout.split()
+    for name in listed:
+        if name in KERNELS or name.endswith(".h"):
+            text = subprocess.run(["git", "show", f"{revision}:engine/csrc/{name}"], cwd=ROOT,
+                                  capture_output=True, text=True, check=True).stdout
+            (old / name).write_text(text)
+    objects = []
+    for name in KERNELS:
+        obj = where / f"old_{name}.o"
+        subprocess.run(["cc", *FLAGS, "-c", str(old / name), "-o", str(obj), "-Drill_qlinear=rill_qlinear_a",
+                        "-Drill_qlinear_i8=rill_qlinear_i8_a"], check=True)
+        objects.append(str(obj))
+    binary = where / "qlinear_ab"
+    subprocess.run(["cc", *FLAGS, str(ROOT / "bench" / "qlinear_ab.c"), *(str(CSRC / n) for n in KERNELS),
+                    *objects, "-o", str(binary), "-lm"], check=True)
+    return binary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("revision", help="the git revision to compare with (its engine/csrc kernels)")
+    parser.add_argument("--rows", default="1,8")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--int8", action="store_true", help="the int8-activation kernel (csrc/qlinear_i8.c)")
+    args = parser.parse_args()
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "?")
+    print(f"{cpu}; {args.revision} -> working tree, Q4_1, {'int8' if args.int8 else 'float32'} activations")
+    with tempfile.TemporaryDirectory() as tmp:
+        binary = build(args.revision, Path(tmp))
+        for rows in (int(r) for r in args.rows.split(",")):
+            for out, inp in SHAPES:
+                subprocess.run([str(binary), str(out), str(inp), str(rows), str(args.threads), "2",
+                                str(int(args.int8))], check=True)
+
+
+if __name__ == "__main__":
+    main()
