@@ -4,10 +4,16 @@ an API key, closed to a client without it and open to one that logs in with it."
 
 from __future__ import annotations
 
+import sys
+import time
+from pathlib import Path
+
 import httpx
 import pytest
 from gradio_client import Client
 from gradio_client.exceptions import AuthenticationError
+
+from tests.servers import run_server
 
 CAPITAL = "What is the capital of France?"
 # The page's defaults sample (temperature 0.7, top-p 0.9, top-k 50, repetition penalty 1.1);
@@ -117,3 +123,26 @@ def test_with_a_key_a_client_logged_in_with_it_gets_the_answer_chat_gives(keyed)
     response = httpx.post(f"{url}/chat", timeout=120, headers={"Authorization": f"Bearer {KEY}"},
                           json={"prompt": "Tell me a joke.", "temperature": 0, "max_new_tokens": 16, "stream": False})
     assert response.status_code == 200 and answer == response.json()["response"] and answer
+
+
+def _wakeups(pid: int) -> int:
+    """How many times the process's main thread (the event loop) has been switched in so far."""
+    status = Path(f"/proc/{pid}/task/{pid}/status").read_text()
+    return sum(int(line.split()[1]) for line in status.splitlines()
+               if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_an_idle_page_does_not_wake_the_event_loop_a_hundred_times_a_second(tiny_llama_path):
+    # Gradio's queue polls for new events every 1 ms (10 ms in earlier rill), and each wake-up of
+    # the loop takes a core from the engine's threads; unused, the page polls every 100 ms.
+    with run_server("--model", str(tiny_llama_path)) as server:
+        pid = server.process.pid
+        time.sleep(2)
+        before, start = _wakeups(pid), time.monotonic()
+        time.sleep(3)
+        per_second = (_wakeups(pid) - before) / (time.monotonic() - start)
+        assert per_second < 50, f"the idle server's event loop woke {per_second:.0f} times a second"
+        client = Client(server.url + "/", verbose=False)  # and a visitor is still answered
+        answer = client.predict(message="Tell me a joke.", history=[], **GREEDY, max_new_tokens=8, api_name="/chat")
+        assert answer == chat_greedy(server.url, [{"role": "user", "content": "Tell me a joke."}], 8)
