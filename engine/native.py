@@ -62,6 +62,8 @@ def _projections(module: nn.Module, names: tuple[str, ...]):
     return (_Lin * len(lins))(*lins), len(lins), None, holders
 
 
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # rotary scalings that depend on the position alone
+
 # one layer shape, four names (Qwen3: an RMSNorm on each head of q and k)
 NATIVE_MODELS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -129,7 +131,8 @@ class NativeDecoder:
         self._fn = library.rill_decode_step
         ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
         self._fn.argtypes = [ctypes.POINTER(_Layer), i32, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, i32, i32,
-                             i32, ptr, i32, ptr, i64, ptr, f32, ctypes.POINTER(_Lin), ptr, ctypes.POINTER(ctypes.c_int)]
+                             i32, ptr, i32, ptr, i64, ptr, f32, ctypes.POINTER(_Lin), ptr, ptr,
+                             ctypes.POINTER(ctypes.c_int)]
         self._fn.restype = i32
         config = model.config
         self.hidden = config.hidden_size
@@ -162,6 +165,25 @@ class NativeDecoder:
         self._cache = None  # the paged cache whose tensors self.layers points into
         self.head = _head(model)  # None: the model's norm and lm_head end the step
         self._failed = ctypes.c_int(0)
+        # cos/sin of every position so far, from the model's rotary module once, when they depend on
+        # the position alone (not "dynamic" or "longrope" scaling, which change with the length)
+        rotary = model.model.rotary_emb
+        self._rope_table = () if getattr(rotary, "rope_type", "default") in STATIC_ROPE else None
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [rows, head_dim] of `positions`: rows of a table the rotary module computed (the
+        same elementwise operations per position, so the same values; a module call took 54 us)."""
+        rotary = self.model.model.rotary_emb
+        if self._rope_table is None:
+            cos, sin = rotary(x[None], positions[None])
+            return cos[0].contiguous(), sin[0].contiguous()
+        need = int(positions.max()) + 1
+        if not self._rope_table or self._rope_table[0].shape[0] < need:
+            size = max(need, 2 * (self._rope_table[0].shape[0] if self._rope_table else 512))
+            cos, sin = rotary(x[:1][None], torch.arange(size)[None])
+            self._rope_table = (cos[0].contiguous(), sin[0].contiguous())
+        cos, sin = self._rope_table
+        return cos.index_select(0, positions), sin.index_select(0, positions)
 
     def _bind(self, cache) -> None:
         """Point each layer at its K/V tensors of `cache` (once per cache)."""
@@ -176,21 +198,23 @@ class NativeDecoder:
         """input_ids, positions, slot_mapping, token_lens: [rows] int64; token_slots: [rows, width]
         int64 (row r attends token_slots[r, :token_lens[r]]: a decode token its whole context, a
         prompt token the positions up to its own); keep: [samples] int64, ascending, the rows whose
-        logits are wanted (None: all). Returns float32 logits [samples, vocab]."""
+        logits are wanted (None: all). Returns float32 logits [samples, vocab]; when the C step ran
+        the head, they carry `rill_argmax` [samples] int64, each row's first largest logit (-1: a
+        logit that is not finite), which the sampler uses for greedy rows it leaves unchanged."""
         model = self.model
         rows = input_ids.shape[0]
         self._bind(cache)
         x = model.model.embed_tokens(input_ids).contiguous()  # [rows, hidden]
-        cos, sin = model.model.rotary_emb(x[None], positions[None])  # [1, rows, head_dim]
-        cos, sin = cos[0].contiguous(), sin[0].contiguous()
+        cos, sin = self._rope(x, positions)  # [rows, head_dim]
         qd = self.heads * self.head_dim
         scratch = torch.empty(rows * (2 * self.hidden + qd + self.widest + 2 + self.intermediate))
         slot_mapping, token_slots, token_lens = (t.contiguous() for t in (slot_mapping, token_slots, token_lens))
         samples = rows if keep is None else keep.shape[0]
-        logits = head = keep_ptr = None
+        logits = head = keep_ptr = best = None
         if self.head is not None:
             norm, eps, head, width, _ = self.head
             logits = torch.empty(samples, width)
+            best = torch.empty(samples, dtype=torch.long)
             keep_ptr = None if keep is None else keep.contiguous().data_ptr()
         status = self._fn(
             self.layers, len(self.layers), x.data_ptr(), rows, self.hidden, self.intermediate, cos.data_ptr(),
@@ -198,12 +222,13 @@ class NativeDecoder:
             token_lens.data_ptr(), self.heads, self.kv_heads, self.head_dim, scratch.data_ptr(), self.threads,
             keep_ptr, samples, None if head is None else norm.data_ptr(), 0.0 if head is None else eps,
             None if head is None else ctypes.byref(head), None if head is None else logits.data_ptr(),
-            ctypes.byref(self._failed))
+            None if head is None else best.data_ptr(), ctypes.byref(self._failed))
         if status == -2:
             raise MemoryError(f"the native decode step could not allocate its buffers for {rows} rows")
         if status != 0:
             raise RuntimeError(f"the native decode step refused its arguments (layer {self._failed.value})")
         if head is not None:
+            logits.rill_argmax = best  # each row's argmax, -1 where one is not finite (engine/sampler.py)
             return logits
         if keep is not None:
             x = x.index_select(0, keep)

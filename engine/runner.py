@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from engine.attention import ATTN_NAME, PagedKVCache, PrefillChunk, StepMetadata
@@ -103,6 +104,8 @@ class PagedRunner:
     def run(self, plan: list[ScheduledChunk]) -> torch.Tensor:
         """Returns float32 logits [num_sampling_chunks, vocab], in plan order."""
         _raise_injected_faults(plan)
+        if self.native is not None and all(c.num_tokens == 1 for c in plan):
+            return self._native_decodes(plan)
         bs, dev = self.block_size, self.device
         input_ids: list[int] = []
         positions: list[int] = []
@@ -183,6 +186,29 @@ class PagedRunner:
             rill_step=step,
         )
         return out.logits[0].float()  # [num_sampling_chunks, vocab]
+
+    def _native_decodes(self, plan: list[ScheduledChunk]) -> torch.Tensor:
+        """`run` for a step of decodes only on the native step, its slots computed with numpy: the
+        same arguments, without the dozen small torch operations a step of one sequence paid for
+        in Python (each slowed by the step's reads having just emptied the caches)."""
+        bs, rows = self.block_size, len(plan)
+        lens = np.fromiter((c.start + 1 for c in plan), np.int64, rows)  # each row's context, its own token included
+        context = int(lens.max())
+        width = -(-context // bs)  # blocks of the longest context
+        tables = np.zeros((rows, width), np.int64)  # a shorter row's missing blocks: block 0, never read
+        for r, c in enumerate(plan):
+            table = c.seq.block_table[:width]
+            tables[r, :len(table)] = table
+        self.cache.zero_new_blocks([c.seq.block_table[c.start // bs] for c in plan])
+        j = np.arange(context)
+        token_slots = tables[:, j // bs] * bs + j % bs  # [rows, context]: the slot of each position
+        positions = lens - 1
+        slot_mapping = token_slots[np.arange(rows), positions]
+        sample_rows = [r for r, c in enumerate(plan) if c.samples]
+        keep = None if len(sample_rows) == rows else torch.tensor(sample_rows, dtype=torch.long)
+        input_ids = torch.tensor([c.seq.token_ids[c.start] for c in plan])
+        return self.native.run(input_ids, torch.from_numpy(positions), self.cache, torch.from_numpy(slot_mapping),
+                               torch.from_numpy(token_slots), torch.from_numpy(lens), keep)
 
     def free(self, seq_id: str) -> None:  # the paged cache needs nothing beyond the allocator
         pass

@@ -51,11 +51,19 @@ class Sampler:
         logits = logits.cpu()
         rows, vocab = logits.shape
         params = [s.params for s in seqs]
-        # numpy for the two passes over every row: torch's CPU isfinite and argmax take 10-20x longer here
-        finite = np.isfinite(logits.numpy()).all(axis=1)  # [rows] bool
-        bad_rows = [] if finite.all() else [i for i in range(rows) if not finite[i]]
+        # each row's argmax from the native step (engine/native.py), if it has them and all are finite
+        best = getattr(logits, "rill_argmax", None)
+        best = None if best is None else best.tolist()
+        if best is not None and min(best) < 0:
+            best = None
+        if best is not None:
+            bad_rows = []
+        else:  # numpy for the two passes over every row: torch's CPU isfinite and argmax take 10-20x longer here
+            finite = np.isfinite(logits.numpy()).all(axis=1)  # [rows] bool
+            bad_rows = [] if finite.all() else [i for i in range(rows) if not finite[i]]
         if bad_rows:
             logits = torch.nan_to_num(logits, nan=0.0, posinf=0.0, neginf=0.0)
+        given = logits
         constrained = [i for i, s in enumerate(seqs) if s.grammar is not None and s.grammar.active]
         if constrained:
             logits = self._mask(logits, seqs, constrained)
@@ -70,13 +78,14 @@ class Sampler:
                     logits = logits.clone() if logits is raw else logits
                     logits[i, banned] = float("-inf")
 
-        temps = torch.tensor([p.temperature for p in params])
-        greedy = temps == 0
-        chosen = torch.from_numpy(logits.numpy().argmax(axis=1))  # the first of equal maxima, as torch's argmax
-        if not bool(greedy.all()):
-            chosen = torch.where(greedy, chosen, self._sample(logits, seqs, params))
+        if best is not None and logits is given:  # no mask, penalty or ban changed a row
+            token_ids = best
+        else:
+            token_ids = logits.numpy().argmax(axis=1).tolist()  # the first of equal maxima, as torch's argmax
+        if any(p.temperature != 0 for p in params):
+            greedy = torch.tensor([p.temperature == 0 for p in params])
+            token_ids = torch.where(greedy, torch.tensor(token_ids), self._sample(logits, seqs, params)).tolist()
 
-        token_ids = chosen.tolist()
         for i, s in enumerate(seqs):
             if s.reasoning is not None and (forced := s.reasoning.forced_token()) is not None:
                 token_ids[i] = forced  # the thought used its budget: it ends here

@@ -269,6 +269,18 @@ def test_nan_logits_fail_only_that_request(engine, llm):
     assert "".join(good) == expected
 
 
+def test_non_finite_logits_from_the_native_step_fail_the_request(llama):
+    # The native step hands the sampler each row's argmax, or -1 for a row with a NaN or inf: such a
+    # step falls back to the sampler's own checks, which fail the request with the reason.
+    llm = LLM(load_model(str(llama)))
+    assert llm.core.runner.native is not None and llm.core.runner.native.head is not None
+    norm = llm.core.model.model.norm.weight  # read by the C step in place
+    with torch.no_grad():
+        norm[0] = float("inf")
+    result = llm.generate(["good one"], SamplingParams(max_tokens=8, temperature=0))[0].outputs[0]
+    assert result.token_ids == [] and result.finish_reason is FinishReason.ERROR
+
+
 def test_queue_full_and_invalid_prompt(llama):
     from engine import InvalidRequest, QueueFull
 

@@ -89,6 +89,21 @@ def test_native_decode_steps_equal_generate(tiny_model, native, limit):
     assert engine_outputs(llm, prompts[:1]) == refs[:1]  # alone
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3norm"])
+def test_the_native_steps_rotary_table_holds_what_the_model_computes(tiny_model, arch):
+    """The native step reads cos/sin from a table the model's rotary module filled once (growing
+    past its first 512 positions): bit for bit what the module gives for the step's positions."""
+    llm = LLM(load_model(str(tiny_model(arch))))
+    native, rotary = llm.core.runner.native, llm.core.model.model.rotary_emb
+    x = torch.zeros(1, llm.core.model.config.hidden_size)
+    for positions in ([0], [7, 3, 511], [600, 2, 1500]):
+        index = torch.tensor(positions)
+        cos, sin = native._rope(x, index)
+        want_cos, want_sin = rotary(x[None], index[None])
+        assert torch.equal(cos, want_cos[0]) and torch.equal(sin, want_sin[0])
+    assert native._rope_table[0].shape[0] >= 1501
+
+
 def test_the_native_decoder_takes_only_what_it_computes(tiny_model):
     from engine.native import why_not_native
 

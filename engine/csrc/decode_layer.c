@@ -17,6 +17,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
 void rill_linear(const float *x, int64_t x_row, const float *panels, const float *bias, float *y,
                  int64_t rows, int64_t out, int64_t in, int threads);
@@ -157,6 +160,37 @@ static int decode_layer(float *x, int64_t rows, int64_t hidden, const float *nor
     return 0;
 }
 
+/* The first index of the largest of v[0..n) (numpy's argmax), or -1 when one of them is not finite:
+ * read while the head's output is still in the cache, where the sampler's own passes over it in
+ * Python came after the step had streamed the weights through every cache level. */
+static int64_t row_argmax(const float *v, int64_t n) {
+    float top = -INFINITY, bad = 0.0f;
+    int64_t j = 0;
+#ifdef __AVX2__
+    __m256 m0 = _mm256_set1_ps(-INFINITY), m1 = m0, z0 = _mm256_setzero_ps(), z1 = z0;
+    for (; j + 16 <= n; j += 16) {  /* x - x is 0 for a finite x, NaN for an infinity or NaN */
+        const __m256 a = _mm256_loadu_ps(v + j), b = _mm256_loadu_ps(v + j + 8);
+        m0 = _mm256_max_ps(m0, a), m1 = _mm256_max_ps(m1, b);
+        z0 = _mm256_or_ps(z0, _mm256_sub_ps(a, a)), z1 = _mm256_or_ps(z1, _mm256_sub_ps(b, b));
+    }
+    float lanes[8], flags[8];
+    _mm256_storeu_ps(lanes, _mm256_max_ps(m0, m1));
+    _mm256_storeu_ps(flags, _mm256_or_ps(z0, z1));
+    for (int i = 0; i < 8; i++) {
+        top = lanes[i] > top ? lanes[i] : top;
+        bad += flags[i] != 0.0f || flags[i] != flags[i];
+    }
+#endif
+    for (int64_t i = j; i < n; i++) {
+        bad += !isfinite(v[i]);
+        top = v[i] > top ? v[i] : top;
+    }
+    if (bad != 0.0f) return -1;
+    for (int64_t i = 0; i < n; i++)
+        if (v[i] == top) return i;
+    return -1;
+}
+
 /* one layer's weights and cache, as engine/native.py describes them once per model */
 typedef struct {
     const float *norm1, *norm2;
@@ -169,14 +203,15 @@ typedef struct {
 
 /* Every layer over x [rows, hidden] in place (the arguments as decode_layer's), then, when head is
  * not NULL: the rows keep[0..n_keep) (ascending; NULL: all rows) gathered to the front of x,
- * RMSNorm by final_norm, and logits [n_keep, head->out] = head(x). One call per step: the
+ * RMSNorm by final_norm, logits [n_keep, head->out] = head(x) and, when best is not NULL, each
+ * row's argmax in best[0..n_keep) (-1: a row with a logit that is not finite). One call per step: the
  * interpreter is left once, not once per layer. Returns 0, -1 (an argument it cannot take) or -2
  * (out of memory), and the index of the failing layer in *failed. */
 int rill_decode_step(const rill_layer *layers, int n_layers, float *x, int64_t rows, int64_t hidden,
                      int64_t intermediate, const float *cos, const float *sin, const int64_t *slot_mapping,
                      const int64_t *dec_slots, int64_t slots_width, const int64_t *lens, int heads, int kv_heads,
                      int head_dim, float *scratch, int threads, const int64_t *keep, int64_t n_keep,
-                     const float *final_norm, float final_eps, const rill_lin *head, float *logits, int *failed) {
+                     const float *final_norm, float final_eps, const rill_lin *head, float *logits, int64_t *best, int *failed) {
     for (int l = 0; l < n_layers; l++) {
         const rill_layer *L = &layers[l];
         const int status = decode_layer(x, rows, hidden, L->norm1, L->norm2, L->eps, L->qkv, (int)L->n_qkv, L->q_off,
@@ -195,5 +230,9 @@ int rill_decode_step(const rill_layer *layers, int n_layers, float *x, int64_t r
         for (int64_t i = 0; i < n_keep; i++)
             if (keep[i] != i) memmove(x + i * hidden, x + keep[i] * hidden, (size_t)hidden * sizeof(float));
     rmsnorm(x, final_norm, final_eps, scratch, n_keep, hidden);
-    return linear(head, scratch, hidden, logits, n_keep, threads);
+    const int status = linear(head, scratch, hidden, logits, n_keep, threads);
+    if (status || !best) return status;
+    #pragma omp parallel for num_threads(threads) schedule(static) if (n_keep > 1)
+    for (int64_t r = 0; r < n_keep; r++) best[r] = row_argmax(logits + r * head->out, head->out);
+    return 0;
 }
