@@ -4,7 +4,8 @@ Plain Python. Each step, running sequences go first (FIFO), each asking for the 
 has not computed yet (one for a decode, a chunk of its prompt otherwise); then waiting
 sequences are admitted while the budget, `max_num_seqs` and free KV blocks allow; a waiting
 sequence first takes the cached blocks of its longest known prefix (`BlockAllocator.match_prefix`)
-and only computes the rest. When a running sequence cannot get a block, the most recently
+and only computes the rest; one whose next block a running sequence is computing right now
+waits for it (the others behind it go on). When a running sequence cannot get a block, the most recently
 admitted one is preempted: its blocks are freed and it goes back to the front of the queue to
 be recomputed later. A step that preempted admits nobody: the free blocks it left would go to the
 waiting queue's head (often the victim itself), only to be taken back the next step (thrashing).
@@ -78,11 +79,19 @@ class Scheduler:
             # seq was preempted: running shrank, the same index now holds the next one
         if self.num_preemptions != num_preemptions:
             return plan  # memory ran short this step: admitting now would take the victim's blocks again
+        in_flight = self._in_flight() if self.allocator.prefix_caching and self.waiting else set()
+        held: list[Sequence] = []  # waiting for prompt blocks that a running sequence computes now
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             looked_up = seq.num_computed_tokens == 0
             if looked_up:  # reuse the cached blocks of a known prefix
                 seq.num_computed_tokens = self.allocator.match_prefix(seq.token_ids, seq.block_hashes, seq.block_table)
+                matched = len(seq.block_table)
+                if matched < len(seq.block_hashes) and seq.block_hashes[matched] in in_flight:
+                    self.allocator.free(seq.block_table)  # it takes them, and the ones on the way, later
+                    seq.num_computed_tokens = 0
+                    held.append(self.waiting.popleft())
+                    continue
             num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             if not self.allocator.allocate(seq.block_table, seq.num_computed_tokens + num_new):
                 self.allocator.free(seq.block_table)  # it waits holding nothing
@@ -97,7 +106,19 @@ class Scheduler:
             self.running.append(seq)
             plan.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new))
             budget -= num_new
+            if self.allocator.prefix_caching:  # its prompt blocks from here on are on the way too
+                in_flight.update(seq.block_hashes[seq.num_computed_tokens // self.allocator.block_size:])
+        self.waiting.extendleft(reversed(held))
         return plan
+
+    def _in_flight(self) -> set[bytes]:
+        """Hashes of the full prompt blocks that running sequences are still computing. A waiting
+        sequence whose next block after its cached prefix is one of them waits for it instead of
+        computing the same tokens again: 32 requests with one system prompt arriving together
+        would otherwise each compute it in their first steps, before any of them has cached it."""
+        bs = self.allocator.block_size
+        return {h for s in self.running if s.num_computed_tokens < s.num_prompt_tokens
+                for h in s.block_hashes[s.num_computed_tokens // bs:]}
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

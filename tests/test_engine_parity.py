@@ -183,6 +183,22 @@ def test_prefix_cache_parity(tiny_model, arch):
     assert small.core.allocator.num_free == 14
 
 
+def test_prompts_arriving_together_compute_their_shared_prefix_once(tiny_model):
+    """Seven prompts sharing a 70-token prefix, added at once: the later ones wait for the first to
+    compute the shared blocks instead of computing them too, and the tokens equal `generate`."""
+    path = tiny_model("llama")
+    loaded = load_model(str(path))
+    rng = random.Random(6)
+    vocab = len(loaded.tokenizer)
+    system = [rng.randrange(3, vocab) for _ in range(70)]
+    prompts = [system + [rng.randrange(3, vocab) for _ in range(n)] for n in (0, 1, 9, 10, 26)]
+    prompts += [system[:64], system[:33]]
+    llm = LLM(loaded, EngineConfig(max_num_batched_tokens=128, block_size=16))
+    assert engine_outputs(llm, prompts) == reference_outputs(path, prompts)
+    # every prompt after the first found the shared blocks it could use: 4 full ones, or 3 and 2
+    assert llm.core.stats().prefix_cache_hit_tokens == 64 * 4 + 48 + 32
+
+
 def test_prefix_cache_can_be_turned_off(tiny_model):
     path, prompts, refs = prompts_and_refs(tiny_model, "llama")
     llm = LLM(load_model(str(path)), EngineConfig(max_num_batched_tokens=128, prefix_caching=False))

@@ -240,3 +240,35 @@ def test_a_step_that_preempts_admits_nobody():
     run_plan(plan)
     plan = sched.schedule()  # the next step admits it as usual
     assert [ch.seq.seq_id for ch in plan] == ["a", "c"] and c.status is RequestStatus.RUNNING
+
+
+def test_a_prompt_waits_for_the_prefix_blocks_a_running_prompt_is_computing():
+    # Two prompts with one 8-token system prefix arrive together: the second waits one step for
+    # the first to compute and name the shared blocks, then computes only its own tokens, while a
+    # prompt behind it that shares nothing is admitted at once.
+    alloc = BlockAllocator(32, 4, prefix_caching=True)
+    sched = Scheduler(alloc, max_num_seqs=8, max_num_batched_tokens=100)
+    system = list(range(100, 108))
+    first = Sequence("a", "a", 0, system + [1, 2, 3], 11, SamplingParams(max_tokens=4))
+    second = Sequence("b", "b", 0, system + [4, 5, 6, 7, 8], 13, SamplingParams(max_tokens=4))
+    other = Sequence("c", "c", 0, list(range(6)), 6, SamplingParams(max_tokens=4))
+    for s in (first, second, other):
+        sched.add(s)
+    plan = sched.schedule()
+    assert [(c.seq.seq_id, c.start, c.num_tokens) for c in plan] == [("a", 0, 11), ("c", 0, 6)]
+    assert list(sched.waiting) == [second] and second.block_table == [] and second.num_computed_tokens == 0
+    run_plan_caching(alloc, plan)
+    plan = sched.schedule()
+    chunk = next(c for c in plan if c.seq is second)
+    assert (chunk.start, chunk.num_tokens) == (8, 5)  # the system prompt's two blocks came from the cache
+    assert second.block_table[:2] == first.block_table[:2]
+    # a waiting prompt whose prefix owner went away is not held for it
+    alloc2 = BlockAllocator(32, 4, prefix_caching=True)
+    sched2 = Scheduler(alloc2, max_num_seqs=8, max_num_batched_tokens=100)
+    owner = Sequence("d", "d", 0, system + [1], 9, SamplingParams(max_tokens=4))
+    follower = Sequence("e", "e", 0, system + [2], 9, SamplingParams(max_tokens=4))
+    sched2.add(owner)
+    sched2.add(follower)
+    assert [c.seq for c in sched2.schedule()] == [owner]
+    sched2.finish(owner)  # aborted before its blocks were named
+    assert [(c.seq, c.start) for c in sched2.schedule()] == [(follower, 0)]
