@@ -22,7 +22,7 @@ class EngineConfig:
     decode_kernel: bool = True  # on CPU (float32), decode attention in a C kernel built once into $RILL_CACHE
     linear_kernel: bool = True  # on CPU (float32), linears in a C kernel of the same library (else oneDNN)
     native_decode: bool = True  # on CPU (float32, Llama family), decode steps in C, one call per step
-    native_prefill_tokens: int = 128  # steps with at most this many prompt tokens run natively too
+    native_prefill_tokens: int = 128  # steps whose prompt tokens attend to no more positions than one prompt this long would run natively too
     max_restarts: int = 3  # core rebuilds after faults within 10 minutes; one more death and it stays dead
     stall_timeout_s: float = 120.0  # the engine thread inside one step this long is stuck: not alive; 0: never
 

@@ -1,6 +1,7 @@
 """A decode step of a Llama-family model without Python per layer (csrc/decode_layer.c).
 
-When a step's tokens are decodes and at most `EngineConfig.native_prefill_tokens` prompt tokens,
+When a step's tokens are decodes and prompt chunks that attend to no more positions than one
+prompt of `EngineConfig.native_prefill_tokens` tokens would (many short prompts, say),
 `PagedRunner` hands it to `NativeDecoder`: the embedding and the model's own rotary module (so any
 RoPE variant it has) in torch, then one C call for the whole rest of the step: every decoder layer
 (a prompt token attends as a decode would, to the positions up to its own), the final norm and the
