@@ -168,19 +168,20 @@ class NativeDecoder:
         self._failed = ctypes.c_int(0)
         # cos/sin of every position so far, from the model's rotary module once, when they depend on
         # the position alone (not "dynamic" or "longrope" scaling, which change with the length)
-        rotary = model.model.rotary_emb
-        self._rope_table = () if getattr(rotary, "rope_type", "default") in STATIC_ROPE else None
+        self._static_rope = getattr(model.model.rotary_emb, "rope_type", "default") in STATIC_ROPE
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [rows, head_dim] of `positions`: rows of a table the rotary module computed (the
         same elementwise operations per position, so the same values; a module call took 54 us)."""
         rotary = self.model.model.rotary_emb
-        if self._rope_table is None:
+        if not self._static_rope:
             cos, sin = rotary(x[None], positions[None])
             return cos[0].contiguous(), sin[0].contiguous()
         need = int(positions.max()) + 1
-        if not self._rope_table or self._rope_table[0].shape[0] < need:
-            size = max(need, 2 * (self._rope_table[0].shape[0] if self._rope_table else 512))
+        have = 0 if self._rope_table is None else self._rope_table[0].shape[0]
+        if have < need:
+            size = max(need, 2 * have, 512)
             cos, sin = rotary(x[:1][None], torch.arange(size)[None])
             self._rope_table = (cos[0].contiguous(), sin[0].contiguous())
         cos, sin = self._rope_table

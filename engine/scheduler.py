@@ -107,7 +107,7 @@ class Scheduler:
             plan.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new))
             budget -= num_new
             if self.allocator.prefix_caching:  # its prompt blocks from here on are on the way too
-                in_flight.update(seq.block_hashes[seq.num_computed_tokens // self.allocator.block_size:])
+                in_flight.update(self._uncomputed_hashes(seq))
         self.waiting.extendleft(reversed(held))
         return plan
 
@@ -116,9 +116,12 @@ class Scheduler:
         sequence whose next block after its cached prefix is one of them waits for it instead of
         computing the same tokens again: 32 requests with one system prompt arriving together
         would otherwise each compute it in their first steps, before any of them has cached it."""
-        bs = self.allocator.block_size
         return {h for s in self.running if s.num_computed_tokens < s.num_prompt_tokens
-                for h in s.block_hashes[s.num_computed_tokens // bs:]}
+                for h in self._uncomputed_hashes(s)}
+
+    def _uncomputed_hashes(self, seq: Sequence) -> list[bytes]:
+        """The hashes of `seq`'s full prompt blocks from the one its next token goes into."""
+        return seq.block_hashes[seq.num_computed_tokens // self.allocator.block_size:]
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

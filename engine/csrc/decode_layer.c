@@ -164,7 +164,8 @@ static int decode_layer(float *x, int64_t rows, int64_t hidden, const float *nor
  * read while the head's output is still in the cache, where the sampler's own passes over it in
  * Python came after the step had streamed the weights through every cache level. */
 static int64_t row_argmax(const float *v, int64_t n) {
-    float top = -INFINITY, bad = 0.0f;
+    float top = -INFINITY;
+    int bad = 0;
     int64_t j = 0;
 #ifdef __AVX2__
     __m256 m0 = _mm256_set1_ps(-INFINITY), m1 = m0, z0 = _mm256_setzero_ps(), z1 = z0;
@@ -178,14 +179,14 @@ static int64_t row_argmax(const float *v, int64_t n) {
     _mm256_storeu_ps(flags, _mm256_or_ps(z0, z1));
     for (int i = 0; i < 8; i++) {
         top = lanes[i] > top ? lanes[i] : top;
-        bad += flags[i] != 0.0f || flags[i] != flags[i];
+        bad |= flags[i] != 0.0f;  /* true for NaN too */
     }
 #endif
     for (int64_t i = j; i < n; i++) {
-        bad += !isfinite(v[i]);
+        bad |= !isfinite(v[i]);
         top = v[i] > top ? v[i] : top;
     }
-    if (bad != 0.0f) return -1;
+    if (bad) return -1;
     for (int64_t i = 0; i < n; i++)
         if (v[i] == top) return i;
     return -1;

@@ -194,10 +194,7 @@ static inline __attribute__((always_inline)) void qlinear_i8(const float *x, int
         #pragma omp for schedule(guided)
         for (int64_t p = 0; p < num_panels; p++) {
             panel_rows(xq, dx, xs, panels + p * panel_bytes, blocks, rows, in, acc, kind);
-            const int cols = out - p * 16 < 16 ? (int)(out - p * 16) : 16;
-            for (int64_t r = 0; r < rows; r++)
-                for (int j = 0; j < cols; j++)
-                    y[r * out + p * 16 + j] = acc[r * 16 + j] + (bias ? bias[p * 16 + j] : 0.0f);
+            store_panel(acc, bias, y, rows, out, p);
         }
     }
 }
