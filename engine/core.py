@@ -303,15 +303,18 @@ class EngineCore:
             kind = seq.reasoning.on_token(token_id) if seq.reasoning is not None else "answer"
             if kind == "thought":
                 seq.reasoning.detokenizer.add(token_id)
-            elif kind in ("start", "end") and seq.grammar is not None:
-                seq.grammar.active = kind == "end"
+            elif kind in ("start", "end"):
+                if kind == "end":
+                    seq.reasoning.detokenizer.flush()  # the thought's end showed what it held
+                if seq.grammar is not None:
+                    seq.grammar.active = kind == "end"
             elif kind == "answer":
                 answer.append(token_id)
                 if seq.grammar is not None and seq.grammar.active:
                     seq.grammar.accept(token_id)
-        if seq.reasoning is not None:
-            seq.reasoning.detokenizer.prime([])
         detok.prime(answer)
+        if seq.reasoning is not None:
+            seq.reasoning.answer_text(detok.text[:detok.emitted])  # the answer's leading space went then
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prior_output_ids: list[int] = ()) -> list[Sequence]:
@@ -525,7 +528,9 @@ class EngineCore:
         self.runner.free(seq.seq_id)
         self.sampler.forget(seq.seq_id)
         detok = self.detokenizers.pop(seq.seq_id, None)
-        if detok is not None and reason is not FinishReason.ERROR:
+        # An error or an abort shows nothing that was held back: a resumed stream's continuation
+        # holds it again and releases it in context (`IncrementalDetokenizer.prime`).
+        if detok is not None and reason not in (FinishReason.ERROR, FinishReason.ABORT):
             text += detok.flush()
             if seq.reasoning is not None:
                 text = seq.reasoning.answer_text(text)

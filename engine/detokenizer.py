@@ -175,12 +175,13 @@ class IncrementalDetokenizer:
         self.read_offset = read_offset
 
     def prime(self, token_ids: list[int]) -> None:
-        """Start after output that was already shown (a resumed stream): the text of these
-        tokens counts as emitted, and later tokens decode in their context."""
+        """Start after output that was already shown (a resumed stream): what these tokens
+        released counts as emitted, and what they held back (an incomplete character, a tail that
+        could begin a stop string) is still held, as it was when the stream was cut. So the
+        continuation's text is the uncut stream's text on every backend: an aborted sequence
+        does not flush (see `EngineCore._finish`), so a cut never showed what was held."""
         for token_id in token_ids:
             self.add(token_id)
-        self.flush()
-        self.emitted = len(self.text)
 
     def flush(self) -> str:
         """At the end: whatever was held back (never a broken stop string: it is removed)."""

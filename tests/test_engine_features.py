@@ -353,28 +353,60 @@ def test_unwritten_cache_memory_never_leaks_into_attention(llama, llm):
     assert [r.token_ids for r in got] == [r.token_ids for r in llm.generate(prompts, params)]
 
 
-def test_a_request_continues_from_prior_output_as_if_never_stopped(llm):
-    """What a resumed /chat stream relies on: prompt + the tokens generated so far, recomputed,
-    go on with exactly the greedy tokens and text of the uninterrupted request."""
-    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    prompt = llm.core.tokenizer.encode("Once upon a time, in a land of robots", add_special_tokens=False)
-    full = llm.generate([prompt], params)[0]
-    cut = 13
-    core = llm.core
-    counted = core.stats().prompt_tokens_total
-    core.add_request("continued", prompt, params, prior_output_ids=full.token_ids[:cut])
+def drain(core) -> tuple[list[int], list[str], object]:
+    """Step until idle: the tokens, the text each output carried, and the last output."""
     tokens, pieces, last = [], [], None
     while core.has_work():
         for out in core.step():
             tokens += out.token_ids
             pieces.append(out.text)
             last = out
-    assert tokens == full.token_ids[cut:]
-    assert core.tokenizer.decode(full.token_ids[:cut]) + "".join(pieces) == full.text
-    assert last.finished and last.finish_reason == FinishReason.LENGTH and last.num_output_tokens == 40
-    assert core.allocator.num_free == core.num_kv_blocks
-    # its prompt came from the prefix cache (the cached run reaches past it): nothing to count
-    assert core.stats().prompt_tokens_total == counted
+    return tokens, pieces, last
+
+
+def test_a_request_continues_from_prior_output_as_if_never_stopped(llm):
+    """What a resumed /chat stream relies on: prompt + the tokens generated so far, recomputed,
+    go on with exactly the greedy tokens of the uninterrupted request, and the text shown before
+    the cut plus the continuation's is its text, wherever the cut falls: also inside a character
+    whose bytes span tokens, whose text the stream was still holding back when it was cut."""
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    prompt = llm.core.tokenizer.encode("Once upon a time, in a land of robots", add_special_tokens=False)
+    core = llm.core
+    core.add_request("whole", prompt, params)
+    ids, shown, _ = drain(core)  # one token an output: shown[i] is what token i released
+    full = "".join(shown)
+    assert full == llm.generate([prompt], params)[0].text
+    held = [cut for cut in range(1, 40) if "".join(shown[:cut]) != core.tokenizer.decode(ids[:cut])]
+    assert held, "the random model's output should hold text back at some cut (a character in bytes)"
+    for cut in sorted({1, 13, *held[:6]}):
+        counted = core.stats().prompt_tokens_total
+        core.add_request(f"continued-{cut}", prompt, params, prior_output_ids=ids[:cut])
+        tokens, pieces, last = drain(core)
+        assert tokens == ids[cut:]
+        assert "".join(shown[:cut]) + "".join(pieces) == full, cut
+        assert last.finished and last.finish_reason == FinishReason.LENGTH and last.num_output_tokens == 40
+        assert core.allocator.num_free == core.num_kv_blocks
+        if cut == 13:  # its prompt came from the prefix cache (the cached run reaches past it): nothing to count
+            assert core.stats().prompt_tokens_total == counted
+
+
+def test_an_aborted_stream_shows_nothing_it_held_back(llm):
+    """A cut shows only what was released: the abort does not flush the held bytes (a resumed
+    stream's continuation releases them in context; on a remote backend the abort never comes
+    back from the replica with text, so flushing here would make the backends disagree)."""
+    core = llm.core
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    prompt = core.tokenizer.encode("Once upon a time, in a land of robots", add_special_tokens=False)
+    core.add_request("whole", prompt, params)
+    ids, shown, _ = drain(core)
+    cut = next(cut for cut in range(1, 40) if "".join(shown[:cut]) != core.tokenizer.decode(ids[:cut]))
+    core.add_request("cut", prompt, params)
+    texts = []
+    while len(texts) < cut:
+        texts += [out.text for out in core.step()]
+    (aborted,) = core.abort("cut")
+    assert aborted.finish_reason == FinishReason.ABORT and aborted.text == ""
+    assert "".join(texts) == "".join(shown[:cut])
 
 
 def test_a_prompt_longer_than_the_step_budget_alone(llama):

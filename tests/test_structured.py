@@ -288,3 +288,29 @@ def test_grammar_lets_the_first_token_open_a_thought(qwen3):
         assert seq.grammar.active and not seq.reasoning.may_open
     finally:
         qwen3.core.abort("probe")
+
+
+def _stream(core, request_id, prompt, params, prior=()) -> tuple[list[int], list[str], list[str]]:
+    core.add_request(request_id, prompt, params, prior_output_ids=list(prior))
+    tokens, texts, thoughts = [], [], []
+    while core.has_work():
+        for out in core.step():
+            tokens += out.token_ids
+            texts.append(out.text)
+            thoughts.append(out.reasoning)
+    return tokens, texts, thoughts
+
+
+def test_a_resumed_thinking_stream_continues_its_thought_and_answer_at_any_cut(qwen3):
+    """A continuation replays the thought's end and the answer's dropped leading whitespace: what
+    was shown before the cut plus what comes after is the uncut stream's thought and answer."""
+    core = qwen3.core
+    prompt = _thinking_prompt(qwen3)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, reasoning=True, max_reasoning_tokens=6)
+    ids, texts, thoughts = _stream(core, "whole", prompt, params)
+    assert ids[6] == qwen3.tokenizer.convert_tokens_to_ids("</think>") and "".join(texts)
+    for cut in range(1, 20):
+        tokens, more_texts, more_thoughts = _stream(core, f"cut-{cut}", prompt, params, ids[:cut])
+        assert tokens == ids[cut:]
+        assert "".join(thoughts[:cut] + more_thoughts) == "".join(thoughts), cut
+        assert "".join(texts[:cut] + more_texts) == "".join(texts), cut
