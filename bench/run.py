@@ -14,8 +14,9 @@ APIs: `chat` (rill's and the seed's `/chat` SSE), `openai` (`/v1/completions`, o
 `/v1/chat/completions` with `--openai-endpoint chat`), `gradio` (`gradio_client`,
 `api_name="/chat"`, each update the text so far).
 
-The client is one process: asyncio + httpx for the HTTP APIs, gradio_client's worker threads
-for Gradio. On a 2-core machine it shares the CPU with the server; keep that in mind.
+The client is one process: asyncio with bench/lean_http.py for the HTTP APIs, gradio_client's
+worker threads for Gradio. On a 2-core machine it shares the CPU with the server: each level
+reports the client's own CPU seconds per output token (`client_cpu_ms_per_token`).
 """
 
 from __future__ import annotations
@@ -381,9 +382,10 @@ def _proc_tree_rss(pid: int) -> int:
     return total
 
 
-async def run_level(api, prompts: list[str], max_tokens: list[int], concurrency: int, *, timeout: float, progress: bool, label: str) -> tuple[list[RequestRecord], float, float]:
-    """Send all `prompts` with `concurrency` closed-loop clients; return records, start, end."""
-    import httpx
+async def run_level(api, prompts: list[str], max_tokens: list[int], concurrency: int, *, timeout: float, progress: bool, label: str) -> tuple[list[RequestRecord], float, float, float]:
+    """Send all `prompts` with `concurrency` closed-loop clients; return the records, the start
+    and end times, and the client's own CPU seconds meanwhile (every thread of this process)."""
+    from bench.lean_http import LeanClient
 
     records: list[RequestRecord] = []
     next_index = 0
@@ -392,8 +394,7 @@ async def run_level(api, prompts: list[str], max_tokens: list[int], concurrency:
         from tqdm import tqdm
 
         bar = tqdm(total=len(prompts), desc=label, unit="req", leave=False, file=sys.stderr, dynamic_ncols=True)
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30.0), limits=limits) as client:
+    async with LeanClient(timeout=30.0) as client:
 
         async def worker():
             nonlocal next_index
@@ -410,12 +411,12 @@ async def run_level(api, prompts: list[str], max_tokens: list[int], concurrency:
                 if bar is not None:
                     bar.update(1)
 
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-        t1 = time.perf_counter()
+        t1, cpu1 = time.perf_counter(), time.process_time()
     if bar is not None:
         bar.close()
-    return records, t0, t1
+    return records, t0, t1, cpu1 - cpu0
 
 
 def summarize(records: list[RequestRecord], t0: float, t1: float, tokenizer, concurrency: int) -> dict:
@@ -461,7 +462,7 @@ async def run_benchmark(args, tokenizer, api, *, label: str = "", log=print) -> 
     warm = make_prompts(tokenizer, 2, prompt_tokens, shared, seed=999)
     if isinstance(api, GradioApi):
         api.open(max(levels))
-    warm_records, _, _ = await run_level(api, warm, [min(max_tokens_default, 8)] * len(warm), 1, timeout=args.timeout,
+    warm_records, *_ = await run_level(api, warm, [min(max_tokens_default, 8)] * len(warm), 1, timeout=args.timeout,
                                          progress=False, label="warmup")
     failed = [r.error for r in warm_records if r.error]
     if len(failed) == len(warm_records):
@@ -479,11 +480,13 @@ async def run_benchmark(args, tokenizer, api, *, label: str = "", log=print) -> 
                 prompts = make_prompts(tokenizer, count, prompt_tokens, shared, seed=args.seed + 1000 * level_index)
                 maxes = [max_tokens_default] * count
             with RssSampler(args.server_pid) as rss_level:
-                records, t0, t1 = await run_level(
+                records, t0, t1, client_cpu_s = await run_level(
                     api, prompts, maxes, concurrency, timeout=args.timeout, progress=not args.no_progress,
                     label=f"{label} c={concurrency}".strip(),
                 )
             summary = summarize(records, t0, t1, tokenizer, concurrency)
+            tokens = summary["output_tokens"]
+            summary["client_cpu_ms_per_token"] = 1000 * client_cpu_s / tokens if tokens else None
             summary["peak_rss_bytes"] = rss_level.peak or None
             results.append(summary)
             log(format_level(label, summary))
@@ -512,11 +515,12 @@ def format_level(label: str, s: dict) -> str:
         return "-" if v is None else f"{v * 1000:.0f}"
 
     rss = f" rss={s['peak_rss_bytes'] / 2**20:.0f}MiB" if s.get("peak_rss_bytes") else ""
+    cpu = f" client {s['client_cpu_ms_per_token']:.2f} ms CPU/tok" if s.get("client_cpu_ms_per_token") else ""
     return (
         f"{label:>14} c={s['concurrency']:<3} {s['output_tokens_per_s']:8.1f} tok/s {s['requests_per_s']:6.2f} req/s "
         f"TTFT p50/p99 {ms(s['ttft_s']['p50'])}/{ms(s['ttft_s']['p99'])} ms "
         f"ITL p50 {ms(s['itl_s']['p50'])} ms e2e p50 {ms(s['e2e_s']['p50'])} ms "
-        f"err {s['errors']}/{s['requests']}{rss}"
+        f"err {s['errors']}/{s['requests']}{rss}{cpu}"
     )
 
 
