@@ -22,16 +22,20 @@ class _Layer:
     layer_idx = 0
 
 
-def _attend(kernel, heads, kv_heads, head_dim, lens, window=None, softcap=None, seed=0):
-    """Both paths on one random step of decodes; returns (kernel output, torch output)."""
+def _attend(kernel, heads, kv_heads, head_dim, lens, window=None, softcap=None, seed=0, share=()):
+    """Both paths on one random step of decodes; returns (kernel output, torch output). `share`:
+    (b, a, n): sequence b's first n blocks are sequence a's (as the prefix cache gives them)."""
     gen = torch.Generator().manual_seed(seed)
-    block, num_blocks = 16, 128
+    block = 16
+    num_blocks = max(128, len(lens) * -(-max(lens) // block))
     cache = PagedKVCache(1, num_blocks, block, kv_heads, head_dim, torch.float32, torch.device("cpu"))
     cache.keys[0].copy_(torch.randn(cache.keys[0].shape, generator=gen))
     cache.values[0].copy_(torch.randn(cache.values[0].shape, generator=gen))
     width = max(lens)
     tables = torch.randperm(num_blocks, generator=gen)[:len(lens) * ((width + block - 1) // block)]
     tables = tables.view(len(lens), -1)
+    for b, a, n in share:
+        tables[b, :n] = tables[a, :n]
     pos = torch.arange(width)
     slots = tables[:, pos // block] * block + pos % block  # [B, width]
     last = torch.tensor([slots[b, n - 1] for b, n in enumerate(lens)])
@@ -72,6 +76,24 @@ def test_kernel_alone_with_one_sequence_uses_every_thread_path(kernel):
     for lens in ([300], [3] * 40):
         got, want = _attend(kernel, 8, 4, 64, lens, seed=2)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (8, 8, 32), (6, 2, 128)])
+def test_a_shared_prefix_read_once_for_its_sequences_equals_the_torch_path(kernel, heads, kv_heads, head_dim):
+    """Sequences whose first blocks are the same slots take the shared pass over them, then their
+    own positions: the answer is the torch path's. Here: a group of five sharing 8 blocks (one
+    whose only own position is its new token, one sharing 5 of them, so the group's run is 5
+    blocks), a second group of two, one sharing 3 blocks (48 positions: too few, alone), others
+    alone; and the same with a softcap."""
+    lens = [200, 129, 300, 81, 150, 97, 140, 100, 60, 250]
+    share = [(1, 0, 8), (2, 0, 8), (3, 0, 5), (4, 0, 8), (6, 5, 6), (7, 0, 3)]
+    for softcap in (None, 20.0):
+        got, want = _attend(kernel, heads, kv_heads, head_dim, lens, softcap=softcap, seed=3, share=share)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    # forty sequences on one 450-token prefix, as the shared-prefix benchmark's step
+    lens = [450 + 3 * i for i in range(40)]
+    got, want = _attend(kernel, heads, kv_heads, head_dim, lens, seed=4, share=[(b, 0, 28) for b in range(1, 40)])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
 
 def test_build_is_cached(kernel, tmp_path_factory):

@@ -15,12 +15,22 @@
  *   out      [num_tokens, heads, head_dim] contiguous; rows not in index are left alone
  * window > 0: only the last `window` positions are visible. softcap > 0: scores pass through
  * softcap * tanh(score / softcap) (Gemma 2). Query head qh uses KV head qh / (heads / kv_heads).
+ *
+ * A shared prefix (a system prompt, a chat's earlier turns: the prefix cache gives the sequences
+ * the same slots) is read once for all the sequences that share it: a first pass takes, per group
+ * and KV head, every member's query heads against each tile of the shared positions (a small
+ * matrix product over a transposed tile), and leaves each query head's softmax state (max, sum,
+ * weighted values); the second pass goes on from that state over each sequence's own positions.
+ * Alone, each of 32 sequences would stream the prefix's K and V rows through the caches again.
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define TILE 32
+#define MIN_SHARED 64 /* positions in common before sequences share a first pass */
+#define MAX_GROUP 64  /* sequences in one first pass at most (its state lives on the stack) */
 
 static inline float dot(const float *restrict a, const float *restrict b, int n) {
     /* sixteen lanes in two independent chains: vectorizes without -ffast-math */
@@ -54,10 +64,129 @@ static inline float exp_nonpositive(float x) {
     return p * scale;
 }
 
-/* KV heads [h0, h1) of one sequence: reads each position's cache row once, for all those heads. */
+typedef float v8 __attribute__((vector_size(32))); /* GCC's vectors: ymm registers where there are */
+typedef int32_t v8i __attribute__((vector_size(32)));
+static inline v8 load8(const float *p) { v8 x; memcpy(&x, p, sizeof x); return x; }
+static inline void store8(float *p, v8 x) { memcpy(p, &x, sizeof x); }
+
+/* exp_nonpositive on eight lanes, the same arithmetic to the bit: rounding by adding and taking
+   away 1.5 * 2^23 is rintf's round-to-nearest-even for |x * log2 e| < 2^22. */
+static inline v8 exp8_nonpositive(v8 x) {
+    const v8 floor = x - x - 87.0f;
+    const v8i low = x < floor;
+    x = (v8)(((v8i)x & ~low) | ((v8i)floor & low));
+    const v8 n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;
+    const v8 r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
+    v8 p = r - r + 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
+    return p * (v8)bits;
+}
+
+/* Scores of one tile through the optional softcap, then the online softmax's update of each
+   query head's max m, sum l and weighted values acc: s[j * TILE + i] becomes the weight. */
+static inline void softmax_tile(float *s, int nq, int n, float *m, float *l, float *acc, int D, float softcap) {
+    if (softcap > 0.0f) {
+        for (int j = 0; j < nq; j++)
+            for (int i = 0; i < n; i++) s[j * TILE + i] = softcap * tanhf(s[j * TILE + i] / softcap);
+    }
+    for (int j = 0; j < nq; j++) {
+        float *sj = s + j * TILE, top = m[j];
+        for (int i = 0; i < n; i++) top = sj[i] > top ? sj[i] : top;
+        const float rescale = expf(m[j] - top); /* 0 on the first tile (m = -inf) */
+        float sum = 0.0f;
+        int i = 0;
+        for (; i + 8 <= n; i += 8) store8(sj + i, exp8_nonpositive(load8(sj + i) - top));
+        for (; i < n; i++) sj[i] = exp_nonpositive(sj[i] - top);
+        for (i = 0; i < n; i++) sum += sj[i];
+        l[j] = l[j] * rescale + sum;
+        m[j] = top;
+        float *aj = acc + j * D;
+        for (int d = 0; d < D; d++) aj[d] *= rescale;
+    }
+}
+
+/* The first pass over positions [0, shared) that the group's members share (their slots are
+   the leader's): for KV head h, the query heads of every member at once, as a matrix product:
+   the queries are transposed once (qt[d][j], padded to QB), and each block of PB positions by QB
+   queries keeps its scores in registers. Leaves each member's state in `state` (see
+   rill_decode_attention). */
+enum { QB = 16, PB = 4 };
+static void shared_task(const float *q, int64_t q_tok, int64_t q_head, const int64_t *index, const int *members,
+                        int num_members, const float *k, const float *v, const int64_t *slots, int64_t shared,
+                        float *state, int heads, int kv_heads, int h, int head_dim, float scale, float softcap) {
+    const int groups = heads / kv_heads, D = head_dim, nq = num_members * groups;
+    const int nqp = (nq + QB - 1) / QB * QB;
+    const int64_t row_width = (int64_t)kv_heads * D;
+    float m[nq], l[nq], acc[nq * D], s[nq * TILE], qt[D * nqp];
+    const float *kr[TILE], *vr[TILE];
+    for (int j = 0; j < nqp; j++) {
+        const float *qv = j < nq ? q + index[members[j / groups]] * q_tok + (int64_t)(h * groups + j % groups) * q_head : NULL;
+        for (int d = 0; d < D; d++) qt[d * nqp + j] = qv ? qv[d] : 0.0f;
+    }
+    for (int j = 0; j < nq; j++) m[j] = -INFINITY, l[j] = 0.0f;
+    for (int i = 0; i < nq * D; i++) acc[i] = 0.0f;
+    for (int64_t t0 = 0; t0 < shared; t0 += TILE) {
+        const int n = (int)(shared - t0 < TILE ? shared - t0 : TILE);
+        for (int i = 0; i < TILE; i++) { /* past n: position t0 again, its scores unused */
+            kr[i] = k + slots[t0 + (i < n ? i : 0)] * row_width + (int64_t)h * D;
+            vr[i] = v + slots[t0 + (i < n ? i : 0)] * row_width + (int64_t)h * D;
+        }
+        for (int i0 = 0; i0 < n; i0 += PB) {
+            const float *k0 = kr[i0], *k1 = kr[i0 + 1], *k2 = kr[i0 + 2], *k3 = kr[i0 + 3];
+            for (int j0 = 0; j0 < nqp; j0 += QB) {
+                v8 a00 = {0}, a01 = {0}, a10 = {0}, a11 = {0}, a20 = {0}, a21 = {0}, a30 = {0}, a31 = {0};
+                for (int d = 0; d < D; d++) {
+                    const v8 q0 = load8(qt + d * nqp + j0), q1 = load8(qt + d * nqp + j0 + 8);
+                    a00 += k0[d] * q0, a01 += k0[d] * q1, a10 += k1[d] * q0, a11 += k1[d] * q1;
+                    a20 += k2[d] * q0, a21 += k2[d] * q1, a30 += k3[d] * q0, a31 += k3[d] * q1;
+                }
+                const v8 rows[PB][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}};
+                for (int jj = 0; jj < QB && j0 + jj < nq; jj++)
+                    for (int p = 0; p < PB; p++) s[(j0 + jj) * TILE + i0 + p] = rows[p][jj / 8][jj % 8] * scale;
+            }
+        }
+        softmax_tile(s, nq, n, m, l, acc, D, softcap);
+        if (D % 32 == 0) { /* each query's weighted values in registers, 32 at a time, over the tile */
+            for (int j = 0; j < nq; j++)
+                for (int d0 = 0; d0 < D; d0 += 32) {
+                    float *aj = acc + j * D + d0;
+                    v8 c0 = load8(aj), c1 = load8(aj + 8), c2 = load8(aj + 16), c3 = load8(aj + 24);
+                    for (int i = 0; i < n; i++) {
+                        const float p = s[j * TILE + i], *vh = vr[i] + d0;
+                        c0 += p * load8(vh), c1 += p * load8(vh + 8), c2 += p * load8(vh + 16), c3 += p * load8(vh + 24);
+                    }
+                    store8(aj, c0), store8(aj + 8, c1), store8(aj + 16, c2), store8(aj + 24, c3);
+                }
+        } else {
+            for (int i = 0; i < n; i++) {
+                const float *restrict vh = vr[i];
+                for (int j = 0; j < nq; j++) {
+                    const float p = s[j * TILE + i];
+                    float *restrict aj = acc + j * D;
+                    for (int d = 0; d < D; d++) aj[d] += p * vh[d];
+                }
+            }
+        }
+    }
+    for (int j = 0; j < nq; j++) {
+        float *st = state + ((int64_t)members[j / groups] * heads + h * groups + j % groups) * (D + 2);
+        st[0] = m[j], st[1] = l[j];
+        memcpy(st + 2, acc + j * D, sizeof(float) * D);
+    }
+}
+
+/* KV heads [h0, h1) of one sequence, positions [start, len): reads each position's cache row
+   once, for all those heads. `state` (or NULL): where the shared pass left each head. */
 static void one_task(const float *q, int64_t q_tok, int64_t q_head, int64_t row,
-                     const float *k, const float *v, const int64_t *slots, int64_t len,
-                     float *out, int heads, int kv_heads, int h0, int h1, int head_dim,
+                     const float *k, const float *v, const int64_t *slots, int64_t start, int64_t len,
+                     const float *state, float *out, int heads, int kv_heads, int h0, int h1, int head_dim,
                      float scale, int64_t window, float softcap) {
     const int groups = heads / kv_heads, D = head_dim;
     const int qh0 = h0 * groups, nq = (h1 - h0) * groups; /* the query heads of this task */
@@ -65,35 +194,22 @@ static void one_task(const float *q, int64_t q_tok, int64_t q_head, int64_t row,
     const float *qj[nq]; /* each query head's vector */
     int64_t kv_off[nq]; /* where its KV head sits in a cache row */
     for (int j = 0; j < nq; j++) {
-        m[j] = -INFINITY;
-        l[j] = 0.0f;
+        m[j] = state ? state[(int64_t)(qh0 + j) * (D + 2)] : -INFINITY;
+        l[j] = state ? state[(int64_t)(qh0 + j) * (D + 2) + 1] : 0.0f;
         qj[j] = q + row * q_tok + (int64_t)(qh0 + j) * q_head;
         kv_off[j] = (int64_t)((qh0 + j) / groups) * D;
     }
-    for (int i = 0; i < nq * D; i++) acc[i] = 0.0f;
-    const int64_t lo = (window > 0 && len > window) ? len - window : 0;
+    for (int j = 0; j < nq; j++)
+        for (int d = 0; d < D; d++) acc[j * D + d] = state ? state[(int64_t)(qh0 + j) * (D + 2) + 2 + d] : 0.0f;
+    int64_t lo = (window > 0 && len > window) ? len - window : 0;
+    lo = lo > start ? lo : start;
     for (int64_t t0 = lo; t0 < len; t0 += TILE) {
         const int n = (int)(len - t0 < TILE ? len - t0 : TILE);
         for (int i = 0; i < n; i++) {
             const float *kp = k + slots[t0 + i] * kv_heads * D; /* the position's row: every KV head */
             for (int j = 0; j < nq; j++) s[j * TILE + i] = dot(qj[j], kp + kv_off[j], D) * scale;
         }
-        if (softcap > 0.0f) {
-            for (int j = 0; j < nq; j++)
-                for (int i = 0; i < n; i++) s[j * TILE + i] = softcap * tanhf(s[j * TILE + i] / softcap);
-        }
-        for (int j = 0; j < nq; j++) {
-            float *sj = s + j * TILE, top = m[j];
-            for (int i = 0; i < n; i++) top = sj[i] > top ? sj[i] : top;
-            const float rescale = expf(m[j] - top); /* 0 on the first tile (m = -inf) */
-            float sum = 0.0f;
-            for (int i = 0; i < n; i++) sj[i] = exp_nonpositive(sj[i] - top);
-            for (int i = 0; i < n; i++) sum += sj[i];
-            l[j] = l[j] * rescale + sum;
-            m[j] = top;
-            float *aj = acc + j * D;
-            for (int d = 0; d < D; d++) aj[d] *= rescale;
-        }
+        softmax_tile(s, nq, n, m, l, acc, D, softcap);
         for (int i = 0; i < n; i++) {
             const float *vp = v + slots[t0 + i] * kv_heads * D;
             for (int j = 0; j < nq; j++) {
@@ -114,13 +230,54 @@ void rill_decode_attention(const float *q, int64_t q_tok, int64_t q_head, const 
                            const float *k, const float *v, const int64_t *slots, int64_t max_ctx,
                            const int64_t *lens, float *out, int num_seqs, int heads, int kv_heads,
                            int head_dim, float scale, int64_t window, float softcap, int threads) {
+    /* Groups: a sequence joins the first one before it whose slots it shares for MIN_SHARED
+       positions or more (the prefix cache's blocks), short of its own last position; a group's
+       shared run is its members' shortest. Not with a sliding window. */
+    int leader[num_seqs], members[num_seqs], group_start[num_seqs + 1], group_leader[num_seqs];
+    int64_t shared[num_seqs]; /* per sequence: positions the first pass covered */
+    int num_groups = 0, num_members = 0;
+    for (int b = 0; b < num_seqs; b++) leader[b] = -1, shared[b] = 0;
+    for (int b = 0; b < num_seqs && window <= 0; b++) {
+        if (leader[b] >= 0) continue;
+        const int64_t *sb = slots + (int64_t)b * max_ctx;
+        int64_t run = INT64_MAX;
+        int count = 0;
+        for (int c = b + 1; c < num_seqs && count + 1 < MAX_GROUP; c++) {
+            if (leader[c] >= 0) continue;
+            const int64_t *sc = slots + (int64_t)c * max_ctx;
+            const int64_t limit = (lens[b] < lens[c] ? lens[b] : lens[c]) - 1;
+            int64_t same = 0;
+            while (same < limit && sb[same] == sc[same]) same++;
+            if (same >= MIN_SHARED) leader[c] = b, run = same < run ? same : run, count++;
+        }
+        if (!count) continue;
+        group_start[num_groups] = num_members;
+        group_leader[num_groups++] = b;
+        members[num_members++] = b, shared[b] = run;
+        for (int c = b + 1; c < num_seqs; c++)
+            if (leader[c] == b) members[num_members++] = c, shared[c] = run;
+    }
+    group_start[num_groups] = num_members;
+    const int64_t state_width = (int64_t)heads * (head_dim + 2);
+    float *state = num_groups ? malloc(sizeof(float) * num_seqs * state_width) : NULL;
+    if (num_groups && !state) num_groups = 0, memset(shared, 0, sizeof shared); /* no memory: alone */
+    const int shared_tasks = num_groups * kv_heads;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && shared_tasks > 1)
+    for (int task = 0; task < shared_tasks; task++) {
+        const int g = task / kv_heads, b = group_leader[g];
+        shared_task(q, q_tok, q_head, index, members + group_start[g], group_start[g + 1] - group_start[g], k, v,
+                    slots + (int64_t)b * max_ctx, shared[b], state, heads, kv_heads, task % kv_heads, head_dim,
+                    scale, softcap);
+    }
     /* one task per sequence (its cache rows are read whole, once); per KV head when there are
        too few sequences to keep every thread busy */
     const int split = num_seqs < 4 * threads ? kv_heads : 1, tasks = num_seqs * split;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && tasks > 1)
     for (int task = 0; task < tasks; task++) {
         const int b = task / split, part = task % split, per = kv_heads / split;
-        one_task(q, q_tok, q_head, index[b], k, v, slots + (int64_t)b * max_ctx, lens[b], out,
-                 heads, kv_heads, part * per, (part + 1) * per, head_dim, scale, window, softcap);
+        one_task(q, q_tok, q_head, index[b], k, v, slots + (int64_t)b * max_ctx, shared[b], lens[b],
+                 shared[b] ? state + b * state_width : NULL, out, heads, kv_heads, part * per, (part + 1) * per,
+                 head_dim, scale, window, softcap);
     }
+    free(state);
 }
