@@ -44,39 +44,20 @@ static inline float dot(const float *restrict a, const float *restrict b, int n)
     return s;
 }
 
-/* e^x for x <= 0, within 2e-7 relative of expf, in plain arithmetic the compiler vectorizes (libm's
-   expf is a call per element): x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series to r^7. */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x; /* e^-87 ~ 1.6e-38: still a normal float, and negligible in a softmax */
-    const float n = __builtin_rintf(x * 1.44269504f);
-    const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f; /* ln2 split in two for precision */
-    float p = 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23; /* 2^n */
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
-
 typedef float v8 __attribute__((vector_size(32))); /* GCC's vectors: ymm registers where there are */
 typedef int32_t v8i __attribute__((vector_size(32)));
 static inline v8 load8(const float *p) { v8 x; memcpy(&x, p, sizeof x); return x; }
 static inline void store8(float *p, v8 x) { memcpy(p, &x, sizeof x); }
 
-/* exp_nonpositive on eight lanes, the same arithmetic to the bit: rounding by adding and taking
-   away 1.5 * 2^23 is rintf's round-to-nearest-even for |x * log2 e| < 2^22. */
+/* e^x for x <= 0 on eight lanes, within 2e-7 relative of expf (libm's expf is a call per
+   element): x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series to r^7. Adding and taking
+   away 1.5 * 2^23 rounds to the nearest integer (even on ties) for |x log2 e| < 2^22. */
 static inline v8 exp8_nonpositive(v8 x) {
-    const v8 floor = x - x - 87.0f;
+    const v8 floor = x - x - 87.0f; /* e^-87 ~ 1.6e-38: still a normal float, and negligible in a softmax */
     const v8i low = x < floor;
     x = (v8)(((v8i)x & ~low) | ((v8i)floor & low));
     const v8 n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;
-    const v8 r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
+    const v8 r = (x - n * 0.693145752f) - n * 1.42860677e-6f; /* ln2 split in two for precision */
     v8 p = r - r + 1.0f / 5040.0f;
     p = p * r + 1.0f / 720.0f;
     p = p * r + 1.0f / 120.0f;
@@ -85,7 +66,7 @@ static inline v8 exp8_nonpositive(v8 x) {
     p = p * r + 0.5f;
     p = p * r + 1.0f;
     p = p * r + 1.0f;
-    const v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
+    const v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23; /* 2^n */
     return p * (v8)bits;
 }
 
@@ -101,10 +82,10 @@ static inline void softmax_tile(float *s, int nq, int n, float *m, float *l, flo
         for (int i = 0; i < n; i++) top = sj[i] > top ? sj[i] : top;
         const float rescale = expf(m[j] - top); /* 0 on the first tile (m = -inf) */
         float sum = 0.0f;
-        int i = 0;
-        for (; i + 8 <= n; i += 8) store8(sj + i, exp8_nonpositive(load8(sj + i) - top));
-        for (; i < n; i++) sj[i] = exp_nonpositive(sj[i] - top);
-        for (i = 0; i < n; i++) sum += sj[i];
+        const int n8 = (n + 7) & ~7; /* TILE is a multiple of 8: the padding is the tile's, unused */
+        for (int i = n; i < n8; i++) sj[i] = top;
+        for (int i = 0; i < n8; i += 8) store8(sj + i, exp8_nonpositive(load8(sj + i) - top));
+        for (int i = 0; i < n; i++) sum += sj[i];
         l[j] = l[j] * rescale + sum;
         m[j] = top;
         float *aj = acc + j * D;
