@@ -30,12 +30,10 @@ class LeanResponse:
         self.status_code = status_code
         self.headers = headers
         self.text = ""
-        self.complete = head_only  # the body was read to its end: the connection can be reused
         self._chunked = "chunked" in headers.get("transfer-encoding", "").lower()
         length = headers.get("content-length")
         self._left = int(length) if length is not None and not self._chunked else None
-        if head_only or self._left == 0:
-            self.complete = True
+        self.complete = head_only or self._left == 0  # the body was read to its end: the connection can be reused
 
     async def aiter_bytes(self):
         reader = self._reader
@@ -117,20 +115,18 @@ class LeanClient:
         meanwhile (its keep-alive timeout) fails before any byte comes back: then once more on a
         new one."""
         reader, writer, reused = await self._connect(key, reuse=True)
-        try:
-            writer.write(request)
-            return reader, writer, await reader.readuntil(b"\r\n")
-        except (asyncio.IncompleteReadError, ConnectionError):
-            writer.close()
-            if not reused:
+        while True:
+            try:
+                writer.write(request)
+                return reader, writer, await reader.readuntil(b"\r\n")
+            except (asyncio.IncompleteReadError, ConnectionError):
+                writer.close()
+                if not reused:
+                    raise
+            except BaseException:
+                writer.close()
                 raise
-        reader, writer, _ = await self._connect(key, reuse=False)
-        try:
-            writer.write(request)
-            return reader, writer, await reader.readuntil(b"\r\n")
-        except BaseException:
-            writer.close()
-            raise
+            reader, writer, reused = await self._connect(key, reuse=False)
 
     @asynccontextmanager
     async def stream(self, method: str, url: str, json=None, headers: dict[str, str] | None = None):

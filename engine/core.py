@@ -303,11 +303,12 @@ class EngineCore:
             kind = seq.reasoning.on_token(token_id) if seq.reasoning is not None else "answer"
             if kind == "thought":
                 seq.reasoning.detokenizer.add(token_id)
-            elif kind in ("start", "end"):
-                if kind == "end":
-                    seq.reasoning.detokenizer.flush()  # the thought's end showed what it held
+            elif kind == "start" and seq.grammar is not None:
+                seq.grammar.active = False
+            elif kind == "end":
+                seq.reasoning.detokenizer.flush()  # the thought's end showed what it held
                 if seq.grammar is not None:
-                    seq.grammar.active = kind == "end"
+                    seq.grammar.active = True
             elif kind == "answer":
                 answer.append(token_id)
                 if seq.grammar is not None and seq.grammar.active:

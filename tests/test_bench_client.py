@@ -13,8 +13,8 @@ from bench.run import ChatApi, OpenAIApi, RequestRecord, run_level
 
 
 def serve_once(responses: list[bytes]):
-    """A raw TCP server answering each request on a connection with the next of `responses`
-    (`None` closes the connection instead); returns (server, port, the requests it read)."""
+    """A raw TCP server's connection handler answering each request with the next of
+    `responses` (`None` closes the connection instead); returns (handler, the requests it read)."""
     seen: list[bytes] = []
 
     async def handle(reader, writer):

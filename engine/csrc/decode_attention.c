@@ -175,13 +175,13 @@ static void one_task(const float *q, int64_t q_tok, int64_t q_head, int64_t row,
     const float *qj[nq]; /* each query head's vector */
     int64_t kv_off[nq]; /* where its KV head sits in a cache row */
     for (int j = 0; j < nq; j++) {
-        m[j] = state ? state[(int64_t)(qh0 + j) * (D + 2)] : -INFINITY;
-        l[j] = state ? state[(int64_t)(qh0 + j) * (D + 2) + 1] : 0.0f;
+        const float *st = state ? state + (int64_t)(qh0 + j) * (D + 2) : NULL; /* max, sum, values */
+        m[j] = st ? st[0] : -INFINITY;
+        l[j] = st ? st[1] : 0.0f;
+        for (int d = 0; d < D; d++) acc[j * D + d] = st ? st[2 + d] : 0.0f;
         qj[j] = q + row * q_tok + (int64_t)(qh0 + j) * q_head;
         kv_off[j] = (int64_t)((qh0 + j) / groups) * D;
     }
-    for (int j = 0; j < nq; j++)
-        for (int d = 0; d < D; d++) acc[j * D + d] = state ? state[(int64_t)(qh0 + j) * (D + 2) + 2 + d] : 0.0f;
     int64_t lo = (window > 0 && len > window) ? len - window : 0;
     lo = lo > start ? lo : start;
     for (int64_t t0 = lo; t0 < len; t0 += TILE) {
@@ -214,7 +214,7 @@ void rill_decode_attention(const float *q, int64_t q_tok, int64_t q_head, const 
     /* Groups: a sequence joins the first one before it whose slots it shares for MIN_SHARED
        positions or more (the prefix cache's blocks), short of its own last position; a group's
        shared run is its members' shortest. Not with a sliding window. */
-    int leader[num_seqs], members[num_seqs], group_start[num_seqs + 1], group_leader[num_seqs];
+    int leader[num_seqs], members[num_seqs], group_start[num_seqs + 1]; /* a group's first member leads it */
     int64_t shared[num_seqs]; /* per sequence: positions the first pass covered */
     int num_groups = 0, num_members = 0;
     for (int b = 0; b < num_seqs; b++) leader[b] = -1, shared[b] = 0;
@@ -232,8 +232,7 @@ void rill_decode_attention(const float *q, int64_t q_tok, int64_t q_head, const 
             if (same >= MIN_SHARED) leader[c] = b, run = same < run ? same : run, count++;
         }
         if (!count) continue;
-        group_start[num_groups] = num_members;
-        group_leader[num_groups++] = b;
+        group_start[num_groups++] = num_members;
         members[num_members++] = b, shared[b] = run;
         for (int c = b + 1; c < num_seqs; c++)
             if (leader[c] == b) members[num_members++] = c, shared[c] = run;
@@ -245,7 +244,7 @@ void rill_decode_attention(const float *q, int64_t q_tok, int64_t q_head, const 
     const int shared_tasks = num_groups * kv_heads;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && shared_tasks > 1)
     for (int task = 0; task < shared_tasks; task++) {
-        const int g = task / kv_heads, b = group_leader[g];
+        const int g = task / kv_heads, b = members[group_start[g]];
         shared_task(q, q_tok, q_head, index, members + group_start[g], group_start[g + 1] - group_start[g], k, v,
                     slots + (int64_t)b * max_ctx, shared[b], state, heads, kv_heads, task % kv_heads, head_dim,
                     scale, softcap);
