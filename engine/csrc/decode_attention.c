@@ -27,6 +27,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "vec8.h"
 
 #define TILE 32
 #define MIN_SHARED 64 /* positions in common before sequences share a first pass */
@@ -44,32 +45,6 @@ static inline float dot(const float *restrict a, const float *restrict b, int n)
     return s;
 }
 
-typedef float v8 __attribute__((vector_size(32))); /* GCC's vectors: ymm registers where there are */
-typedef int32_t v8i __attribute__((vector_size(32)));
-static inline v8 load8(const float *p) { v8 x; memcpy(&x, p, sizeof x); return x; }
-static inline void store8(float *p, v8 x) { memcpy(p, &x, sizeof x); }
-
-/* e^x for x <= 0 on eight lanes, within 2e-7 relative of expf (libm's expf is a call per
-   element): x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series to r^7. Adding and taking
-   away 1.5 * 2^23 rounds to the nearest integer (even on ties) for |x log2 e| < 2^22. */
-static inline v8 exp8_nonpositive(v8 x) {
-    const v8 floor = x - x - 87.0f; /* e^-87 ~ 1.6e-38: still a normal float, and negligible in a softmax */
-    const v8i low = x < floor;
-    x = (v8)(((v8i)x & ~low) | ((v8i)floor & low));
-    const v8 n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;
-    const v8 r = (x - n * 0.693145752f) - n * 1.42860677e-6f; /* ln2 split in two for precision */
-    v8 p = r - r + 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    const v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23; /* 2^n */
-    return p * (v8)bits;
-}
-
 /* Scores of one tile through the optional softcap, then the online softmax's update of each
    query head's max m, sum l and weighted values acc: s[j * TILE + i] becomes the weight. */
 static inline void softmax_tile(float *s, int nq, int n, float *m, float *l, float *acc, int D, float softcap) {
@@ -84,12 +59,34 @@ static inline void softmax_tile(float *s, int nq, int n, float *m, float *l, flo
         float sum = 0.0f;
         const int n8 = (n + 7) & ~7; /* TILE is a multiple of 8: the padding is the tile's, unused */
         for (int i = n; i < n8; i++) sj[i] = top;
-        for (int i = 0; i < n8; i += 8) store8(sj + i, exp8_nonpositive(load8(sj + i) - top));
+        for (int i = 0; i < n8; i += 8) store8(sj + i, exp8(load8(sj + i) - top));
         for (int i = 0; i < n; i++) sum += sj[i];
         l[j] = l[j] * rescale + sum;
         m[j] = top;
         float *aj = acc + j * D;
         for (int d = 0; d < D; d++) aj[d] *= rescale;
+    }
+}
+
+/* acc[0..D) += p[i] * (vr[i] + off)[0..D) over the tile's n positions, in order: with D a
+   multiple of 32, 32 of the sums stay in registers over the whole tile (the values of a position
+   were otherwise multiplied into sums loaded and stored again for every position) */
+static inline void weigh_values(float *acc, const float *p, const float *const *vr, int64_t off, int n, int D) {
+    if (D % 32 == 0) {
+        for (int d0 = 0; d0 < D; d0 += 32) {
+            float *a = acc + d0;
+            v8 c0 = load8(a), c1 = load8(a + 8), c2 = load8(a + 16), c3 = load8(a + 24);
+            for (int i = 0; i < n; i++) {
+                const float *vh = vr[i] + off + d0;
+                c0 += p[i] * load8(vh), c1 += p[i] * load8(vh + 8), c2 += p[i] * load8(vh + 16), c3 += p[i] * load8(vh + 24);
+            }
+            store8(a, c0), store8(a + 8, c1), store8(a + 16, c2), store8(a + 24, c3);
+        }
+        return;
+    }
+    for (int i = 0; i < n; i++) {
+        const float *restrict vh = vr[i] + off;
+        for (int d = 0; d < D; d++) acc[d] += p[i] * vh[d];
     }
 }
 
@@ -134,27 +131,7 @@ static void shared_task(const float *q, int64_t q_tok, int64_t q_head, const int
             }
         }
         softmax_tile(s, nq, n, m, l, acc, D, softcap);
-        if (D % 32 == 0) { /* each query's weighted values in registers, 32 at a time, over the tile */
-            for (int j = 0; j < nq; j++)
-                for (int d0 = 0; d0 < D; d0 += 32) {
-                    float *aj = acc + j * D + d0;
-                    v8 c0 = load8(aj), c1 = load8(aj + 8), c2 = load8(aj + 16), c3 = load8(aj + 24);
-                    for (int i = 0; i < n; i++) {
-                        const float p = s[j * TILE + i], *vh = vr[i] + d0;
-                        c0 += p * load8(vh), c1 += p * load8(vh + 8), c2 += p * load8(vh + 16), c3 += p * load8(vh + 24);
-                    }
-                    store8(aj, c0), store8(aj + 8, c1), store8(aj + 16, c2), store8(aj + 24, c3);
-                }
-        } else {
-            for (int i = 0; i < n; i++) {
-                const float *restrict vh = vr[i];
-                for (int j = 0; j < nq; j++) {
-                    const float p = s[j * TILE + i];
-                    float *restrict aj = acc + j * D;
-                    for (int d = 0; d < D; d++) aj[d] += p * vh[d];
-                }
-            }
-        }
+        for (int j = 0; j < nq; j++) weigh_values(acc + j * D, s + j * TILE, vr, 0, n, D);
     }
     for (int j = 0; j < nq; j++) {
         float *st = state + ((int64_t)members[j / groups] * heads + h * groups + j % groups) * (D + 2);
@@ -172,7 +149,7 @@ static void one_task(const float *q, int64_t q_tok, int64_t q_head, int64_t row,
     const int groups = heads / kv_heads, D = head_dim;
     const int qh0 = h0 * groups, nq = (h1 - h0) * groups; /* the query heads of this task */
     float m[nq], l[nq], acc[nq * D], s[nq * TILE];
-    const float *qj[nq]; /* each query head's vector */
+    const float *qj[nq], *vr[TILE]; /* each query head's vector, each position's values */
     int64_t kv_off[nq]; /* where its KV head sits in a cache row */
     for (int j = 0; j < nq; j++) {
         const float *st = state ? state + (int64_t)(qh0 + j) * (D + 2) : NULL; /* max, sum, values */
@@ -191,14 +168,8 @@ static void one_task(const float *q, int64_t q_tok, int64_t q_head, int64_t row,
             for (int j = 0; j < nq; j++) s[j * TILE + i] = dot(qj[j], kp + kv_off[j], D) * scale;
         }
         softmax_tile(s, nq, n, m, l, acc, D, softcap);
-        for (int i = 0; i < n; i++) {
-            const float *vp = v + slots[t0 + i] * kv_heads * D;
-            for (int j = 0; j < nq; j++) {
-                const float p = s[j * TILE + i], *restrict vh = vp + kv_off[j];
-                float *restrict aj = acc + j * D;
-                for (int d = 0; d < D; d++) aj[d] += p * vh[d];
-            }
-        }
+        for (int i = 0; i < n; i++) vr[i] = v + slots[t0 + i] * kv_heads * D; /* each position's row */
+        for (int j = 0; j < nq; j++) weigh_values(acc + j * D, s + j * TILE, vr, kv_off[j], n, D);
     }
     for (int j = 0; j < nq; j++) {
         float *o = out + (row * heads + qh0 + j) * (int64_t)D;

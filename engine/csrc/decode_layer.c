@@ -17,6 +17,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "vec8.h"
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
@@ -64,6 +65,17 @@ static void rmsnorm(const float *x, const float *weight, float eps, float *y, in
         const float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
         for (int64_t i = 0; i < hidden; i++) y[r * hidden + i] = weight[i] * (xr[i] * inv);
     }
+}
+
+/* act = silu(gate) * up = gate / (1 + e^-gate) * up, eight at a time (libm's expf was a call per
+ * element, on one thread: 7% of a 32-row step, the other thread waiting) */
+static void silu_gate(const float *gate, const float *up, float *act, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const v8 g = load8(gate + i);
+        store8(act + i, g / (1.0f + exp8(-g)) * load8(up + i));
+    }
+    for (; i < n; i++) act[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
 }
 
 /* transformers' rotate_half convention: pairs (i, i + D/2) */
@@ -150,11 +162,8 @@ static int decode_layer(float *x, int64_t rows, int64_t hidden, const float *nor
     } else {
         return -1;
     }
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t i = 0; i < intermediate; i++) {
-            const float g = gate[r * g_row + i];
-            act[r * intermediate + i] = g / (1.0f + expf(-g)) * up[r * u_row + i];
-        }
+    #pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 4)
+    for (int64_t r = 0; r < rows; r++) silu_gate(gate + r * g_row, up + r * u_row, act + r * intermediate, intermediate);
     if (linear(down, act, intermediate, tmp, rows, threads)) return -2;
     for (int64_t i = 0; i < rows * hidden; i++) x[i] += tmp[i];
     return 0;
