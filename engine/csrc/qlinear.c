@@ -96,39 +96,29 @@ static inline __attribute__((always_inline)) void dequant_block(const uint8_t *b
  * and 5 rows, loading them again for each row (13 loads for 8 multiply-adds) */
 static inline __attribute__((always_inline)) void block_tile(const float *x, int64_t x_row, const float *w,
                                                              float *acc, int64_t acc_row, int first, int64_t kn, const int MR) {
-    v8 a[6][2];
+    /* 1 or 2 rows: 4 sums cannot hide the multiply-add's latency, so odd inputs go to a second
+     * set (8 rows, a 6 and a 2 tile: 0.94x the time) */
+    const int S = MR <= 2 ? 2 : 1;
+    v8 a[6][2], c[6][2];  /* c: the second set */
     for (int i = 0; i < MR; i++) {
         if (first) a[i][0] = a[i][1] = (v8){0};
         else a[i][0] = loadf(acc + i * acc_row), a[i][1] = loadf(acc + i * acc_row + 8);
+        c[i][0] = c[i][1] = (v8){0};
     }
-    if (MR <= 2) {  /* 4 sums cannot hide the multiply-add's latency: odd inputs go to a second set
-                     * (8 rows, a 6 and a 2 tile: 0.94x the time) */
-        v8 c[2][2] = {{{0}, {0}}, {{0}, {0}}};
-        for (int64_t k = 0; k < kn; k += 2) {
-            v8 w0 = loadf(w + k * 16), w1 = loadf(w + k * 16 + 8), u0 = loadf(w + k * 16 + 16), u1 = loadf(w + k * 16 + 24);
-            __asm__("" : "+x"(w0), "+x"(w1), "+x"(u0), "+x"(u1));
-            for (int i = 0; i < MR; i++) {
-                const float xi = x[i * x_row + k], xj = x[i * x_row + k + 1];
-                const v8 xv = {xi, xi, xi, xi, xi, xi, xi, xi}, xu = {xj, xj, xj, xj, xj, xj, xj, xj};
-                a[i][0] += xv * w0;
-                a[i][1] += xv * w1;
-                c[i][0] += xu * u0;
-                c[i][1] += xu * u1;
-            }
-        }
-        for (int i = 0; i < MR; i++) a[i][0] += c[i][0], a[i][1] += c[i][1];
-    } else {
-        for (int64_t k = 0; k < kn; k++) {
+    for (int64_t k0 = 0; k0 < kn; k0 += S)
+        for (int s = 0; s < S; s++) {
+            const int64_t k = k0 + s;
             v8 w0 = loadf(w + k * 16), w1 = loadf(w + k * 16 + 8);
             __asm__("" : "+x"(w0), "+x"(w1));
             for (int i = 0; i < MR; i++) {
                 const float xi = x[i * x_row + k];
                 const v8 xv = {xi, xi, xi, xi, xi, xi, xi, xi};
-                a[i][0] += xv * w0;
-                a[i][1] += xv * w1;
+                v8 *sums = s ? c[i] : a[i];
+                sums[0] += xv * w0;
+                sums[1] += xv * w1;
             }
         }
-    }
+    for (int i = 0; i < MR && S == 2; i++) a[i][0] += c[i][0], a[i][1] += c[i][1];
     for (int i = 0; i < MR; i++) {
         storef(acc + i * acc_row, a[i][0]);
         storef(acc + i * acc_row + 8, a[i][1]);
