@@ -20,16 +20,7 @@
  * bias [ceil(out / 16) * 16] (zero-padded) or NULL; y [rows, out] contiguous.
  */
 #include <stdint.h>
-
-typedef float v8 __attribute__((vector_size(32)));
-
-static inline v8 load8(const float *p) {
-    v8 v;
-    __builtin_memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void store8(float *p, v8 v) { __builtin_memcpy(p, &v, sizeof v); }
+#include "vec8.h"
 
 /* MR rows of x (a constant once inlined) times one panel; `cols` of its 16 outputs are real */
 static inline __attribute__((always_inline)) void tile(const float *x, int64_t x_row, const float *panel,

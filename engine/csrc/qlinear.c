@@ -20,25 +20,16 @@
 #include <omp.h>
 #include <stdlib.h>
 #include "blocks.h"
+#include "vec8.h"
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
-
-typedef float v8 __attribute__((vector_size(32)));
 
 /* FEW_ROWS: up to this many rows widen the weights in registers, row by row. CHUNK: more rows
  * de-quantize this many blocks (8 KB of floats, beside 32 rows' 16 KB of x: within L1) before
  * their tiles run over all of them, so a tile loads and stores its sums once per 128 inputs, not
  * per 32: 0.83-0.91x the time of 3072 x 576 / 576 x 1536 at 24 and 32 rows (Q4_1, two threads) */
 enum { FEW_ROWS = 3, CHUNK = 4 };
-
-static inline v8 loadf(const float *p) {
-    v8 v;
-    __builtin_memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void storef(float *p, v8 v) { __builtin_memcpy(p, &v, sizeof v); }
 
 /* 16 weights of input k, as two vectors of 8 floats (outputs 0-7 and 8-15) */
 static inline void widen_q8(const uint8_t *p, v8 *w0, v8 *w1) {
@@ -65,11 +56,11 @@ static inline void widen_q4(const uint8_t *p, v8 *w0, v8 *w1) {
 /* one panel's block -> its float32 weights w[32][16], computed as the de-quantized model's are */
 static inline __attribute__((always_inline)) void dequant_block(const uint8_t *blk, float *w, const int kind) {
     const float *scales = (const float *)(blk + (kind == Q8_0 ? 32 * 16 : 32 * 8));
-    const v8 d0 = loadf(scales), d1 = loadf(scales + 8);
+    const v8 d0 = load8(scales), d1 = load8(scales + 8);
     v8 m0 = {0}, m1 = {0};
     if (kind == Q4_1) {
-        m0 = loadf(scales + 16);
-        m1 = loadf(scales + 24);
+        m0 = load8(scales + 16);
+        m1 = load8(scales + 24);
     }
     for (int k = 0; k < 32; k++) {
         v8 w0, w1;
@@ -85,8 +76,8 @@ static inline __attribute__((always_inline)) void dequant_block(const uint8_t *b
             w0 += m0;
             w1 += m1;
         }
-        storef(w + k * 16, w0);
-        storef(w + k * 16 + 8, w1);
+        store8(w + k * 16, w0);
+        store8(w + k * 16 + 8, w1);
     }
 }
 
@@ -102,13 +93,13 @@ static inline __attribute__((always_inline)) void block_tile(const float *x, int
     v8 a[6][2], c[6][2];  /* c: the second set */
     for (int i = 0; i < MR; i++) {
         if (first) a[i][0] = a[i][1] = (v8){0};
-        else a[i][0] = loadf(acc + i * acc_row), a[i][1] = loadf(acc + i * acc_row + 8);
+        else a[i][0] = load8(acc + i * acc_row), a[i][1] = load8(acc + i * acc_row + 8);
         c[i][0] = c[i][1] = (v8){0};
     }
     for (int64_t k0 = 0; k0 < kn; k0 += S)
         for (int s = 0; s < S; s++) {
             const int64_t k = k0 + s;
-            v8 w0 = loadf(w + k * 16), w1 = loadf(w + k * 16 + 8);
+            v8 w0 = load8(w + k * 16), w1 = load8(w + k * 16 + 8);
             __asm__("" : "+x"(w0), "+x"(w1));
             for (int i = 0; i < MR; i++) {
                 const float xi = x[i * x_row + k];
@@ -120,8 +111,8 @@ static inline __attribute__((always_inline)) void block_tile(const float *x, int
         }
     for (int i = 0; i < MR && S == 2; i++) a[i][0] += c[i][0], a[i][1] += c[i][1];
     for (int i = 0; i < MR; i++) {
-        storef(acc + i * acc_row, a[i][0]);
-        storef(acc + i * acc_row + 8, a[i][1]);
+        store8(acc + i * acc_row, a[i][0]);
+        store8(acc + i * acc_row + 8, a[i][1]);
     }
 }
 
@@ -146,19 +137,19 @@ static inline __attribute__((always_inline)) void row_panel(const float *x, cons
                 p1[c] += xv * w1;
             }
         const float *scales = (const float *)(blk + (kind == Q8_0 ? 32 * 16 : 32 * 8));
-        const v8 d0 = loadf(scales), d1 = loadf(scales + 8);
+        const v8 d0 = load8(scales), d1 = load8(scales + 8);
         y0 += d0 * ((p0[0] + p0[1]) + (p0[2] + p0[3]));
         y1 += d1 * ((p1[0] + p1[1]) + (p1[2] + p1[3]));
         if (kind != Q8_0) {
             const float xs = xsum[b];
             const v8 s = {xs, xs, xs, xs, xs, xs, xs, xs};
-            const v8 m0 = kind == Q4_1 ? loadf(scales + 16) : d0 * -8.0f, m1 = kind == Q4_1 ? loadf(scales + 24) : d1 * -8.0f;
+            const v8 m0 = kind == Q4_1 ? load8(scales + 16) : d0 * -8.0f, m1 = kind == Q4_1 ? load8(scales + 24) : d1 * -8.0f;
             y0 += m0 * s;
             y1 += m1 * s;
         }
     }
-    storef(acc, y0);
-    storef(acc + 8, y1);
+    store8(acc, y0);
+    store8(acc + 8, y1);
 }
 
 /* rows of x times one panel: a few rows widen the weights in registers, row by row (the panel

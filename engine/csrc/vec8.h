@@ -1,5 +1,5 @@
-/* Eight floats in GCC's vector types (ymm registers where there are), and e^x on them: what
- * csrc/decode_attention.c (the softmax) and csrc/decode_layer.c (SiLU) share. */
+/* Eight floats in GCC's vector types (ymm registers where there are) for the kernels, and e^x on
+ * them for the softmax of csrc/decode_attention.c and the SiLU of csrc/decode_layer.c. */
 #ifndef RILL_VEC8_H
 #define RILL_VEC8_H
 #include <stdint.h>
