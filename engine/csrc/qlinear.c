@@ -53,29 +53,46 @@ static inline void widen_q4(const uint8_t *p, v8 *w0, v8 *w1) {
 #endif
 }
 
-/* one panel's block -> its float32 weights w[32][16], computed as the de-quantized model's are */
-static inline __attribute__((always_inline)) void dequant_block(const uint8_t *blk, float *w, const int kind) {
+/* input k of a block: its 16 de-quantized weights, as the de-quantized model's are (the same
+ * operations wherever the kernels de-quantize, so the same floats) */
+typedef struct { v8 d0, d1, m0, m1; } block_scales;
+
+static inline __attribute__((always_inline)) block_scales scales_of(const uint8_t *blk, const int kind) {
     const float *scales = (const float *)(blk + (kind == Q8_0 ? 32 * 16 : 32 * 8));
-    const v8 d0 = load8(scales), d1 = load8(scales + 8);
-    v8 m0 = {0}, m1 = {0};
-    if (kind == Q4_1) {
-        m0 = load8(scales + 16);
-        m1 = load8(scales + 24);
+    block_scales s = {load8(scales), load8(scales + 8), {0}, {0}};
+    if (kind == Q4_1) s.m0 = load8(scales + 16), s.m1 = load8(scales + 24);
+    return s;
+}
+
+static inline __attribute__((always_inline)) void dequant_input(const uint8_t *blk, int k, const block_scales *s,
+                                                                v8 *w0, v8 *w1, const int kind) {
+    if (kind == Q8_0) widen_q8(blk + k * 16, w0, w1);
+    else widen_q4(blk + k * 8, w0, w1);
+    if (kind == Q4_0) {
+        *w0 -= 8.0f;
+        *w1 -= 8.0f;
     }
+#ifdef __FMA__
+    if (kind == Q4_1) { /* one rounding, written out: GCC contracted it in some callers only */
+        *w0 = (v8)_mm256_fmadd_ps((__m256)*w0, (__m256)s->d0, (__m256)s->m0);
+        *w1 = (v8)_mm256_fmadd_ps((__m256)*w1, (__m256)s->d1, (__m256)s->m1);
+        return;
+    }
+#endif
+    *w0 *= s->d0;
+    *w1 *= s->d1;
+    if (kind == Q4_1) {
+        *w0 += s->m0;
+        *w1 += s->m1;
+    }
+}
+
+/* one panel's block -> its float32 weights w[32][16] */
+static inline __attribute__((always_inline)) void dequant_block(const uint8_t *blk, float *w, const int kind) {
+    const block_scales s = scales_of(blk, kind);
     for (int k = 0; k < 32; k++) {
         v8 w0, w1;
-        if (kind == Q8_0) widen_q8(blk + k * 16, &w0, &w1);
-        else widen_q4(blk + k * 8, &w0, &w1);
-        if (kind == Q4_0) {
-            w0 -= 8.0f;
-            w1 -= 8.0f;
-        }
-        w0 *= d0;
-        w1 *= d1;
-        if (kind == Q4_1) {
-            w0 += m0;
-            w1 += m1;
-        }
+        dequant_input(blk, k, &s, &w0, &w1, kind);
         store8(w + k * 16, w0);
         store8(w + k * 16 + 8, w1);
     }
@@ -110,6 +127,46 @@ static inline __attribute__((always_inline)) void block_tile(const float *x, int
             }
         }
     for (int i = 0; i < MR && S == 2; i++) a[i][0] += c[i][0], a[i][1] += c[i][1];
+    for (int i = 0; i < MR; i++) {
+        store8(acc + i * acc_row, a[i][0]);
+        store8(acc + i * acc_row + 8, a[i][1]);
+    }
+}
+
+/* The last 1 or 2 rows of a chunk (rows % 6 of them) de-quantize its blocks into w as they go:
+ * the same operations as dequant_block, and the same sums as block_tile's, but the widening,
+ * whose multiply-adds are few, overlaps the tile's, whose sums alone wait on their latency */
+static inline __attribute__((always_inline)) void lead_tile(const float *x, int64_t x_row, const uint8_t *blocks,
+                                                            int64_t nb, float *w, float *acc, int64_t acc_row,
+                                                            int first, const int MR, const int kind) {
+    v8 a[2][2], c[2][2];
+    for (int i = 0; i < MR; i++) {
+        if (first) a[i][0] = a[i][1] = (v8){0};
+        else a[i][0] = load8(acc + i * acc_row), a[i][1] = load8(acc + i * acc_row + 8);
+        c[i][0] = c[i][1] = (v8){0};
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = blocks + b * block_bytes(kind);
+        prefetch_ahead(blk, kind);
+        const block_scales sc = scales_of(blk, kind);
+        for (int k0 = 0; k0 < 32; k0 += 2)
+            for (int s = 0; s < 2; s++) {
+                const int k = k0 + s;
+                v8 w0, w1;
+                dequant_input(blk, k, &sc, &w0, &w1, kind);
+                float *wk = w + b * 512 + k * 16;
+                store8(wk, w0);
+                store8(wk + 8, w1);
+                for (int i = 0; i < MR; i++) {
+                    const float xi = x[i * x_row + b * 32 + k];
+                    const v8 xv = {xi, xi, xi, xi, xi, xi, xi, xi};
+                    v8 *sums = s ? c[i] : a[i];
+                    sums[0] += xv * w0;
+                    sums[1] += xv * w1;
+                }
+            }
+    }
+    for (int i = 0; i < MR; i++) a[i][0] += c[i][0], a[i][1] += c[i][1];
     for (int i = 0; i < MR; i++) {
         store8(acc + i * acc_row, a[i][0]);
         store8(acc + i * acc_row + 8, a[i][1]);
@@ -163,16 +220,22 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, int
     }
     for (int64_t b0 = 0; b0 < blocks; b0 += CHUNK) {
         const int64_t nb = blocks - b0 < CHUNK ? blocks - b0 : CHUNK, kn = nb * 32;
-        for (int64_t b = b0; b < b0 + nb; b++) {
-            prefetch_ahead(panel + b * block_bytes(kind), kind);
-            dequant_block(panel + b * block_bytes(kind), w + (b - b0) * 512, kind);
-        }
         const float *xb = x + b0 * 32;
+        const uint8_t *chunk = panel + b0 * block_bytes(kind);
+        /* the last 1 or 2 rows (rows % 6) de-quantize the chunk as they go, the others take its floats */
+        const int64_t lead = rows % 6 == 1 || rows % 6 == 2 ? rows % 6 : 0, tiled = rows - lead;
+        if (lead == 1) lead_tile(xb + tiled * x_row, x_row, chunk, nb, w, acc + tiled * 16, 16, b0 == 0, 1, kind);
+        else if (lead == 2) lead_tile(xb + tiled * x_row, x_row, chunk, nb, w, acc + tiled * 16, 16, b0 == 0, 2, kind);
+        else
+            for (int64_t b = 0; b < nb; b++) {
+                prefetch_ahead(chunk + b * block_bytes(kind), kind);
+                dequant_block(chunk + b * block_bytes(kind), w + b * 512, kind);
+            }
         int64_t m = 0;
-        for (; m + 6 <= rows; m += 6) block_tile(xb + m * x_row, x_row, w, acc + m * 16, 16, b0 == 0, kn, 6);
+        for (; m + 6 <= tiled; m += 6) block_tile(xb + m * x_row, x_row, w, acc + m * 16, 16, b0 == 0, kn, 6);
         const float *xm = xb + m * x_row;
         float *am = acc + m * 16;
-        switch (rows - m) {
+        switch (tiled - m) {
             case 5: block_tile(xm, x_row, w, am, 16, b0 == 0, kn, 5); break;
             case 4: block_tile(xm, x_row, w, am, 16, b0 == 0, kn, 4); break;
             case 3: block_tile(xm, x_row, w, am, 16, b0 == 0, kn, 3); break;
