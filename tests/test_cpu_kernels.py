@@ -78,6 +78,21 @@ def test_kernel_alone_with_one_sequence_uses_every_thread_path(kernel):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
 
+def test_long_contexts_of_few_sequences_split_into_position_ranges_equal_the_torch_path(kernel):
+    """One sequence of SmolLM2's 3 KV heads on 2 threads takes its context in ranges of positions
+    whose softmax states are merged: the answer is the torch path's, with a window, a softcap, a
+    shared prefix before the ranges, and a short sequence beside long ones (empty ranges)."""
+    threads, kernel.threads = kernel.threads, 2
+    try:
+        cases = [([1000], {}), ([300], {"softcap": 20.0}), ([700], {"window": 100}), ([500, 20, 260], {}),
+                 ([400, 380], {"share": [(1, 0, 20)]}), ([129], {})]
+        for lens, options in cases:
+            got, want = _attend(kernel, 9, 3, 64, lens, seed=5, **options)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    finally:
+        kernel.threads = threads
+
+
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (8, 8, 32), (6, 2, 128)])
 def test_a_shared_prefix_read_once_for_its_sequences_equals_the_torch_path(kernel, heads, kv_heads, head_dim):
     """Sequences whose first blocks are the same slots take the shared pass over them, then their

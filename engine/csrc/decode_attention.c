@@ -1,7 +1,7 @@
 /* Decode attention on the paged KV cache, float32, for CPUs (built by engine/cpu.py).
  *
  * One query token per sequence; each sequence is one task (or each (sequence, KV head) pair when
- * sequences are few): it reads its keys and values straight from their cache slots, a tile of
+ * sequences are few, and for long contexts each range of its positions, merged after): it reads its keys and values straight from their cache slots, a tile of
  * positions at a time, each position's row once for all heads, with an online softmax. No gathered copy
  * of the context and no mask tensor, unlike the torch path in attention.py, which computes the
  * same thing with index_select + scaled_dot_product_attention.
@@ -32,6 +32,8 @@
 #define TILE 32
 #define MIN_SHARED 64 /* positions in common before sequences share a first pass */
 #define MAX_GROUP 64  /* sequences in one first pass at most (its state lives on the stack) */
+#define MIN_RANGE 64  /* positions a range of one sequence's context has at least, when split */
+#define MAX_RANGES 8
 
 static inline float dot(const float *restrict a, const float *restrict b, int n) {
     /* sixteen lanes in two independent chains: vectorizes without -ffast-math */
@@ -140,12 +142,14 @@ static void shared_task(const float *q, int64_t q_tok, int64_t q_head, const int
     }
 }
 
-/* KV heads [h0, h1) of one sequence, positions [start, len): reads each position's cache row
-   once, for all those heads. `state` (or NULL): where the shared pass left each head. */
+/* KV heads [h0, h1) of one sequence, positions [lo, len): reads each position's cache row once,
+   for all those heads. `state` (or NULL): where the shared pass left each head. `part` (or NULL):
+   leave each query head's softmax state there (max, sum, weighted values; by query head, as
+   `state`) for merge_parts instead of writing its output. */
 static void one_task(const float *q, int64_t q_tok, int64_t q_head, int64_t row,
-                     const float *k, const float *v, const int64_t *slots, int64_t start, int64_t len,
-                     const float *state, float *out, int heads, int kv_heads, int h0, int h1, int head_dim,
-                     float scale, int64_t window, float softcap) {
+                     const float *k, const float *v, const int64_t *slots, int64_t lo, int64_t len,
+                     const float *state, float *part, float *out, int heads, int kv_heads, int h0, int h1,
+                     int head_dim, float scale, float softcap) {
     const int groups = heads / kv_heads, D = head_dim;
     const int qh0 = h0 * groups, nq = (h1 - h0) * groups; /* the query heads of this task */
     float m[nq], l[nq], acc[nq * D], s[nq * TILE];
@@ -159,8 +163,6 @@ static void one_task(const float *q, int64_t q_tok, int64_t q_head, int64_t row,
         qj[j] = q + row * q_tok + (int64_t)(qh0 + j) * q_head;
         kv_off[j] = (int64_t)((qh0 + j) / groups) * D;
     }
-    int64_t lo = (window > 0 && len > window) ? len - window : 0;
-    lo = lo > start ? lo : start;
     for (int64_t t0 = lo; t0 < len; t0 += TILE) {
         const int n = (int)(len - t0 < TILE ? len - t0 : TILE);
         for (int i = 0; i < n; i++) {
@@ -172,9 +174,39 @@ static void one_task(const float *q, int64_t q_tok, int64_t q_head, int64_t row,
         for (int j = 0; j < nq; j++) weigh_values(acc + j * D, s + j * TILE, vr, kv_off[j], n, D);
     }
     for (int j = 0; j < nq; j++) {
+        if (part) {
+            float *st = part + (int64_t)(qh0 + j) * (D + 2);
+            st[0] = m[j], st[1] = l[j];
+            memcpy(st + 2, acc + j * D, sizeof(float) * D);
+            continue;
+        }
         float *o = out + (row * heads + qh0 + j) * (int64_t)D;
         const float inv = 1.0f / l[j];
         for (int d = 0; d < D; d++) o[d] = acc[j * D + d] * inv;
+    }
+}
+
+/* One sequence's output from the softmax states its position ranges left (in order; a range
+   with no positions has sum 0 and is skipped): each part's sum and values rescaled to the
+   largest max */
+static void merge_parts(const float *parts, int num_parts, int64_t part_width, float *out, int heads, int D) {
+    for (int qh = 0; qh < heads; qh++) {
+        float top = -INFINITY, l = 0.0f, acc[D];
+        for (int p = 0; p < num_parts; p++) {
+            const float *st = parts + p * part_width + (int64_t)qh * (D + 2);
+            if (st[1] > 0.0f) top = st[0] > top ? st[0] : top;
+        }
+        for (int d = 0; d < D; d++) acc[d] = 0.0f;
+        for (int p = 0; p < num_parts; p++) {
+            const float *st = parts + p * part_width + (int64_t)qh * (D + 2);
+            if (!(st[1] > 0.0f)) continue;
+            const float w = expf(st[0] - top);
+            l += st[1] * w;
+            for (int d = 0; d < D; d++) acc[d] += st[2 + d] * w;
+        }
+        float *o = out + (int64_t)qh * D;
+        const float inv = 1.0f / l;
+        for (int d = 0; d < D; d++) o[d] = acc[d] * inv;
     }
 }
 
@@ -221,14 +253,40 @@ void rill_decode_attention(const float *q, int64_t q_tok, int64_t q_head, const 
                     scale, softcap);
     }
     /* one task per sequence (its cache rows are read whole, once); per KV head when there are
-       too few sequences to keep every thread busy */
-    const int split = num_seqs < 4 * threads ? kv_heads : 1, tasks = num_seqs * split;
+       too few sequences to keep every thread busy, and then, for long contexts, per range of
+       positions too (SmolLM2's 3 KV heads left one of 2 threads waiting a third of the time):
+       each range leaves its softmax state, merged in order afterwards */
+    const int split = num_seqs < 4 * threads ? kv_heads : 1;
+    int ranges = 1;
+    if (split > 1 && threads > 1 && (num_seqs * split % threads || num_seqs * split < 2 * threads)) {
+        int64_t longest = 0;
+        for (int b = 0; b < num_seqs; b++) longest = lens[b] - shared[b] > longest ? lens[b] - shared[b] : longest;
+        const int most = (int)(longest / MIN_RANGE < MAX_RANGES ? longest / MIN_RANGE : MAX_RANGES);
+        /* a count of tasks the threads share evenly, the first of at least 4 a thread */
+        for (int r = 2; r <= most; r++) {
+            if (num_seqs * split * r % threads) continue;
+            ranges = r;
+            if (num_seqs * split * r >= 4 * threads) break;
+        }
+    }
+    const int64_t part_width = state_width;
+    float *parts = ranges > 1 ? malloc(sizeof(float) * (size_t)num_seqs * ranges * part_width) : NULL;
+    if (!parts) ranges = 1;
+    const int tasks = num_seqs * split * ranges;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && tasks > 1)
     for (int task = 0; task < tasks; task++) {
-        const int b = task / split, part = task % split, per = kv_heads / split;
-        one_task(q, q_tok, q_head, index[b], k, v, slots + (int64_t)b * max_ctx, shared[b], lens[b],
-                 shared[b] ? state + b * state_width : NULL, out, heads, kv_heads, part * per, (part + 1) * per,
-                 head_dim, scale, window, softcap);
+        const int b = task / (split * ranges), part = task % split, r = task / split % ranges, per = kv_heads / split;
+        int64_t lo = (window > 0 && lens[b] > window) ? lens[b] - window : 0;
+        lo = lo > shared[b] ? lo : shared[b];
+        const int64_t from = lo + (lens[b] - lo) * r / ranges, to = lo + (lens[b] - lo) * (r + 1) / ranges;
+        one_task(q, q_tok, q_head, index[b], k, v, slots + (int64_t)b * max_ctx, from, to,
+                 shared[b] && r == 0 ? state + b * state_width : NULL,
+                 parts ? parts + ((int64_t)b * ranges + r) * part_width : NULL, out, heads, kv_heads, part * per,
+                 (part + 1) * per, head_dim, scale, softcap);
     }
+    for (int b = 0; b < num_seqs && parts; b++)
+        merge_parts(parts + (int64_t)b * ranges * part_width, ranges, part_width,
+                    out + index[b] * heads * (int64_t)head_dim, heads, head_dim);
+    free(parts);
     free(state);
 }
