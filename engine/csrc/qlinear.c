@@ -258,7 +258,12 @@ static inline __attribute__((always_inline)) void qlinear(const float *x, int64_
         float *acc = acc_all + (size_t)omp_get_thread_num() * (size_t)acc_stride(rows);
         #pragma omp for schedule(guided)
         for (int64_t p = 0; p < num_panels; p++) {
-            panel_rows(x, x_row, xsum, panels + p * panel_bytes, blocks, rows, acc, w, kind);
+            /* the kind as a constant here: the region is outlined before qlinear is inlined into
+               each of its callers, so a kind passed in would stay a variable in every inner loop */
+            const uint8_t *panel = panels + p * panel_bytes;
+            if (kind == Q8_0) panel_rows(x, x_row, xsum, panel, blocks, rows, acc, w, Q8_0);
+            else if (kind == Q4_0) panel_rows(x, x_row, xsum, panel, blocks, rows, acc, w, Q4_0);
+            else panel_rows(x, x_row, xsum, panel, blocks, rows, acc, w, Q4_1);
             store_panel(acc, bias, y, rows, out, p);
         }
     }

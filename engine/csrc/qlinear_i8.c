@@ -193,7 +193,11 @@ static inline __attribute__((always_inline)) void qlinear_i8(const float *x, int
         float *acc = acc_all + (size_t)omp_get_thread_num() * (size_t)acc_stride(rows);
         #pragma omp for schedule(guided)
         for (int64_t p = 0; p < num_panels; p++) {
-            panel_rows(xq, dx, xs, panels + p * panel_bytes, blocks, rows, in, acc, kind);
+            /* the kind as a constant here (see csrc/qlinear.c) */
+            const uint8_t *panel = panels + p * panel_bytes;
+            if (kind == Q8_0) panel_rows(xq, dx, xs, panel, blocks, rows, in, acc, Q8_0);
+            else if (kind == Q4_0) panel_rows(xq, dx, xs, panel, blocks, rows, in, acc, Q4_0);
+            else panel_rows(xq, dx, xs, panel, blocks, rows, in, acc, Q4_1);
             store_panel(acc, bias, y, rows, out, p);
         }
     }
