@@ -24,6 +24,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -426,6 +427,32 @@ def measure_server(name: str, plan: Plan, gguf: Path, model_dir: Path, tokenizer
         proc.stop()
 
 
+def combine_rounds(rounds: list[dict[str, dict]]) -> dict[str, dict]:
+    """Each server's result over rounds (one result per server per round): every level's tok/s,
+    ITL p50 and TTFT p50 as the medians of the rounds that completed it, with `rounds_tok_s`
+    listing each round's tok/s in order. One round is returned as it is."""
+    if len(rounds) == 1:
+        return rounds[0]
+    combined: dict[str, dict] = {}
+    for name in dict.fromkeys(n for r in rounds for n in r):
+        results = [r[name] for r in rounds if name in r]
+        merged = dict(results[0], runs={})
+        for work in dict.fromkeys(w for res in results for w in res.get("runs", {})):
+            levels = []
+            for clients in dict.fromkeys(lv["concurrency"] for res in results
+                                         for lv in res.get("runs", {}).get(work, {}).get("levels", ())):
+                done = [lv for lv in (_level(res, work, clients) for res in results) if lv]
+                if not done:
+                    continue
+                levels.append(dict(done[0], output_tokens_per_s=statistics.median(lv["output_tokens_per_s"] for lv in done),
+                                   itl_s=dict(done[0]["itl_s"], p50=statistics.median(lv["itl_s"]["p50"] for lv in done)),
+                                   ttft_s=dict(done[0]["ttft_s"], p50=statistics.median(lv["ttft_s"]["p50"] for lv in done)),
+                                   rounds_tok_s=[lv["output_tokens_per_s"] for lv in done]))
+            merged["runs"][work] = {"levels": levels}
+        combined[name] = merged
+    return combined
+
+
 def _level(result: dict | None, work: str, clients: int) -> dict | None:
     run = (result or {}).get("runs", {}).get(work)
     for level in (run or {}).get("levels", ()):
@@ -447,8 +474,10 @@ def markdown(results: dict[str, dict], workloads: list[Workload]) -> str:
         cells = []
         for w, c in columns:
             s = _level(result, w.key, c)
+            rounds = "" if s is None or "rounds_tok_s" not in s else \
+                "; rounds " + " / ".join(f"{t:,.1f}" for t in s["rounds_tok_s"])
             cells.append("-" if s is None else f"{s['output_tokens_per_s']:,.1f} tok/s (ITL {_ms(s['itl_s']['p50'])} ms, "
-                                               f"TTFT {_ms(s['ttft_s']['p50'])} ms)")
+                                               f"TTFT {_ms(s['ttft_s']['p50'])} ms{rounds})")
         out.append(f"| {SERVER_LABELS[name]} | " + " | ".join(cells) + " |")
     if "rill" in results:
         for name in (n for n in results if n != "rill"):
@@ -492,8 +521,10 @@ def cpu_line() -> str:
 
 
 def run_table(servers: list[str], workload_keys: list[str], clients: list[int] | None = None, *, setup: bool = False,
-              out: Path | None = None, progress: bool = False) -> int:
-    """Measure rill and each ready peer; print and save the table. Returns 0, or 1 when a server failed."""
+              out: Path | None = None, progress: bool = False, rounds: int = 1) -> int:
+    """Measure rill and each ready peer; print and save the table. Returns 0, or 1 when a server failed.
+    rounds > 1: every server again in each round, in the reverse order every other round (on a host
+    whose speed drifts, each server then sees the same hours), medians per cell."""
     workloads = [w for w in (pick_clients(WORKLOADS[key], clients) for key in workload_keys) if w.clients]
     plan = Plan(servers=[], workloads=workloads, progress=progress)
     print(f"\n== peer table on the embedded SmolLM2-135M-Instruct: {cpu_line()}", flush=True)
@@ -525,21 +556,30 @@ def run_table(servers: list[str], workload_keys: list[str], clients: list[int] |
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     out = out or RESULTS / "peers.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    results: dict[str, dict] = {}
+    per_round: list[dict[str, dict]] = []
     failures: dict[str, str] = {}
     document = {"commit": git_commit(), "cpu": cpu_line(), "machine": machine_info(), "gguf": str(gguf),
                 "model_dir": str(model_dir), "workloads": [w.__dict__ | {"clients": list(w.clients)} for w in workloads],
-                "skipped": plan.skipped, "failures": failures, "results": results}
-    for name in plan.servers:
-        try:
-            results[name] = measure_server(name, plan, gguf, model_dir, tokenizer)
-        except Exception as error:  # noqa: BLE001 - one failed server must not lose the others' results
-            failures[name] = str(error)
-            print(f"!! {name} failed: {error}", flush=True)
-        out.write_text(json.dumps(document, indent=2))
+                "skipped": plan.skipped, "failures": failures, "rounds": per_round, "results": {}}
+    for number in range(rounds):
+        per_round.append({})
+        order = plan.servers if number % 2 == 0 else plan.servers[::-1]
+        for name in (n for n in order if n not in failures):
+            if rounds > 1:
+                print(f"-- round {number + 1} of {rounds}: {name}", flush=True)
+            try:
+                per_round[-1][name] = measure_server(name, plan, gguf, model_dir, tokenizer)
+            except Exception as error:  # noqa: BLE001 - one failed server must not lose the others' results
+                failures[name] = str(error)
+                print(f"!! {name} failed: {error}", flush=True)
+            document["results"] = results = combine_rounds(per_round)
+            out.write_text(json.dumps(document, indent=2))
+    results = combine_rounds(per_round)
     table = markdown(results, workloads)
     lines = target_lines(results)
-    md = (f"SmolLM2-135M-Instruct, `/v1/completions`, `ignore_eos`, greedy, closed loop, one server at a time; "
+    medians = f"medians of {rounds} rounds (each server once a round, the order reversed every other round); " \
+        if rounds > 1 else ""
+    md = (f"SmolLM2-135M-Instruct, `/v1/completions`, `ignore_eos`, greedy, closed loop, one server at a time; {medians}"
           f"{document['cpu']}; commit {document['commit']}\n\nWorkloads: "
           + "; ".join(f"{w.key}: {w.title}" for w in workloads) + f".\n\n{table}\n\n" + "".join(f"- {t}\n" for t in lines)
           + "".join(f"- skipped {n}: {why}\n" for n, why in plan.skipped.items()))
@@ -581,6 +621,8 @@ def main(argv: list[str] | None = None) -> int:
     p_table.add_argument("--setup", action="store_true", help="build / install peers that are not ready first")
     p_table.add_argument("--out", help="results JSON (default bench/results/peers.json)")
     p_table.add_argument("--progress", action="store_true")
+    p_table.add_argument("--rounds", type=int, default=1,
+                         help="measure every server this many times, alternating the order; medians (default 1)")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -606,8 +648,10 @@ def main(argv: list[str] | None = None) -> int:
     servers = parse_names(args.servers, (*RILLS, *PEERS), "--servers")
     workloads = parse_names(args.workloads, tuple(WORKLOADS), "--workloads")
     clients = [int(c) for c in args.clients.split(",")] if args.clients else None
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds: at least 1, got {args.rounds}")
     return run_table(servers, workloads, clients, setup=args.setup, out=Path(args.out) if args.out else None,
-                     progress=args.progress)
+                     progress=args.progress, rounds=args.rounds)
 
 
 if __name__ == "__main__":

@@ -112,3 +112,21 @@ def test_table_and_targets():
     assert lines[0].startswith("MISSED short, 1 clients: rill 0.50x llama-server tok/s (target >= 1.0x); ITL p50 20.0")
     assert lines[1] == "MET    short, 8 clients: rill 4.00x llama-server tok/s (target >= 2.0x)"
     assert len(lines) == 2  # vLLM and the other workloads were not measured
+
+
+def test_rounds_combine_into_medians_per_cell():
+    """Three rounds on a drifting host: each cell is the median of its rounds, the table lists the
+    rounds, and the ratio and targets come from the medians."""
+    def result(rill_tok_s, llama_tok_s, rill_itl):
+        return {"rill": {"runs": {"short": {"levels": [_level(1, rill_tok_s, rill_itl, 0.05)]}}},
+                "llama-server": {"runs": {"short": {"levels": [_level(1, llama_tok_s, 0.012, 0.1)]}}}}
+    rounds = [result(50.0, 60.0, 0.020), result(90.0, 70.0, 0.010), result(80.0, 65.0, 0.011)]
+    combined = peers.combine_rounds(rounds)
+    level = combined["rill"]["runs"]["short"]["levels"][0]
+    assert level["output_tokens_per_s"] == 80.0 and level["itl_s"]["p50"] == 0.011
+    assert level["rounds_tok_s"] == [50.0, 90.0, 80.0]
+    table = peers.markdown(combined, [peers.pick_clients(peers.WORKLOADS["short"], [1])]).splitlines()
+    assert "80.0 tok/s (ITL 11.0 ms, TTFT 50.0 ms; rounds 50.0 / 90.0 / 80.0)" in table[2]
+    assert "**1.23x**" in table[4]  # 80 / 65
+    assert peers.target_lines(combined)[0].startswith("MET    short, 1 clients: rill 1.23x llama-server")
+    assert peers.combine_rounds(rounds[:1]) is rounds[0]
