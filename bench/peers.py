@@ -572,9 +572,9 @@ def run_table(servers: list[str], workload_keys: list[str], clients: list[int] |
             except Exception as error:  # noqa: BLE001 - one failed server must not lose the others' results
                 failures[name] = str(error)
                 print(f"!! {name} failed: {error}", flush=True)
-            document["results"] = results = combine_rounds(per_round)
+            document["results"] = combine_rounds(per_round)
             out.write_text(json.dumps(document, indent=2))
-    results = combine_rounds(per_round)
+    results = document["results"]
     table = markdown(results, workloads)
     lines = target_lines(results)
     medians = f"medians of {rounds} rounds (each server once a round, the order reversed every other round); " \

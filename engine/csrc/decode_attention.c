@@ -1,10 +1,11 @@
 /* Decode attention on the paged KV cache, float32, for CPUs (built by engine/cpu.py).
  *
  * One query token per sequence; each sequence is one task (or each (sequence, KV head) pair when
- * sequences are few, and for long contexts each range of its positions, merged after): it reads its keys and values straight from their cache slots, a tile of
- * positions at a time, each position's row once for all heads, with an online softmax. No gathered copy
- * of the context and no mask tensor, unlike the torch path in attention.py, which computes the
- * same thing with index_select + scaled_dot_product_attention.
+ * sequences are few, and for long contexts each range of its positions, merged after): it reads
+ * its keys and values straight from their cache slots, a tile of positions at a time, each
+ * position's row once for all heads, with an online softmax. No gathered copy of the context and
+ * no mask tensor, unlike the torch path in attention.py, which computes the same thing with
+ * index_select + scaled_dot_product_attention.
  *
  * Layouts (element strides; the last dimension of every tensor is contiguous):
  *   q        query of token t, head qh at q + t * q_tok + qh * q_head, head_dim floats
@@ -92,6 +93,18 @@ static inline void weigh_values(float *acc, const float *p, const float *const *
     }
 }
 
+/* one query head's softmax state as the passes hand it on: max, sum, then its D weighted values */
+static inline void save_state(float *st, float m, float l, const float *acc, int D) {
+    st[0] = m, st[1] = l;
+    memcpy(st + 2, acc, sizeof(float) * D);
+}
+
+/* the first context position a sequence's own pass reads: past the shared pass and the window */
+static inline int64_t own_start(int64_t len, int64_t shared, int64_t window) {
+    const int64_t lo = window > 0 && len > window ? len - window : 0;
+    return lo > shared ? lo : shared;
+}
+
 /* The first pass over positions [0, shared) that the group's members share (their slots are
    the leader's): for KV head h, the query heads of every member at once, as a matrix product:
    the queries are transposed once (qt[d][j], padded to QB), and each block of PB positions by QB
@@ -136,9 +149,8 @@ static void shared_task(const float *q, int64_t q_tok, int64_t q_head, const int
         for (int j = 0; j < nq; j++) weigh_values(acc + j * D, s + j * TILE, vr, 0, n, D);
     }
     for (int j = 0; j < nq; j++) {
-        float *st = state + ((int64_t)members[j / groups] * heads + h * groups + j % groups) * (D + 2);
-        st[0] = m[j], st[1] = l[j];
-        memcpy(st + 2, acc + j * D, sizeof(float) * D);
+        save_state(state + ((int64_t)members[j / groups] * heads + h * groups + j % groups) * (D + 2), m[j], l[j],
+                   acc + j * D, D);
     }
 }
 
@@ -175,9 +187,7 @@ static void one_task(const float *q, int64_t q_tok, int64_t q_head, int64_t row,
     }
     for (int j = 0; j < nq; j++) {
         if (part) {
-            float *st = part + (int64_t)(qh0 + j) * (D + 2);
-            st[0] = m[j], st[1] = l[j];
-            memcpy(st + 2, acc + j * D, sizeof(float) * D);
+            save_state(part + (int64_t)(qh0 + j) * (D + 2), m[j], l[j], acc + j * D, D);
             continue;
         }
         float *o = out + (row * heads + qh0 + j) * (int64_t)D;
@@ -260,7 +270,10 @@ void rill_decode_attention(const float *q, int64_t q_tok, int64_t q_head, const 
     int ranges = 1;
     if (split > 1 && threads > 1 && (num_seqs * split % threads || num_seqs * split < 2 * threads)) {
         int64_t longest = 0;
-        for (int b = 0; b < num_seqs; b++) longest = lens[b] - shared[b] > longest ? lens[b] - shared[b] : longest;
+        for (int b = 0; b < num_seqs; b++) {
+            const int64_t own = lens[b] - own_start(lens[b], shared[b], window);
+            longest = own > longest ? own : longest;
+        }
         const int most = (int)(longest / MIN_RANGE < MAX_RANGES ? longest / MIN_RANGE : MAX_RANGES);
         /* a count of tasks the threads share evenly, the first of at least 4 a thread */
         for (int r = 2; r <= most; r++) {
@@ -269,23 +282,21 @@ void rill_decode_attention(const float *q, int64_t q_tok, int64_t q_head, const 
             if (num_seqs * split * r >= 4 * threads) break;
         }
     }
-    const int64_t part_width = state_width;
-    float *parts = ranges > 1 ? malloc(sizeof(float) * (size_t)num_seqs * ranges * part_width) : NULL;
+    float *parts = ranges > 1 ? malloc(sizeof(float) * (size_t)num_seqs * ranges * state_width) : NULL;
     if (!parts) ranges = 1;
     const int tasks = num_seqs * split * ranges;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && tasks > 1)
     for (int task = 0; task < tasks; task++) {
         const int b = task / (split * ranges), part = task % split, r = task / split % ranges, per = kv_heads / split;
-        int64_t lo = (window > 0 && lens[b] > window) ? lens[b] - window : 0;
-        lo = lo > shared[b] ? lo : shared[b];
+        const int64_t lo = own_start(lens[b], shared[b], window);
         const int64_t from = lo + (lens[b] - lo) * r / ranges, to = lo + (lens[b] - lo) * (r + 1) / ranges;
         one_task(q, q_tok, q_head, index[b], k, v, slots + (int64_t)b * max_ctx, from, to,
                  shared[b] && r == 0 ? state + b * state_width : NULL,
-                 parts ? parts + ((int64_t)b * ranges + r) * part_width : NULL, out, heads, kv_heads, part * per,
+                 parts ? parts + ((int64_t)b * ranges + r) * state_width : NULL, out, heads, kv_heads, part * per,
                  (part + 1) * per, head_dim, scale, softcap);
     }
     for (int b = 0; b < num_seqs && parts; b++)
-        merge_parts(parts + (int64_t)b * ranges * part_width, ranges, part_width,
+        merge_parts(parts + (int64_t)b * ranges * state_width, ranges, state_width,
                     out + index[b] * heads * (int64_t)head_dim, heads, head_dim);
     free(parts);
     free(state);

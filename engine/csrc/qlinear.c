@@ -98,6 +98,36 @@ static inline __attribute__((always_inline)) void dequant_block(const uint8_t *b
     }
 }
 
+/* A tile's running sums: a [MR][2] (zero at the first block, else loaded from acc) and, for 1 or 2
+ * rows, a second set c for the odd inputs, added in at the end; one input k's multiply-adds */
+static inline __attribute__((always_inline)) void tile_load(const float *acc, int64_t acc_row, int first, const int MR,
+                                                            v8 a[][2], v8 c[][2]) {
+    for (int i = 0; i < MR; i++) {
+        if (first) a[i][0] = a[i][1] = (v8){0};
+        else a[i][0] = load8(acc + i * acc_row), a[i][1] = load8(acc + i * acc_row + 8);
+        c[i][0] = c[i][1] = (v8){0};
+    }
+}
+
+static inline __attribute__((always_inline)) void tile_input(const float *x, int64_t x_row, int64_t k, v8 w0, v8 w1,
+                                                             const int MR, v8 sums[][2]) {
+    for (int i = 0; i < MR; i++) {
+        const float xi = x[i * x_row + k];
+        const v8 xv = {xi, xi, xi, xi, xi, xi, xi, xi};
+        sums[i][0] += xv * w0;
+        sums[i][1] += xv * w1;
+    }
+}
+
+static inline __attribute__((always_inline)) void tile_store(float *acc, int64_t acc_row, const int MR, const int S,
+                                                             v8 a[][2], v8 c[][2]) {
+    for (int i = 0; i < MR && S == 2; i++) a[i][0] += c[i][0], a[i][1] += c[i][1];
+    for (int i = 0; i < MR; i++) {
+        store8(acc + i * acc_row, a[i][0]);
+        store8(acc + i * acc_row + 8, a[i][1]);
+    }
+}
+
 /* MR rows of x times kn inputs of float weights w[kn][16], added to the running sums in acc
  * ([MR][16] floats, row stride acc_row; zero at the first block). The empty asm keeps each input's
  * two weight vectors in registers: without it GCC folded them into every row's multiply-add at 4
@@ -107,30 +137,16 @@ static inline __attribute__((always_inline)) void block_tile(const float *x, int
     /* 1 or 2 rows: 4 sums cannot hide the multiply-add's latency, so odd inputs go to a second
      * set (8 rows, a 6 and a 2 tile: 0.94x the time) */
     const int S = MR <= 2 ? 2 : 1;
-    v8 a[6][2], c[6][2];  /* c: the second set */
-    for (int i = 0; i < MR; i++) {
-        if (first) a[i][0] = a[i][1] = (v8){0};
-        else a[i][0] = load8(acc + i * acc_row), a[i][1] = load8(acc + i * acc_row + 8);
-        c[i][0] = c[i][1] = (v8){0};
-    }
+    v8 a[6][2], c[6][2];
+    tile_load(acc, acc_row, first, MR, a, c);
     for (int64_t k0 = 0; k0 < kn; k0 += S)
         for (int s = 0; s < S; s++) {
             const int64_t k = k0 + s;
             v8 w0 = load8(w + k * 16), w1 = load8(w + k * 16 + 8);
             __asm__("" : "+x"(w0), "+x"(w1));
-            for (int i = 0; i < MR; i++) {
-                const float xi = x[i * x_row + k];
-                const v8 xv = {xi, xi, xi, xi, xi, xi, xi, xi};
-                v8 *sums = s ? c[i] : a[i];
-                sums[0] += xv * w0;
-                sums[1] += xv * w1;
-            }
+            tile_input(x, x_row, k, w0, w1, MR, s ? c : a);
         }
-    for (int i = 0; i < MR && S == 2; i++) a[i][0] += c[i][0], a[i][1] += c[i][1];
-    for (int i = 0; i < MR; i++) {
-        store8(acc + i * acc_row, a[i][0]);
-        store8(acc + i * acc_row + 8, a[i][1]);
-    }
+    tile_store(acc, acc_row, MR, S, a, c);
 }
 
 /* The last 1 or 2 rows of a chunk (rows % 6 of them) de-quantize its blocks into w as they go:
@@ -140,11 +156,7 @@ static inline __attribute__((always_inline)) void lead_tile(const float *x, int6
                                                             int64_t nb, float *w, float *acc, int64_t acc_row,
                                                             int first, const int MR, const int kind) {
     v8 a[2][2], c[2][2];
-    for (int i = 0; i < MR; i++) {
-        if (first) a[i][0] = a[i][1] = (v8){0};
-        else a[i][0] = load8(acc + i * acc_row), a[i][1] = load8(acc + i * acc_row + 8);
-        c[i][0] = c[i][1] = (v8){0};
-    }
+    tile_load(acc, acc_row, first, MR, a, c);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = blocks + b * block_bytes(kind);
         prefetch_ahead(blk, kind);
@@ -157,20 +169,10 @@ static inline __attribute__((always_inline)) void lead_tile(const float *x, int6
                 float *wk = w + b * 512 + k * 16;
                 store8(wk, w0);
                 store8(wk + 8, w1);
-                for (int i = 0; i < MR; i++) {
-                    const float xi = x[i * x_row + b * 32 + k];
-                    const v8 xv = {xi, xi, xi, xi, xi, xi, xi, xi};
-                    v8 *sums = s ? c[i] : a[i];
-                    sums[0] += xv * w0;
-                    sums[1] += xv * w1;
-                }
+                tile_input(x, x_row, b * 32 + k, w0, w1, MR, s ? c : a);
             }
     }
-    for (int i = 0; i < MR; i++) a[i][0] += c[i][0], a[i][1] += c[i][1];
-    for (int i = 0; i < MR; i++) {
-        store8(acc + i * acc_row, a[i][0]);
-        store8(acc + i * acc_row + 8, a[i][1]);
-    }
+    tile_store(acc, acc_row, MR, 2, a, c);
 }
 
 /* one row of x times one panel, weights widened in registers: y[j] = sum over blocks of
@@ -218,12 +220,12 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, int
         for (int64_t r = 0; r < rows; r++) row_panel(x + r * x_row, xsum + r * blocks, panel, blocks, acc + r * 16, kind);
         return;
     }
+    /* the last 1 or 2 rows (rows % 6) de-quantize each chunk as they go, the others take its floats */
+    const int64_t lead = rows % 6 == 1 || rows % 6 == 2 ? rows % 6 : 0, tiled = rows - lead;
     for (int64_t b0 = 0; b0 < blocks; b0 += CHUNK) {
         const int64_t nb = blocks - b0 < CHUNK ? blocks - b0 : CHUNK, kn = nb * 32;
         const float *xb = x + b0 * 32;
         const uint8_t *chunk = panel + b0 * block_bytes(kind);
-        /* the last 1 or 2 rows (rows % 6) de-quantize the chunk as they go, the others take its floats */
-        const int64_t lead = rows % 6 == 1 || rows % 6 == 2 ? rows % 6 : 0, tiled = rows - lead;
         if (lead == 1) lead_tile(xb + tiled * x_row, x_row, chunk, nb, w, acc + tiled * 16, 16, b0 == 0, 1, kind);
         else if (lead == 2) lead_tile(xb + tiled * x_row, x_row, chunk, nb, w, acc + tiled * 16, 16, b0 == 0, 2, kind);
         else
