@@ -70,9 +70,10 @@ enum { Q8_OFFSET = 0 };
 /* A tile: TILE_ROWS rows times both halves of a panel, so each broadcast of a row's inputs serves
  * two byte dot products and each widened weight vector serves TILE_ROWS rows: 12 int16/int32 sums
  * and 6 float ones, in registers. bench/qlinear_ab.py against per-row sums kept in memory (the
- * kernel before): 0.68-0.80x the time at 32 rows, 0.81-0.90x at 8, 0.73-1.03x at one; against
+ * kernel before): 0.68-0.80x the time at 32 rows, 0.77-0.90x at 8, 0.73-1.03x at one; against
  * tiles of 4 rows, 2 rows or 4 rows of one half at a time: 0.92-0.96x, 0.91-0.99x, 0.94-0.98x. */
 enum { TILE_ROWS = 3 };
+
 /* four inputs of a row of xq, in every 32-bit lane */
 static inline __m256i four(const int8_t *xq) {
     int32_t v;
@@ -81,10 +82,10 @@ static inline __m256i four(const int8_t *xq) {
 }
 
 /* s[r][h] = the 8 int32 sums sum_k w[j][k] xq[r][k] of half h of one panel block (before the
- * offset corrections), for the R rows of a tile (row r's xq at x + r * in). Each weight vector is loaded and widened once
- * for the tile, then serves every row: Q4 as 0..15 (low, high nibbles); Q8 with VNNI as q + 128
- * (unsigned; the sums are corrected by 128 sum(xq)); Q8 on AVX2 as |q|, q's sign moving onto x
- * (vpmaddubsw takes unsigned times signed). */
+ * offset corrections), for the R rows of a tile (row r's xq at x + r * in). Each weight vector is
+ * loaded and widened once for the tile, then serves every row: Q4 as 0..15 (low, high nibbles); Q8
+ * with VNNI as q + 128 (unsigned; the sums are corrected by 128 sum(xq)); Q8 on AVX2 as |q|, q's
+ * sign moving onto x (vpmaddubsw takes unsigned times signed). */
 static inline __attribute__((always_inline)) void dot_tile(const uint8_t *blk, const int8_t *x, int64_t in,
                                                            __m256i s[TILE_ROWS][2], const int R, const int kind) {
     const __m256i ones = _mm256_set1_epi16(1);
@@ -138,10 +139,12 @@ static inline __attribute__((always_inline)) void dot_tile(const uint8_t *blk, c
             }
         }
     }
+#ifdef HAVE_VNNI
+    (void)ones;
+#endif
     for (int r = 0; r < R; r++)
         for (int h = 0; h < 2; h++) {
 #ifdef HAVE_VNNI
-            (void)ones;
             s[r][h] = t[r][h];
 #else
             s[r][h] = _mm256_madd_epi16(t[r][h], ones);
@@ -167,14 +170,15 @@ static inline __attribute__((always_inline)) void tile_rows(const int8_t *xq, co
         const float *scales = (const float *)(blk + (kind == Q8_0 ? 32 * 16 : 32 * 8));
         __m256i s[TILE_ROWS][2];
         dot_tile(blk, xq + b * 32, in, s, R, kind);
-        for (int r = 0; r < R; r++) {
+        for (int r = 0; r < R; r++) {  /* row r's block scalars, then both halves */
             const int64_t rb = r * blocks + b;
+            const __m256i off = _mm256_set1_epi32(offset * xs[rb]);
+            const __m256 rdx = _mm256_set1_ps(dx[rb]), rdxs = _mm256_set1_ps(dxs[rb]);
             for (int h = 0; h < 2; h++) {
-                if (offset) s[r][h] = _mm256_sub_epi32(s[r][h], _mm256_set1_epi32(offset * xs[rb]));
+                if (offset) s[r][h] = _mm256_sub_epi32(s[r][h], off);
                 const __m256 d = _mm256_loadu_ps(scales + h * 8);
-                y[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][h]), _mm256_mul_ps(d, _mm256_set1_ps(dx[rb])), y[r][h]);
-                if (kind == Q4_1)
-                    y[r][h] = _mm256_fmadd_ps(_mm256_loadu_ps(scales + 16 + h * 8), _mm256_set1_ps(dxs[rb]), y[r][h]);
+                y[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][h]), _mm256_mul_ps(d, rdx), y[r][h]);
+                if (kind == Q4_1) y[r][h] = _mm256_fmadd_ps(_mm256_loadu_ps(scales + 16 + h * 8), rdxs, y[r][h]);
             }
         }
     }
@@ -190,8 +194,9 @@ static inline __attribute__((always_inline)) void panel_rows(const int8_t *xq, c
         const int64_t o = r * blocks;
         const int8_t *x = xq + r * in;
         float *a = acc + r * 16;
-        if (rows - r == 1) tile_rows(x, dx + o, dxs + o, xs + o, panel, blocks, in, a, r == 0, 1, kind);
-        else if (rows - r == 2) tile_rows(x, dx + o, dxs + o, xs + o, panel, blocks, in, a, r == 0, 2, kind);
+        const int64_t left = rows - r;
+        if (left == 1) tile_rows(x, dx + o, dxs + o, xs + o, panel, blocks, in, a, r == 0, 1, kind);
+        else if (left == 2) tile_rows(x, dx + o, dxs + o, xs + o, panel, blocks, in, a, r == 0, 2, kind);
         else tile_rows(x, dx + o, dxs + o, xs + o, panel, blocks, in, a, r == 0, TILE_ROWS, kind);
     }
 }
