@@ -29,7 +29,11 @@
  * de-quantize this many blocks (8 KB of floats, beside 32 rows' 16 KB of x: within L1) before
  * their tiles run over all of them, so a tile loads and stores its sums once per 128 inputs, not
  * per 32: 0.83-0.91x the time of 3072 x 576 / 576 x 1536 at 24 and 32 rows (Q4_1, two threads) */
+#ifdef __AVX512F__
+enum { FEW_ROWS = 1, CHUNK = 4 };
+#else
 enum { FEW_ROWS = 3, CHUNK = 4 };
+#endif
 
 /* 16 weights of input k, as two vectors of 8 floats (outputs 0-7 and 8-15) */
 static inline void widen_q8(const uint8_t *p, v8 *w0, v8 *w1) {
@@ -283,6 +287,44 @@ static inline __attribute__((always_inline)) void wide_tile(const float *xp, con
     for (int i = 0; i < MR; i++) _mm512_storeu_ps(acc + i * 16, S == 2 ? _mm512_add_ps(a[i], c[i]) : a[i]);
 }
 
+/* row_panel on zmm registers: two inputs' weights widened from one load (Q4: 16 bytes, the low
+ * and high nibbles of both), four chains of sums over k */
+static inline __attribute__((always_inline)) void row_panel16(const float *x, const float *xsum,
+                                                              const uint8_t *panel, int64_t blocks, float *acc,
+                                                              const int kind) {
+    __m512 y = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *blk = panel + b * block_bytes(kind);
+        prefetch_ahead(blk, kind);
+        const float *xb = x + b * 32;
+        __m512 p[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int k = 0; k < 32; k += 4)
+            for (int c = 0; c < 4; c += 2) {
+                __m512 w0, w1;
+                if (kind == Q8_0) {
+                    const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + (k + c) * 16));
+                    w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
+                    w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
+                } else {
+                    const __m128i q = _mm_loadu_si128((const __m128i *)(blk + (k + c) * 8)), low4 = _mm_set1_epi8(15);
+                    const __m128i lo = _mm_and_si128(q, low4), hi = _mm_and_si128(_mm_srli_epi16(q, 4), low4);
+                    w0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(lo, hi)));
+                    w1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi64(lo, hi)));
+                }
+                p[c] = _mm512_fmadd_ps(_mm512_set1_ps(xb[k + c]), w0, p[c]);
+                p[c + 1] = _mm512_fmadd_ps(_mm512_set1_ps(xb[k + c + 1]), w1, p[c + 1]);
+            }
+        const float *scales = (const float *)(blk + (kind == Q8_0 ? 32 * 16 : 32 * 8));
+        const __m512 d = _mm512_loadu_ps(scales);
+        y = _mm512_fmadd_ps(d, _mm512_add_ps(_mm512_add_ps(p[0], p[1]), _mm512_add_ps(p[2], p[3])), y);
+        if (kind != Q8_0) {
+            const __m512 m = kind == Q4_1 ? _mm512_loadu_ps(scales + 16) : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+            y = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[b]), y);
+        }
+    }
+    _mm512_storeu_ps(acc, y);
+}
+
 /* the tiles: rows split as evenly as they go into tiles of at most WIDE_TILE rows; tile t starts
  * at row tile_start(rows, t) */
 static inline int64_t wide_tiles(int64_t rows) { return (rows + WIDE_TILE - 1) / WIDE_TILE; }
@@ -320,7 +362,7 @@ static inline __attribute__((always_inline)) void panel_rows_wide(const float *x
         if (t == 0) wide_tile(xt, chunk, w, at, first, nb, n, 1, keep, kind); \
         else wide_tile(xt, chunk, w, at, first, nb, n, 0, 0, kind);     \
         break;
-                WIDE_CASE(4) WIDE_CASE(5) WIDE_CASE(6) WIDE_CASE(7) WIDE_CASE(8) WIDE_CASE(9) WIDE_CASE(10)
+                WIDE_CASE(2) WIDE_CASE(3) WIDE_CASE(4) WIDE_CASE(5) WIDE_CASE(6) WIDE_CASE(7) WIDE_CASE(8) WIDE_CASE(9) WIDE_CASE(10)
                 WIDE_CASE(11) WIDE_CASE(12) WIDE_CASE(13) WIDE_CASE(14) WIDE_CASE(15) WIDE_CASE(16)
 #undef WIDE_CASE
                 default: break; /* FEW_ROWS < rows: every tile has 4 to WIDE_TILE rows */
@@ -336,7 +378,11 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, int
                                                              const uint8_t *panel, int64_t blocks, int64_t rows,
                                                              float *acc, float *w, const int kind) {
     if (rows <= FEW_ROWS) {
+#ifdef __AVX512F__
+        for (int64_t r = 0; r < rows; r++) row_panel16(x + r * x_row, xsum + r * blocks, panel, blocks, acc + r * 16, kind);
+#else
         for (int64_t r = 0; r < rows; r++) row_panel(x + r * x_row, xsum + r * blocks, panel, blocks, acc + r * 16, kind);
+#endif
         return;
     }
     /* the last 1 or 2 rows (rows % 6) de-quantize each chunk as they go, the others take its floats */
