@@ -428,6 +428,7 @@ def _quantize(model, quantize: str, gguf: Path | None, device: torch.device, dty
                                  f"with F.linear here (see the log); use quantize=none")
         logger.warning("weights: keeping float32 (the quantized C kernel is unavailable)")
         return "float"
+    logger.info("weights: block kernels built for this CPU's %s (%s)", kernel.isa, kernel.path)
     if quantize == "auto":
         count, _ = keep_gguf_blocks(model, gguf, kernel, int8)
         kinds = sorted({m.source for m in model.modules() if isinstance(m, QuantLinear)})

@@ -134,6 +134,9 @@ class QuantKernel:
             fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int, ctypes.c_int]
             fn.restype = ctypes.c_int
         self.threads = torch.get_num_threads()
+        library.rill_qlinear_vector_bits.restype = ctypes.c_int
+        bits = library.rill_qlinear_vector_bits()  # fixed when the library was built for this CPU
+        self.isa = {512: "AVX-512", 256: "AVX2"}.get(bits, "generic vectors")
 
     def __call__(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int,
                  kind: str, int8: bool = False) -> torch.Tensor:

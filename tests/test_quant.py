@@ -91,6 +91,14 @@ def test_q4_k_is_read_as_the_q4_1_blocks_it_is_made_of(kernel, tmp_path):
         torch.testing.assert_close(layers[0](x), reference, atol=1e-4, rtol=1e-4)
 
 
+def test_the_kernel_is_built_for_the_widest_vectors_this_cpu_has(kernel, caplog):
+    flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
+    assert kernel.isa == ("AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "generic vectors")
+    with caplog.at_level("INFO", logger="rill"):
+        load_model(None)
+    assert f"weights: block kernels built for this CPU's {kernel.isa}" in caplog.text
+
+
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 6, 7, 8, 13, 17, 40, 64])  # 17, 40: uneven tiles (AVX-512)
 def test_kernel_equals_the_float_product_with_the_dequantized_weight(kernel, kind, rows):
