@@ -8,7 +8,8 @@
  *   Q4_x  panel p, block b: uint8 q[32][8], byte j of input k holding output j in its low
  *         nibble and output j + 8 in its high nibble, then float d[16] (Q4_1: and m[16])
  *
- * A tile of up to 6 rows of x times one panel keeps 6 x 16 running sums in registers. Within a
+ * A tile of up to 6 rows of x times one panel keeps 6 x 16 running sums in registers (AVX2; with
+ * AVX-512, tiles of up to 16 rows and a panel in one register: the section further down). Within a
  * block the integer weights are widened to float and multiplied with x in float32; each block's
  * sum is then scaled by d (and Q4_1 adds m times the block's sum of x), so the result equals the
  * float32 product with the de-quantized weights up to the order of the additions.
@@ -25,7 +26,8 @@
 #include <immintrin.h>
 #endif
 
-/* FEW_ROWS: up to this many rows widen the weights in registers, row by row. CHUNK: more rows
+/* FEW_ROWS: up to this many rows widen the weights in registers, row by row (AVX-512: one row;
+ * from 2 rows its tiles, which widen each input once for all rows, take less time). CHUNK: more rows
  * de-quantize this many blocks (8 KB of floats, beside 32 rows' 16 KB of x: within L1) before
  * their tiles run over all of them, so a tile loads and stores its sums once per 128 inputs, not
  * per 32: 0.83-0.91x the time of 3072 x 576 / 576 x 1536 at 24 and 32 rows (Q4_1, two threads) */
@@ -221,9 +223,6 @@ static inline __attribute__((always_inline)) void row_panel(const float *x, cons
  * x is broadcast from memory inside the instruction (x packed once per call, input-major within
  * each tile: xp[k][MR]). Zen 5 host, Q4_1, SmolLM2's shapes: 0.56-0.71x the AVX2 tiles' time at 8
  * and 32 rows (bench.qlinear_ab). */
-#ifndef WIDE_CHUNK
-#define WIDE_CHUNK 4
-#endif
 enum { WIDE_TILE = 16 };
 
 /* input k of a block: its 16 de-quantized weights in one register, the same operations per lane as
@@ -329,8 +328,9 @@ static inline __attribute__((always_inline)) void wide_tile(const float *xp, con
     for (int i = 0; i < MR; i++) _mm512_storeu_ps(acc + i * 16, S == 2 ? _mm512_add_ps(a[i], c[i]) : a[i]);
 }
 
-/* row_panel on zmm registers: two inputs' weights widened from one load (Q4: 16 bytes, the low
- * and high nibbles of both), four chains of sums over k */
+/* row_panel on zmm registers, four chains of sums over k: two inputs' weights widened from one
+ * load (Q4: 16 bytes, the low and high nibbles of both), or with VBMI four inputs' nibbles from one
+ * 32-byte load, each input's permuted into its lanes */
 static inline __attribute__((always_inline)) void row_panel16(const float *x, const float *xsum,
                                                               const uint8_t *panel, int64_t blocks, float *acc,
                                                               const int kind) {
@@ -394,7 +394,7 @@ static inline __attribute__((always_inline)) void panel_rows_wide(const float *x
                                                                   int64_t blocks, int64_t rows, int64_t in,
                                                                   float *acc, float *w, const int kind) {
     /* one tile keeps its sums in registers over the whole panel; more share each chunk's floats */
-    const int64_t tiles = wide_tiles(rows), chunk_blocks = tiles == 1 ? blocks : WIDE_CHUNK;
+    const int64_t tiles = wide_tiles(rows), chunk_blocks = tiles == 1 ? blocks : CHUNK;
     for (int64_t b0 = 0; b0 < blocks; b0 += chunk_blocks) {
         const int64_t nb = blocks - b0 < chunk_blocks ? blocks - b0 : chunk_blocks;
         const uint8_t *chunk = panel + b0 * block_bytes(kind);
