@@ -4,6 +4,10 @@ app.py process: chat and completions, streaming and not, n, stop, seed, logprobs
 from __future__ import annotations
 
 import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
 
 import httpx
 import openai
@@ -259,3 +263,19 @@ def test_embedded_min_tokens_and_chinese_without_replacement_characters(embedded
     completion = "".join(c.choices[0].text for c in client.completions.create(
         model=model, prompt="北京是中国的首都。上海是", max_tokens=16, temperature=0, stream=True) if c.choices)
     assert "\ufffd" not in completion
+
+
+def test_the_readme_one_liners_run_against_the_embedded_model(embedded_server):
+    """The quickstart's `python -c` lines as a new user pastes them (the URL pointed at this server):
+    each runs, and the openai one (greedy) answers Paris."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    lines = [line.strip() for line in readme.splitlines() if line.strip().startswith("python -c '")]
+    assert any("openai" in line for line in lines) and any("gradio_client" in line for line in lines)
+    for line in lines:
+        code = shlex.split(line)[2].replace("http://127.0.0.1:7860", embedded_server.url)
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+        assert run.returncode == 0, f"{line}\n{run.stderr[-2000:]}"
+        assert run.stdout.strip(), line
+        if "openai" in line:
+            assert "Paris" in run.stdout, run.stdout
+
