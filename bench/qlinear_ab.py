@@ -34,8 +34,8 @@ def build(revision: str, where: Path) -> Path:
     objects = []
     for name in KERNELS:
         obj = where / f"old_{name}.o"
-        subprocess.run(["cc", *FLAGS, "-c", str(old / name), "-o", str(obj), "-Drill_qlinear=rill_qlinear_a",
-                        "-Drill_qlinear_i8=rill_qlinear_i8_a"], check=True)
+        renamed = [f"-D{fn}={fn}_a" for fn in ("rill_qlinear", "rill_qlinear_i8", "rill_qlinear_vector_bits")]
+        subprocess.run(["cc", *FLAGS, "-c", str(old / name), "-o", str(obj), *renamed], check=True)
         objects.append(str(obj))
     binary = where / "qlinear_ab"
     subprocess.run(["cc", *FLAGS, str(ROOT / "bench" / "qlinear_ab.c"), *(str(CSRC / n) for n in KERNELS),

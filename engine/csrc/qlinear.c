@@ -225,26 +225,26 @@ static inline __attribute__((always_inline)) void row_panel(const float *x, cons
  * and 32 rows (bench.qlinear_ab). */
 enum { WIDE_TILE = 16 };
 
-/* input k of a block: its 16 de-quantized weights in one register, the same operations per lane as
- * dequant_input (so the same floats) */
-static inline __attribute__((always_inline)) __m512 dequant16(const uint8_t *blk, int k, __m512 d, __m512 m,
-                                                              const int kind) {
-    __m512 q;
-    if (kind == Q8_0) {
-        q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + k * 16))));
-        return _mm512_mul_ps(q, d);
-    }
-    /* byte j: output j in its low nibble, output j + 8 in its high one -> 16 bytes in output order */
+/* input k of a block: its 16 integer weights as floats, in output order (Q4: byte j holds output j
+ * in its low nibble and output j + 8 in its high one) */
+static inline __attribute__((always_inline)) __m512 widen16(const uint8_t *blk, int k, const int kind) {
+    if (kind == Q8_0) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + k * 16))));
     const __m128i b = _mm_loadl_epi64((const __m128i *)(blk + k * 8)), low4 = _mm_set1_epi8(15);
     const __m128i nibbles = _mm_unpacklo_epi64(_mm_and_si128(b, low4), _mm_and_si128(_mm_srli_epi16(b, 4), low4));
-    q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(nibbles));
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(nibbles));
+}
+
+/* integer weights q as floats -> de-quantized, the same operations per lane as dequant_input (so the
+ * same floats) */
+static inline __attribute__((always_inline)) __m512 scale16(__m512 q, __m512 d, __m512 m, const int kind) {
+    if (kind == Q8_0) return _mm512_mul_ps(q, d);
     if (kind == Q4_0) return _mm512_mul_ps(_mm512_sub_ps(q, _mm512_set1_ps(8.0f)), d);
     return _mm512_fmadd_ps(q, d, m);
 }
 
 #ifdef __AVX512VBMI__
 /* With AVX512-VBMI a Q4 nibble reaches its output's 32-bit lane in one byte permutation (whose mask
- * zeroes the lane's other bytes) instead of dequant16's unpack and widening: 0.85-0.88x the time at
+ * zeroes the lane's other bytes) instead of widen16's unpack and widening: 0.85-0.88x the time at
  * one row, 0.75-0.78x at 2, 0.93-0.97x at 8. Up to BYTE_PERMUTE_ROWS rows: with more, the index
  * vectors and the rows' sums exceed the 32 registers (16 rows: 1.7-1.9x the time). */
 enum { BYTE_PERMUTE = 1, BYTE_PERMUTE_ROWS = 8 };
@@ -264,21 +264,10 @@ static inline __attribute__((always_inline)) __m512i q4_lanes(__m512i nibbles, i
     return _mm512_maskz_permutexvar_epi8(0x1111111111111111ULL, index, nibbles);
 }
 
-/* the same, de-quantized with the same operations as dequant16 (so the same floats) */
-static inline __attribute__((always_inline)) __m512 dequant16_of4(__m512i nibbles, int g, __m512 d, __m512 m,
-                                                                  const int kind) {
-    const __m512 q = _mm512_cvtepi32_ps(q4_lanes(nibbles, g));
-    if (kind == Q4_0) return _mm512_mul_ps(_mm512_sub_ps(q, _mm512_set1_ps(8.0f)), d);
-    return _mm512_fmadd_ps(q, d, m);
-}
-#else /* without it, each input as dequant16 widens it */
+#else /* without it each input is widened on its own (widen16); these two are never called then */
 enum { BYTE_PERMUTE = 0, BYTE_PERMUTE_ROWS = 0 };
 static inline __m512i nibbles4(const uint8_t *blk, int k4) { (void)blk, (void)k4; return _mm512_setzero_si512(); }
 static inline __m512i q4_lanes(__m512i nibbles, int g) { (void)g; return nibbles; }
-static inline __m512 dequant16_of4(__m512i nibbles, int g, __m512 d, __m512 m, const int kind) {
-    (void)nibbles, (void)g, (void)d, (void)m, (void)kind;
-    return _mm512_setzero_ps();
-}
 #endif
 
 /* MR rows (packed: xp[k * MR + i]) times the nb blocks of a chunk, added to the sums in acc
@@ -312,7 +301,7 @@ static inline __attribute__((always_inline)) void wide_tile(const float *xp, con
                 float *wk = w + b * 512 + k * 16;
                 __m512 wv;
                 if (from_blocks) {
-                    wv = by4 ? dequant16_of4(nibbles, g, d, m, kind) : dequant16(blk, k, d, m, kind);
+                    wv = scale16(by4 ? _mm512_cvtepi32_ps(q4_lanes(nibbles, g)) : widen16(blk, k, kind), d, m, kind);
                     if (keep) _mm512_store_ps(wk, wv);
                 } else {
                     wv = _mm512_load_ps(wk);
@@ -328,9 +317,8 @@ static inline __attribute__((always_inline)) void wide_tile(const float *xp, con
     for (int i = 0; i < MR; i++) _mm512_storeu_ps(acc + i * 16, S == 2 ? _mm512_add_ps(a[i], c[i]) : a[i]);
 }
 
-/* row_panel on zmm registers, four chains of sums over k: two inputs' weights widened from one
- * load (Q4: 16 bytes, the low and high nibbles of both), or with VBMI four inputs' nibbles from one
- * 32-byte load, each input's permuted into its lanes */
+/* row_panel on zmm registers, four chains of sums over k: each input's weights widened (widen16),
+ * or with VBMI four inputs' nibbles from one 32-byte load, each input's permuted into its lanes */
 static inline __attribute__((always_inline)) void row_panel16(const float *x, const float *xsum,
                                                               const uint8_t *panel, int64_t blocks, float *acc,
                                                               const int kind) {
@@ -344,18 +332,12 @@ static inline __attribute__((always_inline)) void row_panel16(const float *x, co
             const __m512i nibbles = kind != Q8_0 && BYTE_PERMUTE ? nibbles4(blk, k) : _mm512_setzero_si512();
             for (int c = 0; c < 4; c += 2) {
                 __m512 w0, w1;
-                if (kind == Q8_0) {
-                    const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + (k + c) * 16));
-                    w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
-                    w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
-                } else if (BYTE_PERMUTE) {
+                if (kind != Q8_0 && BYTE_PERMUTE) {
                     w0 = _mm512_cvtepi32_ps(q4_lanes(nibbles, c));
                     w1 = _mm512_cvtepi32_ps(q4_lanes(nibbles, c + 1));
                 } else {
-                    const __m128i q = _mm_loadu_si128((const __m128i *)(blk + (k + c) * 8)), low4 = _mm_set1_epi8(15);
-                    const __m128i lo = _mm_and_si128(q, low4), hi = _mm_and_si128(_mm_srli_epi16(q, 4), low4);
-                    w0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(lo, hi)));
-                    w1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi64(lo, hi)));
+                    w0 = widen16(blk, k + c, kind);
+                    w1 = widen16(blk, k + c + 1, kind);
                 }
                 p[c] = _mm512_fmadd_ps(_mm512_set1_ps(xb[k + c]), w0, p[c]);
                 p[c + 1] = _mm512_fmadd_ps(_mm512_set1_ps(xb[k + c + 1]), w1, p[c + 1]);
@@ -412,7 +394,7 @@ static inline __attribute__((always_inline)) void panel_rows_wide(const float *x
                 WIDE_CASE(2) WIDE_CASE(3) WIDE_CASE(4) WIDE_CASE(5) WIDE_CASE(6) WIDE_CASE(7) WIDE_CASE(8) WIDE_CASE(9) WIDE_CASE(10)
                 WIDE_CASE(11) WIDE_CASE(12) WIDE_CASE(13) WIDE_CASE(14) WIDE_CASE(15) WIDE_CASE(16)
 #undef WIDE_CASE
-                default: break; /* FEW_ROWS < rows: every tile has 4 to WIDE_TILE rows */
+                default: break; /* FEW_ROWS < rows: every tile has 2 to WIDE_TILE rows */
             }
         }
     }
