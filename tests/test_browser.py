@@ -8,7 +8,9 @@ else to a temporary folder.
 
 import os
 import re
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -266,27 +268,42 @@ def test_status_tab_shows_the_load(visitor, embedded_server, shots):
 
     url = embedded_server.url
     client = Client(f"{url}/", verbose=False)
-    jobs = [client.submit(f"Tell me a story about robot number {i}.", None, "", 0.7, 0.9, 50, 120, 1.1,
-                          api_name="/chat") for i in range(4)]
-    try:
-        visitor.page.click("button[role=tab]:has-text('Status')")
-        status = visitor.page.locator("#rill-status")
+    # Four answers of 120 tokens take under 2 s on a fast CPU, less than one refresh of the tab
+    # (STATUS_REFRESH_S): so the load is kept up, four answers in flight, until the tab has shown it.
+    load_done = threading.Event()
+    answers: list[str] = []
 
-        def cell(name: str) -> str:
-            match = re.search(rf"{re.escape(name)}\s+(\S+)", status.inner_text())
-            return match.group(1) if match else ""
+    def keep_four_in_flight(slot: int):
+        n = 0
+        while not load_done.is_set():
+            job = client.submit(f"Tell me a story about robot number {slot * 100 + n}.", None, "", 0.7, 0.9, 50,
+                                120, 1.1, api_name="/chat")
+            answers.append(job.result(timeout=WAIT_S))
+            n += 1
 
-        until(lambda: cell("Running requests").isdigit() and int(cell("Running requests")) >= 2,
-              message="the status tab to show running requests")
-        until(lambda: cell("Tokens generated (last minute)").isdigit()
-              and int(cell("Tokens generated (last minute)")) >= 60, message="tokens to be counted")
-        until(lambda: visitor.page.locator("#rill-throughput canvas, #rill-throughput svg").count() > 0,
-              message="the throughput plot")
-        time.sleep(2 * 2.0)  # two refreshes more, so the plots carry a few points in the screenshot
-        visitor.page.screenshot(path=str(shots / "status.png"), full_page=True)
-        assert "%" in cell("KV cache") or "KV cache" in status.inner_text()
-    finally:
-        answers = [job.result(timeout=WAIT_S) for job in jobs]
-    assert all(answer for answer in answers)
+    with ThreadPoolExecutor(4) as pool:
+        load = [pool.submit(keep_four_in_flight, slot) for slot in range(4)]
+        try:
+            visitor.page.click("button[role=tab]:has-text('Status')")
+            status = visitor.page.locator("#rill-status")
+
+            def cell(name: str) -> str:
+                match = re.search(rf"{re.escape(name)}\s+(\S+)", status.inner_text())
+                return match.group(1) if match else ""
+
+            until(lambda: cell("Running requests").isdigit() and int(cell("Running requests")) >= 2,
+                  message=lambda: f"the status tab to show running requests; it shows {status.inner_text()!r}")
+            until(lambda: cell("Tokens generated (last minute)").isdigit()
+                  and int(cell("Tokens generated (last minute)")) >= 60, message="tokens to be counted")
+            until(lambda: visitor.page.locator("#rill-throughput canvas, #rill-throughput svg").count() > 0,
+                  message="the throughput plot")
+            time.sleep(2 * 2.0)  # two refreshes more, so the plots carry a few points in the screenshot
+            visitor.page.screenshot(path=str(shots / "status.png"), full_page=True)
+            assert "%" in cell("KV cache") or "KV cache" in status.inner_text()
+        finally:
+            load_done.set()
+            for future in load:
+                future.result(timeout=WAIT_S)  # re-raises what a job raised
+    assert len(answers) >= 4 and all(answer for answer in answers)
     until(lambda: cell("Running requests") == "0", message="the status tab to show the engine idle again")
     assert visitor.dialogs == [] and visitor.foreign_requests == []
