@@ -48,7 +48,103 @@ static void quantize_row(const float *x, int64_t in, int8_t *xq, float *dx, int3
     }
 }
 
-#ifdef __AVX2__
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* AVX-512 VNNI: a panel's 16 outputs are one zmm register of int32 sums (its two halves' vectors
+ * side by side), so each byte dot product covers the whole panel, and a tile keeps one integer and
+ * one float sum per row for up to WIDE_TILE rows, of 32 registers. The rows are split evenly into
+ * tiles; the panel's blocks stay in L1 for the tiles after the first. Bit for bit the sums of the
+ * 8-lane path below (the same integers, scaled in the same order). */
+enum { WIDE_TILE = 12 };
+
+static inline int64_t wide_tiles(int64_t rows) { return (rows + WIDE_TILE - 1) / WIDE_TILE; }
+static inline int64_t tile_start(int64_t rows, int64_t t) {
+    const int64_t n = wide_tiles(rows), base = rows / n, extra = rows % n;
+    return t * base + (t < extra ? t : extra);
+}
+
+#define KEEP(v) __asm__("" : "+v"(v))  /* as below: no reassociation of a tile's sums */
+
+/* four inputs of a row of xq, in every 32-bit lane */
+static inline __m512i four16(const int8_t *xq) {
+    int32_t v;
+    memcpy(&v, xq, 4);
+    return _mm512_set1_epi32(v);
+}
+
+/* the 32-byte vector at blk (outputs 0-7) and its other half's at blk + half (outputs 8-15) */
+static inline __m512i both_halves(const uint8_t *blk, int64_t half) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)blk)),
+                              _mm256_loadu_si256((const __m256i *)(blk + half)), 1);
+}
+
+/* R rows (xq from x, row r at x + r * in; its block scalars at r * blocks) times one panel ->
+ * acc [R][16] */
+static inline __attribute__((always_inline)) void wide_tile(const int8_t *xq, const float *dx, const float *dxs,
+                                                            const int32_t *xs, const uint8_t *panel, int64_t blocks,
+                                                            int64_t in, float *acc, int fetch, const int R,
+                                                            const int kind) {
+    const int offset = kind == Q4_0 ? 8 : kind == Q8_0 ? 128 : 0;
+    const __m512i low = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x80);
+    __m512 y[WIDE_TILE];
+    for (int r = 0; r < R; r++) y[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *blk = panel + b * block_bytes(kind);
+        if (fetch) prefetch_ahead(blk, kind);
+        const float *scales = (const float *)(blk + (kind == Q8_0 ? 32 * 16 : 32 * 8));
+        const int8_t *xb = xq + b * 32;
+        __m512i t[WIDE_TILE];
+        for (int r = 0; r < R; r++) t[r] = _mm512_setzero_si512();
+        if (kind == Q8_0) {
+            for (int g = 0; g < 8; g++) {  /* q + 128, unsigned: the sums are corrected by 128 sum(xq) */
+                const __m512i u = _mm512_xor_si512(both_halves(blk + g * 32, 256), flip);
+                for (int r = 0; r < R; r++) {
+                    t[r] = _mm512_dpbusd_epi32(t[r], u, four16(xb + r * in + 4 * g));
+                    KEEP(t[r]);
+                }
+            }
+        } else {
+            for (int v = 0; v < 4; v++) {  /* vector v: inputs 4v..4v+3 (low nibbles) and 16 + 4v.. (high) */
+                const __m512i p = both_halves(blk + v * 32, 128);
+                const __m512i lo = _mm512_and_si512(p, low), hi = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
+                for (int r = 0; r < R; r++) {
+                    const int8_t *xr = xb + r * in;
+                    t[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(t[r], lo, four16(xr + 4 * v)), hi,
+                                               four16(xr + 16 + 4 * v));
+                    KEEP(t[r]);
+                }
+            }
+        }
+        const __m512 d = _mm512_loadu_ps(scales);
+        for (int r = 0; r < R; r++) {  /* y += float(s - offset xs) (d dx)  (Q4_1: then y += m (dx xs)) */
+            const int64_t rb = r * blocks + b;
+            __m512i s = t[r];
+            if (offset) s = _mm512_sub_epi32(s, _mm512_set1_epi32(offset * xs[rb]));
+            y[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(dx[rb])), y[r]);
+            if (kind == Q4_1) y[r] = _mm512_fmadd_ps(_mm512_loadu_ps(scales + 16), _mm512_set1_ps(dxs[rb]), y[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(acc + r * 16, y[r]);
+}
+
+/* all rows times one panel: acc [rows][16], in even tiles of up to WIDE_TILE rows */
+static inline __attribute__((always_inline)) void panel_rows(const int8_t *xq, const float *dx, const float *dxs,
+                                                             const int32_t *xs, const uint8_t *panel, int64_t blocks,
+                                                             int64_t rows, int64_t in, float *acc, const int kind) {
+    for (int64_t t = 0; t < wide_tiles(rows); t++) {
+        const int64_t start = tile_start(rows, t), o = start * blocks;
+        const int8_t *x = xq + start * in;
+        float *a = acc + start * 16;
+        switch (tile_start(rows, t + 1) - start) {
+#define WIDE_CASE(n) \
+    case n: wide_tile(x, dx + o, dxs + o, xs + o, panel, blocks, in, a, t == 0, n, kind); break;
+            WIDE_CASE(1) WIDE_CASE(2) WIDE_CASE(3) WIDE_CASE(4) WIDE_CASE(5) WIDE_CASE(6) WIDE_CASE(7) WIDE_CASE(8)
+            WIDE_CASE(9) WIDE_CASE(10) WIDE_CASE(11) WIDE_CASE(12)
+#undef WIDE_CASE
+            default: break;  /* every tile has 1 to WIDE_TILE rows */
+        }
+    }
+}
+#elif defined(__AVX2__)
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define DPBUSD(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
 #define HAVE_VNNI 1
