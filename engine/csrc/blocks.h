@@ -27,6 +27,14 @@ static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *
  * 0.81-0.94x at one row (weights from memory, medians of 40 alternations). */
 static inline int64_t acc_stride(int64_t rows) { return 16 * rows + 16; }
 
+/* rows split as evenly as they go into tiles of at most `most` rows; tile t starts at row
+ * tile_start(rows, most, t) (the AVX-512 tiles of both kernels) */
+static inline int64_t num_tiles(int64_t rows, int64_t most) { return (rows + most - 1) / most; }
+static inline int64_t tile_start(int64_t rows, int64_t most, int64_t t) {
+    const int64_t n = num_tiles(rows, most), base = rows / n, extra = rows % n;
+    return t * base + (t < extra ? t : extra);
+}
+
 /* panel p's sums acc [rows][16] (+ bias) into its columns of y [rows, out] */
 static inline void store_panel(const float *acc, const float *bias, float *y, int64_t rows, int64_t out, int64_t p) {
     const int cols = out - p * 16 < 16 ? (int)(out - p * 16) : 16;

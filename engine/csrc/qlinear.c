@@ -354,13 +354,9 @@ static inline __attribute__((always_inline)) void row_panel16(const float *x, co
     _mm512_storeu_ps(acc, y);
 }
 
-/* the tiles: rows split as evenly as they go into tiles of at most WIDE_TILE rows; tile t starts
- * at row tile_start(rows, t) */
-static inline int64_t wide_tiles(int64_t rows) { return (rows + WIDE_TILE - 1) / WIDE_TILE; }
-static inline int64_t tile_start(int64_t rows, int64_t t) {
-    const int64_t n = wide_tiles(rows), base = rows / n, extra = rows % n;
-    return t * base + (t < extra ? t : extra);
-}
+/* the tiles: rows split as evenly as they go into tiles of at most WIDE_TILE rows (blocks.h) */
+static inline int64_t wide_tiles(int64_t rows) { return num_tiles(rows, WIDE_TILE); }
+static inline int64_t wide_start(int64_t rows, int64_t t) { return tile_start(rows, WIDE_TILE, t); }
 
 /* inputs [k0, k1) of x [rows, in] -> xp: each tile's rows input-major, xp[start * in + k * MR + i] =
  * x[start + i][k]. Written in order (the tile's rows read side by side): row by row, each write went
@@ -370,7 +366,7 @@ static inline int64_t tile_start(int64_t rows, int64_t t) {
 enum { PACK_INPUTS = 64, PACK_IN_THREADS = 8 };
 static void pack_rows(const float *x, int64_t x_row, int64_t rows, int64_t in, float *xp, int64_t k0, int64_t k1) {
     for (int64_t t = 0; t < wide_tiles(rows); t++) {
-        const int64_t start = tile_start(rows, t), mr = tile_start(rows, t + 1) - start;
+        const int64_t start = wide_start(rows, t), mr = wide_start(rows, t + 1) - start;
         const float *src = x + start * x_row;
         float *dst = xp + start * in;
         for (int64_t k = k0; k < k1; k++)
@@ -387,7 +383,7 @@ static inline __attribute__((always_inline)) void panel_rows_wide(const float *x
         const int64_t nb = blocks - b0 < chunk_blocks ? blocks - b0 : chunk_blocks;
         const uint8_t *chunk = panel + b0 * block_bytes(kind);
         for (int64_t t = 0; t < tiles; t++) {
-            const int64_t start = tile_start(rows, t), mr = tile_start(rows, t + 1) - start;
+            const int64_t start = wide_start(rows, t), mr = wide_start(rows, t + 1) - start;
             const float *xt = xp + start * in + b0 * 32 * mr;
             float *at = acc + start * 16;
             const int first = b0 == 0, keep = tiles > 1;

@@ -56,11 +56,6 @@ static void quantize_row(const float *x, int64_t in, int8_t *xq, float *dx, int3
  * 8-lane path below (the same integers, scaled in the same order). */
 enum { WIDE_TILE = 12 };
 
-static inline int64_t wide_tiles(int64_t rows) { return (rows + WIDE_TILE - 1) / WIDE_TILE; }
-static inline int64_t tile_start(int64_t rows, int64_t t) {
-    const int64_t n = wide_tiles(rows), base = rows / n, extra = rows % n;
-    return t * base + (t < extra ? t : extra);
-}
 
 #define KEEP(v) __asm__("" : "+v"(v))  /* as below: no reassociation of a tile's sums */
 
@@ -130,11 +125,11 @@ static inline __attribute__((always_inline)) void wide_tile(const int8_t *xq, co
 static inline __attribute__((always_inline)) void panel_rows(const int8_t *xq, const float *dx, const float *dxs,
                                                              const int32_t *xs, const uint8_t *panel, int64_t blocks,
                                                              int64_t rows, int64_t in, float *acc, const int kind) {
-    for (int64_t t = 0; t < wide_tiles(rows); t++) {
-        const int64_t start = tile_start(rows, t), o = start * blocks;
+    for (int64_t t = 0; t < num_tiles(rows, WIDE_TILE); t++) {
+        const int64_t start = tile_start(rows, WIDE_TILE, t), o = start * blocks;
         const int8_t *x = xq + start * in;
         float *a = acc + start * 16;
-        switch (tile_start(rows, t + 1) - start) {
+        switch (tile_start(rows, WIDE_TILE, t + 1) - start) {
 #define WIDE_CASE(n) \
     case n: wide_tile(x, dx + o, dxs + o, xs + o, panel, blocks, in, a, t == 0, n, kind); break;
             WIDE_CASE(1) WIDE_CASE(2) WIDE_CASE(3) WIDE_CASE(4) WIDE_CASE(5) WIDE_CASE(6) WIDE_CASE(7) WIDE_CASE(8)
