@@ -46,6 +46,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -150,6 +151,35 @@ def pack_linears(model: nn.Module, kernel: LinearKernel | None = None) -> tuple[
         parent, name, child = targets.pop()
         setattr(parent, name, make(child))
     return count, kind
+
+
+def in_passing_thread(fn, /, *args, **kwargs):
+    """fn(*args, **kwargs) in a thread that ends when it returns (its exception raised here), so that
+    no thread which lives on owns an OpenMP thread pool for what fn runs in parallel (torch's
+    operations while loading, the KV pool's zeroing, the kernels' start-up checks).
+
+    One libgomp serves torch and the kernels, and it keeps a pool of workers for each thread that
+    has run a parallel region, until that thread ends. Once the process holds more of those workers
+    (the first thread counted) than it has CPUs, every worker spins about 100 times instead of some
+    milliseconds before it sleeps at a barrier, so each of a step's ~240 parallel regions wakes it
+    through the kernel. A server that loaded in its main thread and steps in the engine's thread
+    was that case on 2 cores: 32 streams of the engine alone (an AsyncEngine fed as `python -m
+    bench` feeds the server) 763 tok/s and 40,900 context switches, 866 and 1,600 with the load
+    and the core built in passing threads."""
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn(*args, **kwargs)
+        except BaseException as exc:  # raised again in the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name=f"rill-{getattr(fn, '__name__', 'load')}", daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (glibc malloc.h)

@@ -350,7 +350,20 @@ def load_model(model_id: str | os.PathLike | None, *, dtype: str | torch.dtype =
     the quantized linears multiply their blocks with: "float32" (the de-quantized model's products)
     or "int8" (each block of 32 inputs rounded to int8, as llama.cpp does: faster, lossy; its
     divergence is in BENCHMARKS.md). Raises ModelLoadError.
+
+    The work runs in a thread that ends with it, so that the caller's thread (a server's main
+    thread, which lives on beside the engine's) owns no OpenMP pool (engine/cpu.py,
+    `in_passing_thread`).
     """
+    from engine.cpu import in_passing_thread
+
+    return in_passing_thread(_load_model, model_id, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
+                             cache_dir=cache_dir, attn_implementation=attn_implementation, quantize=quantize,
+                             activations=activations)
+
+
+def _load_model(model_id, *, dtype, device, trust_remote_code, cache_dir, attn_implementation, quantize,
+                activations) -> LoadedModel:
     started = time.monotonic()
     if quantize not in QUANTIZE_CHOICES:
         raise ModelLoadError(f"quantize must be one of {', '.join(QUANTIZE_CHOICES)}. Given: {quantize!r}")

@@ -1,6 +1,11 @@
 """The C kernels (engine/csrc): decode attention against the torch path of `paged_attention`,
 the linear against `nn.Linear`."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -190,3 +195,39 @@ def test_without_a_compiler_the_engine_says_so_and_uses_torch(tmp_path, monkeypa
     assert "decode attention: the torch path (the C kernel is unavailable: /bin/false failed" in log
     assert "linears: oneDNN (the C kernel is unavailable" in log
     assert "decode attention on the torch path" in log
+
+
+_POOL_PROBE = """
+import os, sys, time, torch
+from engine import AsyncEngine
+from engine.loading import load_model
+
+def threads():
+    return len(os.listdir("/proc/self/task"))
+
+engine = AsyncEngine(load_model(sys.argv[1]))
+before = None
+for _ in range(100):  # the passing threads' workers exit as those threads end
+    time.sleep(0.05)
+    now, before = before, threads()
+    if now == before:
+        break
+torch.ones(1 << 23).mul_(3)  # a parallel region of torch.get_num_threads() threads, in this thread
+print(threads() - before, torch.get_num_threads())
+"""
+
+
+def test_loading_and_building_an_engine_leave_the_callers_thread_without_an_openmp_pool(tiny_model):
+    """libgomp keeps a pool of workers for each thread that ran a parallel region. A server's main
+    thread loads and builds the engine, then lives on beside the engine's thread: holding a pool, it
+    would put more workers than CPUs in the process, and every worker would then sleep at once at
+    each barrier (engine/cpu.py, in_passing_thread). So after both, the first parallel region of
+    the caller's own thread starts its workers: it had none."""
+    if not os.path.isdir("/proc/self/task"):
+        pytest.skip("needs /proc (Linux)")
+    out = subprocess.run([sys.executable, "-c", _POOL_PROBE, str(tiny_model("llama"))], capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "2"},
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    started, team = map(int, out.stdout.split()[-2:])
+    assert team == 2 and started == team - 1, out.stdout
