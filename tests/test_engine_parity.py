@@ -90,6 +90,23 @@ def test_native_decode_steps_equal_generate(tiny_model, native, limit):
     assert engine_outputs(llm, prompts[:1]) == refs[:1]  # alone
 
 
+def test_the_kernels_portable_paths_equal_generate(tiny_model, tmp_path, monkeypatch):
+    """A CPU without AVX2 builds the same sources to GCC's generic vectors (`-march=x86-64`): the
+    native steps, the linears and decode attention on those paths give `generate`'s tokens too."""
+    import engine.cpu as cpu
+
+    monkeypatch.setattr(cpu, "_CFLAGS", [f if f != "-march=native" else "-march=x86-64" for f in cpu._CFLAGS])
+    monkeypatch.setenv("RILL_CACHE", str(tmp_path))
+    path, prompts, refs = prompts_and_refs(tiny_model, "llama")
+    llm = LLM(load_model(str(path)), EngineConfig(max_num_batched_tokens=128))
+    assert llm.core.linears == "C kernel" and llm.core.runner.native is not None
+    assert llm.core.runner.decode_kernel is not None
+    kernel = llm.core.runner.decode_kernel
+    assert tmp_path in kernel.path.parents  # built here with those flags, not found in the usual cache
+    assert cpu._library(tmp_path)[0].rill_qlinear_vector_bits() == 0  # generic vectors, not this CPU's
+    assert engine_outputs(llm, prompts) == refs
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3norm"])
 def test_the_native_steps_rotary_table_holds_what_the_model_computes(tiny_model, arch):
     """The native step reads cos/sin from a table the model's rotary module filled once (growing

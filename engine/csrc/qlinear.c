@@ -149,7 +149,9 @@ static inline __attribute__((always_inline)) void block_tile(const float *x, int
         for (int s = 0; s < S; s++) {
             const int64_t k = k0 + s;
             v8 w0 = load8(w + k * 16), w1 = load8(w + k * 16 + 8);
+#ifdef __AVX__ /* a v8 fits one register only with AVX: without it the constraint cannot be met */
             __asm__("" : "+x"(w0), "+x"(w1));
+#endif
             tile_input(x, x_row, k, w0, w1, MR, s ? c : a);
         }
     tile_store(acc, acc_row, MR, S, a, c);
