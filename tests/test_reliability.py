@@ -388,6 +388,9 @@ def _kill_with_http_and_gradio_consumers(url: str) -> tuple[list, Exception | No
     gradio = Client(url + "/", verbose=False)
     streaming = threading.Event()
     seen: list = []
+    # 20 ms a step: both answers are still running when the engine dies, however fast the machine
+    # (unslowed, the tiny model's 900 tokens could end before the page's job had started)
+    assert httpx.post(f"{url}/_test/slow-steps", params={"seconds": 0.02}, timeout=10).status_code == 200
 
     def http_consumer():
         with httpx.stream("POST", f"{url}/chat", timeout=120,
