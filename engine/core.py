@@ -34,7 +34,7 @@ from engine.cpu import decode_attention_kernel, keep_freed_memory, linear_kernel
 from engine.quant import FusedProjections, QuantLinear
 from engine.reasoning import ReasoningState, think_tags
 from engine.runner import FallbackRunner, PagedRunner, kv_geometry, supports_paged_attention
-from engine.sampler import Sampler
+from engine.sampler import Sampler, logit_rows
 from engine.scheduler import ScheduledChunk, Scheduler
 
 log = logging.getLogger("rill.engine")
@@ -453,7 +453,7 @@ class EngineCore:
         sampling_rows = {id(c): row for row, c in enumerate(c for c in plan if c.samples)}
         index = [sampling_rows[id(c)] for c in sampling]
         if len(index) != logits.shape[0]:
-            logits = logits[index]
+            logits = logit_rows(logits, index)
         seqs = [c.seq for c in sampling]
         try:
             results = [(self.sampler.sample(logits, seqs), range(len(seqs)))]
@@ -463,7 +463,7 @@ class EngineCore:
             results = []
             for row, seq in enumerate(seqs):
                 try:
-                    results.append((self.sampler.sample(logits[row:row + 1], [seq]), [row]))
+                    results.append((self.sampler.sample(logit_rows(logits, slice(row, row + 1)), [seq]), [row]))
                 except Exception as exc:
                     outputs.append(self._fail(seq, "sampling the next token of", exc))
         sampled = []

@@ -124,6 +124,35 @@ def _head(model):
     return norm.weight, float(norm.variance_epsilon), lin, width, owner
 
 
+SCREEN_ROWS = 8  # sampling rows from which the argmax of a Q8_0 head is screened (fewer: the whole head)
+
+
+def _screen(head) -> tuple | None:
+    """For a head of Q8_0 blocks with float32 activations and no bias: the same blocks for the int8
+    kernel, and each output's norm |w_o| (float32, rounded up, padded to the panels), with which
+    csrc/decode_layer.c finds a greedy row's argmax from a few of the float32 outputs (see
+    screened_argmax there); None for any other head. (A bias would add a rounding of the whole
+    logit that the bound there does not count.)"""
+    import numpy as np
+    from engine.quant import KINDS, QuantLinear, panels_of_blocks
+
+    if not isinstance(head, QuantLinear) or head.kind != "q8_0" or head.int8 or head.bias is not None:
+        return None
+    out, blocks = head.out_features, head.in_features // 32
+    raw = head.panels.numpy().reshape(-1, blocks, 32 * 16 + 64)  # [panel, block, 32 x 16 int8 | 16 float32 d]
+    panels = raw.shape[0]
+    q = np.ascontiguousarray(raw[:, :, :512]).view(np.int8).reshape(panels, blocks, 32, 16)
+    d = np.ascontiguousarray(raw[:, :, 512:]).view(np.float32).reshape(panels, blocks, 16)
+    weights = q.astype(np.float64) * d.astype(np.float64)[:, :, None, :]  # [panel, block, input, output]
+    norms = np.sqrt((weights ** 2).sum(axis=(1, 2))).reshape(-1) * (1 + 1e-6)  # [panel * 16]
+    q_rows = q.transpose(0, 3, 1, 2).reshape(panels * 16, blocks, 32)[:out]
+    d_rows = d.transpose(0, 2, 1).reshape(panels * 16, blocks)[:out]
+    head8 = panels_of_blocks(np.ascontiguousarray(q_rows), np.ascontiguousarray(d_rows), None, "q8_0", int8=True)
+    lin = _Lin(head8.data_ptr(), None, out, head.in_features, KINDS["q8_0"] + 3)
+    norms = torch.from_numpy(norms.astype(np.float32))
+    return lin, norms, (head8, norms)
+
+
 class NativeDecoder:
     """The decode step of a Llama-family model on csrc/decode_layer.c: one C call per step."""
 
@@ -133,7 +162,7 @@ class NativeDecoder:
         ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
         self._fn.argtypes = [ctypes.POINTER(_Layer), i32, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, i32, i32,
                              i32, ptr, i32, ptr, i64, ptr, f32, ctypes.POINTER(_Lin), ptr, ptr,
-                             ctypes.POINTER(ctypes.c_int)]
+                             ctypes.POINTER(_Lin), ptr, ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int)]
         self._fn.restype = i32
         config = model.config
         self.hidden = config.hidden_size
@@ -165,7 +194,10 @@ class NativeDecoder:
         self.layers = (_Layer * len(layers))(*layers)
         self._cache = None  # the paged cache whose tensors self.layers points into
         self.head = _head(model)  # None: the model's norm and lm_head end the step
+        self._screen = _screen(self.head[4]) if self.head is not None else None  # (int8 head, norms, owners)
         self._failed = ctypes.c_int(0)
+        self._screened = ctypes.c_int64(-1)
+        self.screened_steps = self.screened_panels = 0  # steps whose head was screened, the panels they computed
         # cos/sin of every position so far, from the model's rotary module once, when they depend on
         # the position alone (not "dynamic" or "longrope" scaling, which change with the length)
         self._static_rope = getattr(model.model.rotary_emb, "rope_type", "default") in STATIC_ROPE
@@ -196,13 +228,17 @@ class NativeDecoder:
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, cache, slot_mapping: torch.Tensor,
-            token_slots: torch.Tensor, token_lens: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+            token_slots: torch.Tensor, token_lens: torch.Tensor, keep: torch.Tensor | None = None,
+            argmax_only: bool = False) -> torch.Tensor:
         """input_ids, positions, slot_mapping, token_lens: [rows] int64; token_slots: [rows, width]
         int64 (row r attends token_slots[r, :token_lens[r]]: a decode token its whole context, a
         prompt token the positions up to its own); keep: [samples] int64, ascending, the rows whose
         logits are wanted (None: all). Returns float32 logits [samples, vocab]; when the C step ran
         the head, they carry `rill_argmax` [samples] int64, each row's first largest logit (-1: a
-        logit that is not finite), which the sampler uses for greedy rows it leaves unchanged."""
+        logit that is not finite), which the sampler uses for greedy rows it leaves unchanged.
+        argmax_only (every sampling row is plain greedy, engine/sampler.py): from SCREEN_ROWS rows
+        with a Q8_0 head, only the argmax is computed exactly and the logits are marked
+        `rill_screened`: they hold bounds, not the product."""
         model = self.model
         rows = input_ids.shape[0]
         self._bind(cache)
@@ -213,6 +249,7 @@ class NativeDecoder:
         slot_mapping, token_slots, token_lens = (t.contiguous() for t in (slot_mapping, token_slots, token_lens))
         samples = rows if keep is None else keep.shape[0]
         logits = head = keep_ptr = best = None
+        screen = self._screen if argmax_only and samples >= SCREEN_ROWS else None
         if self.head is not None:
             norm, eps, head, width, _ = self.head
             logits = torch.empty(samples, width)
@@ -224,13 +261,18 @@ class NativeDecoder:
             token_lens.data_ptr(), self.heads, self.kv_heads, self.head_dim, scratch.data_ptr(), self.threads,
             keep_ptr, samples, None if head is None else norm.data_ptr(), 0.0 if head is None else eps,
             None if head is None else ctypes.byref(head), None if head is None else logits.data_ptr(),
-            None if head is None else best.data_ptr(), ctypes.byref(self._failed))
+            None if head is None else best.data_ptr(), None if screen is None else ctypes.byref(screen[0]),
+            None if screen is None else screen[1].data_ptr(), ctypes.byref(self._screened), ctypes.byref(self._failed))
         if status == -2:
             raise MemoryError(f"the native decode step could not allocate its buffers for {rows} rows")
         if status != 0:
             raise RuntimeError(f"the native decode step refused its arguments (layer {self._failed.value})")
         if head is not None:
             logits.rill_argmax = best  # each row's argmax, -1 where one is not finite (engine/sampler.py)
+            logits.rill_screened = screen is not None and self._screened.value >= 0  # logits: no product then
+            if logits.rill_screened:
+                self.screened_steps += 1
+                self.screened_panels += self._screened.value
             return logits
         if keep is not None:
             x = x.index_select(0, keep)

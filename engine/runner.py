@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from engine.attention import ATTN_NAME, PagedKVCache, PrefillChunk, StepMetadata
+from engine.sampler import argmax_is_enough
 from engine.scheduler import ScheduledChunk
 
 log = logging.getLogger("rill.engine")
@@ -167,7 +168,8 @@ class PagedRunner:
                 token_slots, lens = decode_slots, decode_lens
             keep = None if len(sample_rows) == len(input_ids) else torch.tensor(sample_rows, dtype=torch.long)
             self.native_prompt_tokens += prompt_tokens
-            return self.native.run(torch.tensor(input_ids), pos, self.cache, slot_mapping, token_slots, lens, keep)
+            return self.native.run(torch.tensor(input_ids), pos, self.cache, slot_mapping, token_slots, lens, keep,
+                                   argmax_only=_argmax_only(plan))
         chunks = []
         for offset, n, start, row in prefills:
             ctx = torch.arange(start + n)
@@ -212,10 +214,15 @@ class PagedRunner:
         keep = None if len(sample_rows) == rows else torch.tensor(sample_rows, dtype=torch.long)
         input_ids = torch.tensor([c.seq.token_ids[c.start] for c in plan])
         return self.native.run(input_ids, torch.from_numpy(positions), self.cache, torch.from_numpy(slot_mapping),
-                               torch.from_numpy(token_slots), torch.from_numpy(lens), keep)
+                               torch.from_numpy(token_slots), torch.from_numpy(lens), keep, argmax_only=_argmax_only(plan))
 
     def free(self, seq_id: str) -> None:  # the paged cache needs nothing beyond the allocator
         pass
+
+
+def _argmax_only(plan: list[ScheduledChunk]) -> bool:
+    """Every sampling row of the step wants its argmax alone (engine/sampler.py)."""
+    return all(argmax_is_enough(c.seq) for c in plan if c.samples)
 
 
 def _truncate(cache, length: int) -> None:

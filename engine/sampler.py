@@ -28,6 +28,26 @@ class SampleResult:
     bad_rows: list[int]  # rows whose logits were not finite (the request fails)
 
 
+def argmax_is_enough(seq) -> bool:
+    """Whether this sequence's next token is its logits' argmax and nothing else is read from them
+    (greedy, no logprobs, penalties, grammar mask or banned end): then the native step may find
+    the argmax without computing every logit (csrc/decode_layer.c, screened_argmax)."""
+    p = seq.params
+    return (p.temperature == 0 and p.logprobs is None and p.repetition_penalty == 1.0 and not p.presence_penalty
+            and not p.frequency_penalty and (seq.grammar is None or not seq.grammar.active)
+            and seq.num_output_tokens >= p.min_tokens)
+
+
+def logit_rows(logits: torch.Tensor, index) -> torch.Tensor:
+    """logits[index] with what the native step attached to its rows (their argmax, screened or not)."""
+    rows = logits[index]
+    best = getattr(logits, "rill_argmax", None)
+    if best is not None:
+        rows.rill_argmax = best[index]
+        rows.rill_screened = getattr(logits, "rill_screened", False)
+    return rows
+
+
 class Sampler:
     def __init__(self, eos_token_ids: list[int], seed: int = 0, grammars=None):
         self.eos_token_ids = eos_token_ids
@@ -54,6 +74,8 @@ class Sampler:
         # each row's argmax from the native step (engine/native.py), if it has them and all are finite
         best = getattr(logits, "rill_argmax", None)
         best = None if best is None else best.tolist()
+        if getattr(logits, "rill_screened", False) and not all(argmax_is_enough(s) for s in seqs):
+            raise RuntimeError("the step computed only the argmax of rows whose sampling reads their logits")
         if best is not None and min(best) < 0:
             best = None
         if best is not None:

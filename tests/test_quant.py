@@ -289,3 +289,61 @@ def test_fused_projections_equal_their_parts(kernel):
     x2 = x + 1  # a part asked alone, for another input: computed for that input
     torch.testing.assert_close(attention.v_proj(x2), v_alone(x2))
     assert attention.fused_q_k_v._input is None  # no reference kept past the last part
+
+
+def _greedy_both_ways(llm, prompts, monkeypatch, max_tokens=16):
+    """(tokens with the head screened, tokens with the whole head) of the same greedy batch."""
+    from engine import native
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    screened = [r.token_ids for r in llm.generate(prompts, params)]
+    with monkeypatch.context() as m:
+        m.setattr(native, "SCREEN_ROWS", 10 ** 9)
+        whole = [r.token_ids for r in llm.generate(prompts, params)]
+    return screened, whole
+
+
+def test_a_screened_q8_0_head_gives_the_whole_heads_argmax_and_the_first_of_ties(tiny_model, tmp_path, monkeypatch):
+    """Greedy rows of a Q8_0 head take their argmax from int8 logits and a bound, then the float32
+    panels of the few candidates (csrc/decode_layer.c, screened_argmax). Here every odd output's
+    weights are the even one's before it: each pair ties exactly, and the first must win."""
+    from engine import native
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model("llama"), dtype=torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight[1::2] = model.lm_head.weight[0::2]
+    model.save_pretrained(tmp_path)
+    load_model(str(tiny_model("llama"))).tokenizer.save_pretrained(tmp_path)
+    llm = LLM(load_model(str(tmp_path), quantize="q8_0"))
+    runner = llm.core.runner
+    assert runner.native._screen is not None
+    prompts = make_prompts(len(llm.tokenizer), seed=7)  # 16 greedy rows: over SCREEN_ROWS
+    assert len(prompts) >= native.SCREEN_ROWS
+    screened, whole = _greedy_both_ways(llm, prompts, monkeypatch)
+    assert runner.native.screened_steps > 0
+    assert screened == whole
+    assert all(t % 2 == 0 for row in screened for t in row), "a tie went to the later output"
+
+
+def test_greedy_rows_beside_sampled_ones_read_the_whole_head(tiny_model):
+    """A step with one row that samples (or wants logprobs) computes every logit for all of them."""
+    llm = LLM(load_model(str(tiny_model("llama")), quantize="q8_0"))
+    prompts = make_prompts(len(llm.tokenizer), seed=8)
+    params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * (len(prompts) - 1)
+    params.append(SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2))
+    results = llm.generate(prompts, params)
+    assert llm.core.runner.native.screened_steps == 0
+    assert len(results[-1].outputs[0].logprobs) == 8
+
+
+@pytest.mark.embedded
+def test_the_embedded_models_screened_head_computes_few_panels_and_the_same_tokens(monkeypatch):
+    from bench.run import make_prompts as bench_prompts
+
+    llm = LLM(load_model(None))
+    decoder = llm.core.runner.native
+    assert decoder._screen is not None  # SmolLM2's head is Q8_0 (49,152 x 576: 3,072 panels)
+    screened, whole = _greedy_both_ways(llm, bench_prompts(llm.tokenizer, 32, 20, seed=3), monkeypatch, 24)
+    assert screened == whole
+    assert decoder.screened_steps > 0
+    assert decoder.screened_panels / decoder.screened_steps < 0.1 * 3072

@@ -13,10 +13,12 @@
  * The same operations as transformers' LlamaDecoderLayer in float32, so the result matches it up
  * to rounding (the order of additions, fused multiply-adds).
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "blocks.h"
 #include "vec8.h"
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -201,6 +203,117 @@ static int64_t row_argmax(const float *v, int64_t n) {
     return -1;
 }
 
+/* Each row's argmax of x [n, in] times `head` (float32 activations on blocks), exactly the one the
+ * whole product gives, from few of its outputs. `head8` holds the same blocks for the int8 kernel,
+ * which multiplies them with x rounded per block of 32 as csrc/qlinear_i8.c does (x'); its logit
+ * of output o differs from the float32 one by at most |w_o . (x - x')| + the float32 roundings of
+ * both sums <= |w_o| (|x - x'| + g |x|) (Cauchy-Schwarz; g: a float32 rounding, 2^-24, for each of
+ * the in + in / 32 terms of the two sums, with room; |w_o| in wnorm, from
+ * engine/native.py; |x - x'| from the same rounding, done here). An output whose int8 logit + that
+ * bound falls below some output's int8 logit - its bound cannot be the largest. The float32
+ * panels of the others are computed (each output bit for bit what the whole call gives: the same
+ * rows, the same tiles), and each row's first largest is taken among them. Returns 0, 1 (a value
+ * that is not finite: the caller computes the whole head) or -2 (out of memory), and in *computed
+ * the number of float32 panels. logits [n, head->out]: scratch. */
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+static int screened_argmax(const float *x, int64_t n, const rill_lin *head, const rill_lin *head8,
+                           const float *wnorm, float *logits, int64_t *best, int64_t *computed, int threads) {
+    const int64_t out = head->out, in = head->in, np = (out + 15) / 16;
+    if (linear(head8, x, in, logits, n, threads)) return -2;
+    float *k = malloc(sizeof(float) * (size_t)(2 * n));
+    unsigned char *mark = calloc((size_t)np, 1);
+    if (!k || !mark) return free(k), free(mark), -2;
+    const double g = 7e-8 * (double)(in + in / 32 + 32);
+    float *top = k + n; /* per row: the largest int8 logit - bound */
+    int bad = 0;
+    for (int64_t r = 0; r < n; r++) { /* k[r] = |x - x'| + g |x|, x' as quantize_row rounds x */
+        double err = 0.0, norm = 0.0;
+        for (int64_t b = 0; b < in / 32; b++) {
+            const float *xb = x + r * in + b * 32;
+            float amax = 0.0f;
+            for (int j = 0; j < 32; j++) amax = fabsf(xb[j]) > amax ? fabsf(xb[j]) : amax;
+            const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            for (int j = 0; j < 32; j++) {
+                int q = (int)nearbyintf(xb[j] * id);
+                q = q > 127 ? 127 : q < -127 ? -127 : q;
+                const double diff = (double)xb[j] - (double)d * q;
+                err += diff * diff, norm += (double)xb[j] * xb[j];
+            }
+        }
+        bad |= !(norm <= DBL_MAX);
+        k[r] = (float)((sqrt(err) * 1.0001 + g * sqrt(norm)) * 1.0001);
+        top[r] = -INFINITY;
+    }
+    #pragma omp parallel num_threads(threads) reduction(| : bad)
+    {
+        v16 low[n]; /* per row, lane-wise: the largest int8 logit - bound */
+        v16 fin = {0}; /* stays 0 while every int8 logit is finite (a - a is NaN for an infinity or NaN) */
+        for (int64_t r = 0; r < n; r++) low[r] = (v16){0} - INFINITY;
+        #pragma omp for schedule(static)
+        for (int64_t p = 0; p < np; p++) {
+            const int cols = out - p * 16 < 16 ? (int)(out - p * 16) : 16;
+            v16 w, a = {0};
+            memcpy(&w, wnorm + p * 16, sizeof w);
+            for (int64_t r = 0; r < n; r++) {
+                memcpy(&a, logits + r * out + p * 16, sizeof(float) * (size_t)cols);
+                fin += a - a;
+                v16 lo = a - w * k[r];
+                for (int j = cols; j < 16; j++) lo[j] = -INFINITY; /* past out: no output */
+                const v16i more = lo > low[r];
+                low[r] = (v16)(((v16i)lo & more) | ((v16i)low[r] & ~more));
+            }
+        }
+        for (int j = 0; j < 16; j++) bad |= fin[j] != 0.0f;
+        #pragma omp critical
+        for (int64_t r = 0; r < n; r++)
+            for (int j = 0; j < 16; j++) top[r] = low[r][j] > top[r] ? low[r][j] : top[r];
+        #pragma omp barrier
+        #pragma omp for schedule(static)
+        for (int64_t p = 0; p < np; p++) { /* a panel with an output whose float32 logit may reach top */
+            const int cols = out - p * 16 < 16 ? (int)(out - p * 16) : 16;
+            v16 w, a = {0};
+            v16i any = {0};
+            memcpy(&w, wnorm + p * 16, sizeof w);
+            for (int64_t r = 0; r < n; r++) {
+                memcpy(&a, logits + r * out + p * 16, sizeof(float) * (size_t)cols);
+                any |= a + w * k[r] >= top[r];
+            }
+            for (int j = 0; j < cols; j++) mark[p] |= any[j] != 0;
+        }
+    }
+    int64_t count = 0;
+    for (int64_t p = 0; p < np; p++) count += mark[p];
+    const int64_t bytes = (in / 32) * block_bytes((int)head->kind);
+    uint8_t *panels = bad ? NULL : malloc((size_t)(count * bytes));
+    float *exact = bad ? NULL : malloc(sizeof(float) * (size_t)(n * count * 16));
+    int64_t *which = bad ? NULL : malloc(sizeof(int64_t) * (size_t)(count + 1));
+    int status = bad ? 1 : (!panels || !exact || !which) ? -2 : 0;
+    if (!status) {
+        int64_t i = 0;
+        for (int64_t p = 0; p < np; p++) {
+            if (!mark[p]) continue;
+            memcpy(panels + i * bytes, (const uint8_t *)head->panels + p * bytes, (size_t)bytes);
+            which[i++] = p;
+        }
+        const rill_lin picked = {panels, NULL, count * 16, in, head->kind}; /* engine/native.py: no bias */
+        *computed = count;
+        if (linear(&picked, x, in, exact, n, threads)) status = -2;
+        for (int64_t r = 0; r < n && !status; r++) { /* the first of the largest, in the order of the outputs */
+            float most = -INFINITY;
+            best[r] = -1;
+            for (int64_t c = 0; c < count; c++)
+                for (int j = 0; j < 16 && which[c] * 16 + j < out; j++) {
+                    const float v = exact[r * count * 16 + c * 16 + j];
+                    if (!(fabsf(v) <= FLT_MAX)) status = 1;
+                    if (v > most) most = v, best[r] = which[c] * 16 + j;
+                }
+        }
+    }
+    free(k), free(mark), free(panels), free(exact), free(which);
+    return status;
+}
+
 /* one layer's weights and cache, as engine/native.py describes them once per model */
 typedef struct {
     const float *norm1, *norm2;
@@ -214,14 +327,17 @@ typedef struct {
 /* Every layer over x [rows, hidden] in place (the arguments as decode_layer's), then, when head is
  * not NULL: the rows keep[0..n_keep) (ascending; NULL: all rows) gathered to the front of x,
  * RMSNorm by final_norm, logits [n_keep, head->out] = head(x) and, when best is not NULL, each
- * row's argmax in best[0..n_keep) (-1: a row with a logit that is not finite). One call per step: the
+ * row's argmax in best[0..n_keep) (-1: a row with a logit that is not finite); with head8, wnorm and
+ * screened as well, that argmax alone by screened_argmax (logits then hold no product), the number
+ * of head panels it computed in *screened (-1: the whole head). One call per step: the
  * interpreter is left once, not once per layer. Returns 0, -1 (an argument it cannot take) or -2
  * (out of memory), and the index of the failing layer in *failed. */
 int rill_decode_step(const rill_layer *layers, int n_layers, float *x, int64_t rows, int64_t hidden,
                      int64_t intermediate, const float *cos, const float *sin, const int64_t *slot_mapping,
                      const int64_t *dec_slots, int64_t slots_width, const int64_t *lens, int heads, int kv_heads,
                      int head_dim, float *scratch, int threads, const int64_t *keep, int64_t n_keep,
-                     const float *final_norm, float final_eps, const rill_lin *head, float *logits, int64_t *best, int *failed) {
+                     const float *final_norm, float final_eps, const rill_lin *head, float *logits, int64_t *best,
+                     const rill_lin *head8, const float *wnorm, int64_t *screened, int *failed) {
     for (int l = 0; l < n_layers; l++) {
         const rill_layer *L = &layers[l];
         const int status = decode_layer(x, rows, hidden, L->norm1, L->norm2, L->eps, L->qkv, (int)L->n_qkv, L->q_off,
@@ -240,6 +356,12 @@ int rill_decode_step(const rill_layer *layers, int n_layers, float *x, int64_t r
         for (int64_t i = 0; i < n_keep; i++)
             if (keep[i] != i) memmove(x + i * hidden, x + keep[i] * hidden, (size_t)hidden * sizeof(float));
     rmsnorm(x, final_norm, final_eps, scratch, n_keep, hidden);
+    if (screened) *screened = -1;
+    if (head8 && best && screened) { /* every row only wants its argmax: see screened_argmax */
+        const int status = screened_argmax(scratch, n_keep, head, head8, wnorm, logits, best, screened, threads);
+        if (status <= 0) return status;
+        *screened = -1;
+    }
     const int status = linear(head, scratch, hidden, logits, n_keep, threads);
     if (status || !best) return status;
     #pragma omp parallel for num_threads(threads) schedule(static) if (n_keep > 1)
