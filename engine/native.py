@@ -238,7 +238,7 @@ class NativeDecoder:
         logit that is not finite), which the sampler uses for greedy rows it leaves unchanged.
         argmax_only (every sampling row is plain greedy, engine/sampler.py): from SCREEN_ROWS rows
         with a Q8_0 head, only the argmax is computed exactly and the logits are marked
-        `rill_screened`: they hold bounds, not the product."""
+        `rill_screened`: they hold the int8 kernel's logits, not the float32 product."""
         model = self.model
         rows = input_ids.shape[0]
         self._bind(cache)
@@ -269,7 +269,7 @@ class NativeDecoder:
             raise RuntimeError(f"the native decode step refused its arguments (layer {self._failed.value})")
         if head is not None:
             logits.rill_argmax = best  # each row's argmax, -1 where one is not finite (engine/sampler.py)
-            logits.rill_screened = screen is not None and self._screened.value >= 0  # logits: no product then
+            logits.rill_screened = screen is not None and self._screened.value >= 0  # then: int8 logits
             if logits.rill_screened:
                 self.screened_steps += 1
                 self.screened_panels += self._screened.value

@@ -328,7 +328,7 @@ typedef struct {
  * not NULL: the rows keep[0..n_keep) (ascending; NULL: all rows) gathered to the front of x,
  * RMSNorm by final_norm, logits [n_keep, head->out] = head(x) and, when best is not NULL, each
  * row's argmax in best[0..n_keep) (-1: a row with a logit that is not finite); with head8, wnorm and
- * screened as well, that argmax alone by screened_argmax (logits then hold no product), the number
+ * screened as well, that argmax alone by screened_argmax (logits then hold the int8 ones), the number
  * of head panels it computed in *screened (-1: the whole head). One call per step: the
  * interpreter is left once, not once per layer. Returns 0, -1 (an argument it cannot take) or -2
  * (out of memory), and the index of the failing layer in *failed. */
