@@ -134,20 +134,16 @@ def _screen(head) -> tuple | None:
     screened_argmax there); None for any other head. (A bias would add a rounding of the whole
     logit that the bound there does not count.)"""
     import numpy as np
-    from engine.quant import KINDS, QuantLinear, panels_of_blocks
+    from engine.quant import KINDS, QuantLinear, panels_of_blocks, q8_0_blocks_of_panels
 
     if not isinstance(head, QuantLinear) or head.kind != "q8_0" or head.int8 or head.bias is not None:
         return None
-    out, blocks = head.out_features, head.in_features // 32
-    raw = head.panels.numpy().reshape(-1, blocks, 32 * 16 + 64)  # [panel, block, 32 x 16 int8 | 16 float32 d]
-    panels = raw.shape[0]
-    q = np.ascontiguousarray(raw[:, :, :512]).view(np.int8).reshape(panels, blocks, 32, 16)
-    d = np.ascontiguousarray(raw[:, :, 512:]).view(np.float32).reshape(panels, blocks, 16)
-    weights = q.astype(np.float64) * d.astype(np.float64)[:, :, None, :]  # [panel, block, input, output]
-    norms = np.sqrt((weights ** 2).sum(axis=(1, 2))).reshape(-1) * (1 + 1e-6)  # [panel * 16]
-    q_rows = q.transpose(0, 3, 1, 2).reshape(panels * 16, blocks, 32)[:out]
-    d_rows = d.transpose(0, 2, 1).reshape(panels * 16, blocks)[:out]
-    head8 = panels_of_blocks(np.ascontiguousarray(q_rows), np.ascontiguousarray(d_rows), None, "q8_0", int8=True)
+    out = head.out_features
+    q, d = q8_0_blocks_of_panels(head.panels, out, head.in_features // 32)
+    norms = np.zeros(head.panels.shape[0] * 16)  # each output's |w|, padded to the panels, rounded up
+    weights = q.astype(np.float64) * d.astype(np.float64)[:, :, None]  # [out, block, input]
+    norms[:out] = np.sqrt((weights ** 2).sum(axis=(1, 2))) * (1 + 1e-6)
+    head8 = panels_of_blocks(q, d, None, "q8_0", int8=True)
     lin = _Lin(head8.data_ptr(), None, out, head.in_features, KINDS["q8_0"] + 3)
     norms = torch.from_numpy(norms.astype(np.float32))
     return lin, norms, (head8, norms)

@@ -114,6 +114,17 @@ def panels_of_blocks(q: np.ndarray, d: np.ndarray, m: np.ndarray | None, kind: s
     return torch.from_numpy(np.ascontiguousarray(np.concatenate(parts, axis=-1)).reshape(panels, -1))
 
 
+def q8_0_blocks_of_panels(panels: torch.Tensor, out: int, blocks: int) -> tuple[np.ndarray, np.ndarray]:
+    """The inverse of `panels_of_blocks` for Q8_0 in csrc/qlinear.c's layout: q [out, blocks, 32]
+    int8 and d [out, blocks] float32."""
+    raw = panels.numpy().reshape(-1, blocks, 32 * 16 + 64)  # [panel, block, 32 x 16 int8 | 16 float32 d]
+    count = raw.shape[0]
+    q = np.ascontiguousarray(raw[:, :, :512]).view(np.int8).reshape(count, blocks, 32, 16)
+    d = np.ascontiguousarray(raw[:, :, 512:]).view(np.float32).reshape(count, blocks, 16)
+    return (np.ascontiguousarray(q.transpose(0, 3, 1, 2).reshape(count * 16, blocks, 32)[:out]),
+            np.ascontiguousarray(d.transpose(0, 2, 1).reshape(count * 16, blocks)[:out]))
+
+
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     """x [rows, in] -> the float32 values csrc/qlinear_i8.c computes with: each block of 32 inputs
     rounded to int8 steps of max |x| / 127 (the reference of the int8-activation kernel)."""

@@ -3,6 +3,7 @@
  * prefetch of the block ahead, where each thread's sums go and how a panel's sums reach y. */
 #ifndef RILL_BLOCKS_H
 #define RILL_BLOCKS_H
+#include <math.h>
 #include <stdint.h>
 
 enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2 };
@@ -33,6 +34,22 @@ static inline int64_t num_tiles(int64_t rows, int64_t most) { return (rows + mos
 static inline int64_t tile_start(int64_t rows, int64_t most, int64_t t) {
     const int64_t n = num_tiles(rows, most), base = rows / n, extra = rows % n;
     return t * base + (t < extra ? t : extra);
+}
+
+/* 32 inputs rounded to int8 with their scale d = max |x| / 127, as ggml rounds (nearest): q = x / d.
+ * The int8 kernel's activations, and the rounding the head screen of csrc/decode_layer.c bounds. */
+static inline float round_block(const float *xb, int8_t *q) {
+    float amax = 0;
+    for (int k = 0; k < 32; k++) {  /* as fmaxf (a NaN is passed over), but in vectors */
+        const float a = fabsf(xb[k]);
+        amax = a > amax ? a : amax;
+    }
+    const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    for (int k = 0; k < 32; k++) {
+        const int v = (int)nearbyintf(xb[k] * id);
+        q[k] = (int8_t)(v > 127 ? 127 : v < -127 ? -127 : v);
+    }
+    return d;
 }
 
 /* panel p's sums acc [rows][16] (+ bias) into its columns of y [rows, out] */

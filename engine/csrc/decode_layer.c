@@ -227,17 +227,14 @@ static int screened_argmax(const float *x, int64_t n, const rill_lin *head, cons
     const double g = 7e-8 * (double)(in + in / 32 + 32);
     float *top = k + n; /* per row: the largest int8 logit - bound */
     int bad = 0;
-    for (int64_t r = 0; r < n; r++) { /* k[r] = |x - x'| + g |x|, x' as quantize_row rounds x */
+    for (int64_t r = 0; r < n; r++) { /* k[r] = |x - x'| + g |x|, x' rounded as the int8 kernel rounds (round_block) */
         double err = 0.0, norm = 0.0;
         for (int64_t b = 0; b < in / 32; b++) {
             const float *xb = x + r * in + b * 32;
-            float amax = 0.0f;
-            for (int j = 0; j < 32; j++) amax = fabsf(xb[j]) > amax ? fabsf(xb[j]) : amax;
-            const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            int8_t q[32];
+            const float d = round_block(xb, q);
             for (int j = 0; j < 32; j++) {
-                int q = (int)nearbyintf(xb[j] * id);
-                q = q > 127 ? 127 : q < -127 ? -127 : q;
-                const double diff = (double)xb[j] - (double)d * q;
+                const double diff = (double)xb[j] - (double)d * q[j];
                 err += diff * diff, norm += (double)xb[j] * xb[j];
             }
         }

@@ -30,20 +30,9 @@
  * nearest) */
 static void quantize_row(const float *x, int64_t in, int8_t *xq, float *dx, int32_t *xs, float *dxs) {
     for (int64_t b = 0; b < in / 32; b++) {
-        const float *xb = x + b * 32;
-        float amax = 0;
-        for (int k = 0; k < 32; k++) {  /* as fmaxf (a NaN is passed over), but in vectors */
-            const float a = fabsf(xb[k]);
-            amax = a > amax ? a : amax;
-        }
-        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        const float d = round_block(x + b * 32, xq + b * 32);
         int32_t sum = 0;
-        for (int k = 0; k < 32; k++) {
-            int q = (int)nearbyintf(xb[k] * id);
-            q = q > 127 ? 127 : q < -127 ? -127 : q;
-            xq[b * 32 + k] = (int8_t)q;
-            sum += q;
-        }
+        for (int k = 0; k < 32; k++) sum += xq[b * 32 + k];
         dx[b] = d, xs[b] = sum, dxs[b] = d * (float)sum;
     }
 }
