@@ -4,6 +4,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
@@ -11,3 +13,13 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 pytest_plugins = ["tests.tiny_models", "tests.servers"]
+
+
+@pytest.fixture
+def portable_kernels(monkeypatch):
+    """engine.cpu, its C kernels built from then on as for a CPU without AVX2 (`-march=x86-64`: GCC's
+    generic vectors) instead of for this one; a new cache folder gets the portable build."""
+    import engine.cpu as cpu
+
+    monkeypatch.setattr(cpu, "_CFLAGS", [f if f != "-march=native" else "-march=x86-64" for f in cpu._CFLAGS])
+    return cpu

@@ -233,14 +233,12 @@ def test_loading_and_building_an_engine_leave_the_callers_thread_without_an_open
     assert team == 2 and started == team - 1, out.stdout
 
 
-def test_the_kernels_build_and_agree_without_avx2(tmp_path, monkeypatch, caplog):
+def test_the_kernels_build_and_agree_without_avx2(tmp_path, portable_kernels, caplog):
     """A CPU without AVX2 gets the kernels' portable paths (GCC's generic vectors), built from the
     same sources: they compile and pass the start-up checks that every build passes."""
-    import engine.cpu as cpu
     from engine.quant import quant_kernel
 
-    flags = [f if f != "-march=native" else "-march=x86-64" for f in cpu._CFLAGS]
-    monkeypatch.setattr(cpu, "_CFLAGS", flags)
+    cpu = portable_kernels
     with caplog.at_level("WARNING", logger="rill.engine"):
         found = (cpu.linear_kernel(tmp_path), cpu.decode_attention_kernel(tmp_path), quant_kernel(tmp_path))
     assert all(k is not None for k in found), caplog.text

@@ -90,12 +90,10 @@ def test_native_decode_steps_equal_generate(tiny_model, native, limit):
     assert engine_outputs(llm, prompts[:1]) == refs[:1]  # alone
 
 
-def test_the_kernels_portable_paths_equal_generate(tiny_model, tmp_path, monkeypatch):
+def test_the_kernels_portable_paths_equal_generate(tiny_model, tmp_path, monkeypatch, portable_kernels):
     """A CPU without AVX2 builds the same sources to GCC's generic vectors (`-march=x86-64`): the
     native steps, the linears and decode attention on those paths give `generate`'s tokens too."""
-    import engine.cpu as cpu
-
-    monkeypatch.setattr(cpu, "_CFLAGS", [f if f != "-march=native" else "-march=x86-64" for f in cpu._CFLAGS])
+    cpu = portable_kernels
     monkeypatch.setenv("RILL_CACHE", str(tmp_path))
     path, prompts, refs = prompts_and_refs(tiny_model, "llama")
     llm = LLM(load_model(str(path)), EngineConfig(max_num_batched_tokens=128))
