@@ -140,9 +140,14 @@ def _screen(head) -> tuple | None:
         return None
     out = head.out_features
     q, d = q8_0_blocks_of_panels(head.panels, out, head.in_features // 32)
-    norms = np.zeros(head.panels.shape[0] * 16)  # each output's |w|, padded to the panels, rounded up
-    weights = q.astype(np.float64) * d.astype(np.float64)[:, :, None]  # [out, block, input]
-    norms[:out] = np.sqrt((weights ** 2).sum(axis=(1, 2))) * (1 + 1e-6)
+    # each output's |w| = sqrt(sum over blocks of d^2 sum(q^2)), padded to the panels, rounded up; the
+    # squares of q as integers, a slice of outputs at a time (a float64 copy of the head was 226 MB)
+    squares = np.empty(q.shape[:2])  # [out, block]
+    for start in range(0, out, 4096):
+        part = q[start:start + 4096].astype(np.int32)
+        squares[start:start + 4096] = (part * part).sum(axis=2)
+    norms = np.zeros(head.panels.shape[0] * 16)
+    norms[:out] = np.sqrt((squares * d.astype(np.float64) ** 2).sum(axis=1)) * (1 + 1e-6)
     head8 = panels_of_blocks(q, d, None, "q8_0", int8=True)
     lin = _Lin(head8.data_ptr(), None, out, head.in_features, KINDS["q8_0"] + 3)
     norms = torch.from_numpy(norms.astype(np.float32))
