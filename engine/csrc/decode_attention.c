@@ -243,6 +243,169 @@ static void one_task(const float *q, int64_t q_tok, int64_t q_head, int64_t row,
     }
 }
 
+#ifdef __AVX512F__
+/* With AVX-512 and head_dim a multiple of 16 up to 128: one_task's work on zmm registers. A tile's
+   scores 16 positions at a time per query head (each position's products over the head's lanes,
+   then the 16 positions' sums together by a transposing tree), the softmax on 16 lanes, and each KV
+   head's query heads' weighted values in registers over the tile (a position's value row loaded
+   once for them). The next tile's key and value rows, or the next task's first, are prefetched while
+   this one runs: the cache of 32 sequences outgrows the L3 cache between layers, and decode attention
+   otherwise waited on memory. */
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i_ __attribute__((vector_size(64)));
+
+static inline v16f exp16(v16f x) { /* exp8's steps on 16 lanes */
+    const v16f floor = (v16f){0} - 87.0f, ceiling = (v16f){0} + 88.0f;
+    const v16i_ low = x < floor, high = x > ceiling;
+    x = (v16f)(((v16i_)x & ~low) | ((v16i_)floor & low));
+    x = (v16f)(((v16i_)x & ~high) | ((v16i_)ceiling & high));
+    const v16f n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;
+    const v16f r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
+    v16f p = r - r + 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const v16i_ bits = (__builtin_convertvector(n, v16i_) + 127) << 23;
+    return p * (v16f)bits;
+}
+
+/* lane i = the sum of v[i]'s 16 lanes */
+static inline __m512 sum16(const __m512 *v) {
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++)
+        a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++)
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++)
+        c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 d = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    /* lane 4k + e of d holds v[4e + k]'s sum */
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(order, d);
+}
+
+static inline __attribute__((always_inline)) void one_task16_nv(
+    const float *q, int64_t q_tok, int64_t q_head, int64_t row, const float *k, const float *v, const int64_t *slots,
+    int64_t lo, int64_t len, const float *state, float *part, float *out, int heads, int kv_heads, int h0, int h1,
+    float scale, float softcap, const int64_t *next_slots, int64_t next_lo, int64_t next_len, const int nv) {
+    const int groups = heads / kv_heads, D = 16 * nv;
+    const int qh0 = h0 * groups, nq = (h1 - h0) * groups;
+    const int64_t width = (int64_t)kv_heads * D;
+    float m[nq], l[nq], s[nq * TILE] __attribute__((aligned(64)));
+    float acc[nq * D] __attribute__((aligned(64)));
+    for (int j = 0; j < nq; j++) {
+        const float *st = state ? state + (int64_t)(qh0 + j) * (D + 2) : NULL;
+        m[j] = st ? st[0] : -INFINITY;
+        l[j] = st ? st[1] : 0.0f;
+        for (int d = 0; d < D; d++) acc[j * D + d] = st ? st[2 + d] : 0.0f;
+    }
+    for (int64_t t0 = lo; t0 < len; t0 += TILE) {
+        const int n = (int)(len - t0 < TILE ? len - t0 : TILE);
+        const float *kr[TILE], *vr[TILE];
+        const float *pf_k[TILE], *pf_v[TILE]; /* the next tile's rows, or the next task's first tile */
+        {
+            const int64_t *ps = t0 + TILE < len ? slots : next_slots;
+            const int64_t a = t0 + TILE < len ? t0 + TILE : next_lo, e = t0 + TILE < len ? len : next_len;
+            for (int i = 0; i < TILE; i++) {
+                const int ok = ps && a + i < e;
+                pf_k[i] = ok ? k + ps[a + i] * width : NULL, pf_v[i] = ok ? v + ps[a + i] * width : NULL;
+            }
+        }
+        for (int i = 0; i < TILE; i++) { /* past n: the tile's first position again, its weight 0 */
+            kr[i] = k + slots[t0 + (i < n ? i : 0)] * width;
+            vr[i] = v + slots[t0 + (i < n ? i : 0)] * width;
+        }
+        for (int j = 0; j < nq; j++) {
+            const int64_t off = (int64_t)((qh0 + j) / groups) * D;
+            const float *qv = q + row * q_tok + (int64_t)(qh0 + j) * q_head;
+            __m512 qr[8];
+            for (int c = 0; c < nv; c++) qr[c] = _mm512_loadu_ps(qv + 16 * c);
+            for (int i0 = 0; i0 < n; i0 += 16) {
+                __m512 prod[16];
+                for (int i = 0; i < 16; i++) {
+                    const float *kp = kr[i0 + i] + off;
+                    __m512 a = _mm512_mul_ps(qr[0], _mm512_loadu_ps(kp));
+                    for (int c = 1; c < nv; c++) a = _mm512_fmadd_ps(qr[c], _mm512_loadu_ps(kp + 16 * c), a);
+                    prod[i] = a;
+                }
+                _mm512_store_ps(s + j * TILE + i0, _mm512_mul_ps(sum16(prod), _mm512_set1_ps(scale)));
+            }
+        }
+        if (softcap > 0.0f)
+            for (int j = 0; j < nq; j++)
+                for (int i = 0; i < n; i++) s[j * TILE + i] = softcap * tanhf(s[j * TILE + i] / softcap);
+        for (int j = 0; j < nq; j++) { /* the online softmax: weights in s, zero past n */
+            float *sj = s + j * TILE, top = m[j];
+            for (int i = 0; i < n; i++) top = sj[i] > top ? sj[i] : top;
+            const float rescale = expf(m[j] - top);
+            v16f sum = {0};
+            for (int i0 = 0; i0 < n; i0 += 16) {
+                v16f w = exp16(*(v16f *)(sj + i0) - top);
+                for (int i = n - i0; i < 16; i++) w[i] = 0.0f;
+                *(v16f *)(sj + i0) = w;
+                sum += w;
+            }
+            float total = 0.0f;
+            for (int i = 0; i < 16; i++) total += sum[i];
+            l[j] = l[j] * rescale + total;
+            m[j] = top;
+            for (int d = 0; d < D; d++) acc[j * D + d] *= rescale;
+        }
+        const int chunk = 16 / nv; /* query heads whose sums fit 16 registers */
+        for (int j0 = 0; j0 < nq; j0 += chunk) {
+            const int cnt = nq - j0 < chunk ? nq - j0 : chunk;
+            /* the chunk's heads may span KV heads: each head's own row offset */
+            __m512 c[16];
+            for (int j = 0; j < 16 / nv; j++)
+                for (int u = 0; u < nv; u++) c[j * nv + u] = j < cnt ? _mm512_load_ps(acc + (j0 + j) * D + 16 * u) : _mm512_setzero_ps();
+            for (int i = 0; i < n; i++) {
+                if (j0 == 0 && pf_k[i]) /* spread over the tile's positions: all at once, they queued behind each other */
+                    for (int64_t b = 0; b < width * (int64_t)sizeof(float); b += 64)
+                        _mm_prefetch((const char *)pf_k[i] + b, _MM_HINT_T0), _mm_prefetch((const char *)pf_v[i] + b, _MM_HINT_T0);
+                for (int j = 0; j < 16 / nv; j++) {
+                    if (j >= cnt) break;
+                    const float *vp = vr[i] + (int64_t)((qh0 + j0 + j) / groups) * D;
+                    const __m512 p = _mm512_set1_ps(s[(j0 + j) * TILE + i]);
+                    for (int u = 0; u < nv; u++) c[j * nv + u] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vp + 16 * u), c[j * nv + u]);
+                }
+            }
+            for (int j = 0; j < 16 / nv; j++)
+                for (int u = 0; u < nv; u++)
+                    if (j < cnt) _mm512_store_ps(acc + (j0 + j) * D + 16 * u, c[j * nv + u]);
+        }
+    }
+    for (int j = 0; j < nq; j++) {
+        if (part) {
+            save_state(part + (int64_t)(qh0 + j) * (D + 2), m[j], l[j], acc + j * D, D);
+            continue;
+        }
+        float *o = out + (row * heads + qh0 + j) * (int64_t)D;
+        const float inv = 1.0f / l[j];
+        for (int d = 0; d < D; d++) o[d] = acc[j * D + d] * inv;
+    }
+}
+
+static void one_task16(const float *q, int64_t q_tok, int64_t q_head, int64_t row, const float *k, const float *v,
+                       const int64_t *slots, int64_t lo, int64_t len, const float *state, float *part, float *out,
+                       int heads, int kv_heads, int h0, int h1, int head_dim, float scale, float softcap,
+                       const int64_t *next_slots, int64_t next_lo, int64_t next_len) {
+    switch (head_dim / 16) { /* each width its own code: the registers' loops unrolled */
+#define WIDTH(nv) case nv: one_task16_nv(q, q_tok, q_head, row, k, v, slots, lo, len, state, part, out, heads, kv_heads, \
+                                         h0, h1, scale, softcap, next_slots, next_lo, next_len, nv); break;
+    WIDTH(1) WIDTH(2) WIDTH(3) WIDTH(4) WIDTH(5) WIDTH(6) WIDTH(7) WIDTH(8)
+#undef WIDTH
+    }
+}
+#endif
+
 /* One sequence's output from the softmax states its position ranges left (in order; a range
    with no positions has sum 0 and is skipped): each part's sum and values rescaled to the
    largest max */
@@ -337,6 +500,23 @@ void rill_decode_attention(const float *q, int64_t q_tok, int64_t q_head, const 
         const int b = task / (split * ranges), part = task % split, r = task / split % ranges, per = kv_heads / split;
         const int64_t lo = own_start(lens[b], shared[b], window);
         const int64_t from = lo + (lens[b] - lo) * r / ranges, to = lo + (lens[b] - lo) * (r + 1) / ranges;
+#ifdef __AVX512F__
+        if (head_dim % 16 == 0 && head_dim <= 128) {
+            /* the task this thread likely takes next (tasks go to the threads in turn), to prefetch */
+            const int nt = task + threads, nb = nt / (split * ranges), nr = nt / split % ranges;
+            const int64_t *next = nt < tasks ? slots + (int64_t)nb * max_ctx : NULL;
+            int64_t next_from = 0, next_to = 0;
+            if (next) {
+                const int64_t nlo = own_start(lens[nb], shared[nb], window);
+                next_from = nlo + (lens[nb] - nlo) * nr / ranges, next_to = nlo + (lens[nb] - nlo) * (nr + 1) / ranges;
+            }
+            one_task16(q, q_tok, q_head, index[b], k, v, slots + (int64_t)b * max_ctx, from, to,
+                       shared[b] && r == 0 ? state + b * state_width : NULL,
+                       parts ? parts + ((int64_t)b * ranges + r) * state_width : NULL, out, heads, kv_heads,
+                       part * per, (part + 1) * per, head_dim, scale, softcap, next, next_from, next_to);
+            continue;
+        }
+#endif
         one_task(q, q_tok, q_head, index[b], k, v, slots + (int64_t)b * max_ctx, from, to,
                  shared[b] && r == 0 ? state + b * state_width : NULL,
                  parts ? parts + ((int64_t)b * ranges + r) * state_width : NULL, out, heads, kv_heads, part * per,

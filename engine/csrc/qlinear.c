@@ -376,6 +376,15 @@ static void pack_rows(const float *x, int64_t x_row, int64_t rows, int64_t in, f
     }
 }
 
+/* More rows than ROW_SET_BYTES of packed x (a share of L2) go in sets of rows, split as evenly as
+ * they go, and the panels pass over one set at a time (each panel de-quantized again per set): with
+ * x read from L3 for every panel, 512 rows ran at 0.92-0.98x the speed of this (960 x 576 to
+ * 576 x 1536, Q4_1, bench/qlinear_ab.c, a prompt's chunk of the embedded SmolLM2). */
+enum { ROW_SET_BYTES = 384 * 1024 };
+static inline int64_t set_rows(int64_t in) { return ROW_SET_BYTES / 4 / in < 16 ? 16 : ROW_SET_BYTES / 4 / in; }
+static inline int64_t row_sets(int64_t rows, int64_t in) { return num_tiles(rows, set_rows(in)); }
+static inline int64_t set_start(int64_t rows, int64_t in, int64_t set) { return tile_start(rows, set_rows(in), set); }
+
 static inline __attribute__((always_inline)) void panel_rows_wide(const float *xp, const uint8_t *panel,
                                                                   int64_t blocks, int64_t rows, int64_t in,
                                                                   float *acc, float *w, const int kind) {
@@ -459,15 +468,32 @@ static inline __attribute__((always_inline)) void qlinear(const float *x, int64_
     {
         float w[CHUNK * 32 * 16] __attribute__((aligned(64)));
         float *acc = acc_all + (size_t)omp_get_thread_num() * (size_t)acc_stride(rows);
+        int continue_ = 1;  /* 0: the row sets above did every panel */
 #ifdef __AVX512F__
+        const int64_t sets = xp ? row_sets(rows, in) : 1;
         if (xp && rows >= PACK_IN_THREADS) {  /* every panel reads all of xp: the loop's barrier waits for it */
             #pragma omp for schedule(static)
             for (int64_t k0 = 0; k0 < in; k0 += PACK_INPUTS)
-                pack_rows(x, x_row, rows, in, xp, k0, k0 + PACK_INPUTS < in ? k0 + PACK_INPUTS : in);
+                for (int64_t set = 0; set < sets; set++) { /* each set packed as its own rows */
+                    const int64_t r0 = set_start(rows, in, set), r1 = set_start(rows, in, set + 1);
+                    pack_rows(x + r0 * x_row, x_row, r1 - r0, in, xp + r0 * in, k0, k0 + PACK_INPUTS < in ? k0 + PACK_INPUTS : in);
+                }
         }
+        for (int64_t set = 0; set < (sets > 1 ? sets : 0); set++) {  /* the threads go on to the next set unwaited */
+            const int64_t r0 = set_start(rows, in, set), r1 = set_start(rows, in, set + 1);
+            #pragma omp for schedule(guided) nowait
+            for (int64_t p = 0; p < num_panels; p++) {
+                const uint8_t *panel = panels + p * panel_bytes;
+                if (kind == Q8_0) panel_rows_wide(xp + r0 * in, panel, blocks, r1 - r0, in, acc, w, Q8_0);
+                else if (kind == Q4_0) panel_rows_wide(xp + r0 * in, panel, blocks, r1 - r0, in, acc, w, Q4_0);
+                else panel_rows_wide(xp + r0 * in, panel, blocks, r1 - r0, in, acc, w, Q4_1);
+                store_panel(acc, bias, y + r0 * out, r1 - r0, out, p);
+            }
+        }
+        if (sets > 1) continue_ = 0;
 #endif
         #pragma omp for schedule(guided)
-        for (int64_t p = 0; p < num_panels; p++) {
+        for (int64_t p = 0; p < (continue_ ? num_panels : 0); p++) {
             /* the kind as a constant here: the region is outlined before qlinear is inlined into
                each of its callers, so a kind passed in would stay a variable in every inner loop */
             const uint8_t *panel = panels + p * panel_bytes;
