@@ -15,6 +15,7 @@
  */
 #include <float.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -242,41 +243,50 @@ static int screened_argmax(const float *x, int64_t n, const rill_lin *head, cons
         k[r] = (float)((sqrt(err) * 1.0001 + g * sqrt(norm)) * 1.0001);
         top[r] = -INFINITY;
     }
+    /* Both passes read the logits a row at a time, each thread streaming its share: by panels, the
+       32 rows' lines lay 192 KiB apart and the two passes took 0.55 ms of a 32-row step */
     #pragma omp parallel num_threads(threads) reduction(| : bad)
     {
-        v16 low[n]; /* per row, lane-wise: the largest int8 logit - bound */
-        v16 fin = {0}; /* stays 0 while every int8 logit is finite (a - a is NaN for an infinity or NaN) */
-        for (int64_t r = 0; r < n; r++) low[r] = (v16){0} - INFINITY;
         #pragma omp for schedule(static)
-        for (int64_t p = 0; p < np; p++) {
-            const int cols = out - p * 16 < 16 ? (int)(out - p * 16) : 16;
-            v16 w, a = {0};
-            memcpy(&w, wnorm + p * 16, sizeof w);
-            for (int64_t r = 0; r < n; r++) {
-                memcpy(&a, logits + r * out + p * 16, sizeof(float) * (size_t)cols);
-                fin += a - a;
-                v16 lo = a - w * k[r];
-                for (int j = cols; j < 16; j++) lo[j] = -INFINITY; /* past out: no output */
-                const v16i more = lo > low[r];
-                low[r] = (v16)(((v16i)lo & more) | ((v16i)low[r] & ~more));
+        for (int64_t r = 0; r < n; r++) { /* top[r]: the row's largest int8 logit - bound */
+            const float *a = logits + r * out;
+            v16 low = (v16){0} - INFINITY, fin = {0}; /* fin: 0 while every logit is finite (a - a is NaN else) */
+            int64_t o = 0;
+            for (; o + 16 <= out; o += 16) {
+                v16 x, w;
+                memcpy(&x, a + o, sizeof x), memcpy(&w, wnorm + o, sizeof w);
+                fin += x - x;
+                const v16 lo = x - w * k[r];
+                const v16i more = lo > low;
+                low = (v16)(((v16i)lo & more) | ((v16i)low & ~more));
             }
+            float most = -INFINITY;
+            for (int j = 0; j < 16; j++) most = low[j] > most ? low[j] : most, bad |= fin[j] != 0.0f;
+            for (; o < out; o++) {
+                bad |= !(a[o] - a[o] == 0.0f);
+                const float lo = a[o] - wnorm[o] * k[r];
+                most = lo > most ? lo : most;
+            }
+            top[r] = most;
         }
-        for (int j = 0; j < 16; j++) bad |= fin[j] != 0.0f;
-        #pragma omp critical
-        for (int64_t r = 0; r < n; r++)
-            for (int j = 0; j < 16; j++) top[r] = low[r][j] > top[r] ? low[r][j] : top[r];
-        #pragma omp barrier
-        #pragma omp for schedule(static)
-        for (int64_t p = 0; p < np; p++) { /* a panel with an output whose float32 logit may reach top */
-            const int cols = out - p * 16 < 16 ? (int)(out - p * 16) : 16;
-            v16 w, a = {0};
-            v16i any = {0};
-            memcpy(&w, wnorm + p * 16, sizeof w);
-            for (int64_t r = 0; r < n; r++) {
-                memcpy(&a, logits + r * out + p * 16, sizeof(float) * (size_t)cols);
-                any |= a + w * k[r] >= top[r];
+        /* a panel with an output whose float32 logit may reach its row's top; each thread its range */
+        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t p0 = np * t / nt, p1 = np * (t + 1) / nt;
+        for (int64_t r = 0; r < n; r++) {
+            const float *a = logits + r * out;
+            for (int64_t p = p0; p < p1; p++) {
+                const int cols = out - p * 16 < 16 ? (int)(out - p * 16) : 16;
+                if (cols < 16) {
+                    for (int j = 0; j < cols; j++) mark[p] |= a[p * 16 + j] + wnorm[p * 16 + j] * k[r] >= top[r];
+                    continue;
+                }
+                v16 x, w;
+                memcpy(&x, a + p * 16, sizeof x), memcpy(&w, wnorm + p * 16, sizeof w);
+                const v16i any = x + w * k[r] >= top[r];
+                uint64_t u[8];
+                memcpy(u, &any, sizeof u);
+                mark[p] |= ((u[0] | u[1]) | (u[2] | u[3]) | (u[4] | u[5]) | (u[6] | u[7])) != 0;
             }
-            for (int j = 0; j < cols; j++) mark[p] |= any[j] != 0;
         }
     }
     int64_t count = 0;
