@@ -254,24 +254,7 @@ static void one_task(const float *q, int64_t q_tok, int64_t q_head, int64_t row,
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i_ __attribute__((vector_size(64)));
 
-static inline v16f exp16(v16f x) { /* exp8's steps on 16 lanes */
-    const v16f floor = (v16f){0} - 87.0f, ceiling = (v16f){0} + 88.0f;
-    const v16i_ low = x < floor, high = x > ceiling;
-    x = (v16f)(((v16i_)x & ~low) | ((v16i_)floor & low));
-    x = (v16f)(((v16i_)x & ~high) | ((v16i_)ceiling & high));
-    const v16f n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;
-    const v16f r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
-    v16f p = r - r + 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    const v16i_ bits = (__builtin_convertvector(n, v16i_) + 127) << 23;
-    return p * (v16f)bits;
-}
+RILL_DEFINE_EXP(exp16, v16f, v16i_) /* exp8 on 16 lanes (vec8.h) */
 
 /* lane i = the sum of v[i]'s 16 lanes */
 static inline __m512 sum16(const __m512 *v) {

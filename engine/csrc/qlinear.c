@@ -468,9 +468,9 @@ static inline __attribute__((always_inline)) void qlinear(const float *x, int64_
     {
         float w[CHUNK * 32 * 16] __attribute__((aligned(64)));
         float *acc = acc_all + (size_t)omp_get_thread_num() * (size_t)acc_stride(rows);
-        int continue_ = 1;  /* 0: the row sets above did every panel */
+        int64_t sets = 1;  /* sets of rows (AVX-512's wide tiles): more than one take the loops below */
 #ifdef __AVX512F__
-        const int64_t sets = xp ? row_sets(rows, in) : 1;
+        sets = xp ? row_sets(rows, in) : 1;
         if (xp && rows >= PACK_IN_THREADS) {  /* every panel reads all of xp: the loop's barrier waits for it */
             #pragma omp for schedule(static)
             for (int64_t k0 = 0; k0 < in; k0 += PACK_INPUTS)
@@ -490,10 +490,9 @@ static inline __attribute__((always_inline)) void qlinear(const float *x, int64_
                 store_panel(acc, bias, y + r0 * out, r1 - r0, out, p);
             }
         }
-        if (sets > 1) continue_ = 0;
 #endif
         #pragma omp for schedule(guided)
-        for (int64_t p = 0; p < (continue_ ? num_panels : 0); p++) {
+        for (int64_t p = 0; p < (sets == 1 ? num_panels : 0); p++) {
             /* the kind as a constant here: the region is outlined before qlinear is inlined into
                each of its callers, so a kind passed in would stay a variable in every inner loop */
             const uint8_t *panel = panels + p * panel_bytes;
