@@ -202,6 +202,21 @@ static void shared_task(const float *q, int64_t q_tok, int64_t q_head, const int
     }
 }
 
+/* a task's query heads at its end: their softmax states into `part` (for merge_parts), or else
+   their outputs (weighted values over sum) */
+static inline void finish_heads(float *part, float *out, int64_t row, int heads, int qh0, int nq, const float *m,
+                                const float *l, const float *acc, int D) {
+    for (int j = 0; j < nq; j++) {
+        if (part) {
+            save_state(part + (int64_t)(qh0 + j) * (D + 2), m[j], l[j], acc + j * D, D);
+            continue;
+        }
+        float *o = out + (row * heads + qh0 + j) * (int64_t)D;
+        const float inv = 1.0f / l[j];
+        for (int d = 0; d < D; d++) o[d] = acc[j * D + d] * inv;
+    }
+}
+
 /* KV heads [h0, h1) of one sequence, positions [lo, len): reads each position's cache row once,
    for all those heads. `state` (or NULL): where the shared pass left each head. `part` (or NULL):
    leave each query head's softmax state there (max, sum, weighted values; by query head, as
@@ -232,15 +247,7 @@ static void one_task(const float *q, int64_t q_tok, int64_t q_head, int64_t row,
         for (int i = 0; i < n; i++) vr[i] = v + slots[t0 + i] * kv_heads * D; /* each position's row */
         for (int j = 0; j < nq; j++) weigh_values(acc + j * D, s + j * TILE, vr, kv_off[j], n, D);
     }
-    for (int j = 0; j < nq; j++) {
-        if (part) {
-            save_state(part + (int64_t)(qh0 + j) * (D + 2), m[j], l[j], acc + j * D, D);
-            continue;
-        }
-        float *o = out + (row * heads + qh0 + j) * (int64_t)D;
-        const float inv = 1.0f / l[j];
-        for (int d = 0; d < D; d++) o[d] = acc[j * D + d] * inv;
-    }
+    finish_heads(part, out, row, heads, qh0, nq, m, l, acc, D);
 }
 
 #ifdef __AVX512F__
@@ -365,15 +372,7 @@ static inline __attribute__((always_inline)) void one_task16_nv(
                     if (j < cnt) _mm512_store_ps(acc + (j0 + j) * D + 16 * u, c[j * nv + u]);
         }
     }
-    for (int j = 0; j < nq; j++) {
-        if (part) {
-            save_state(part + (int64_t)(qh0 + j) * (D + 2), m[j], l[j], acc + j * D, D);
-            continue;
-        }
-        float *o = out + (row * heads + qh0 + j) * (int64_t)D;
-        const float inv = 1.0f / l[j];
-        for (int d = 0; d < D; d++) o[d] = acc[j * D + d] * inv;
-    }
+    finish_heads(part, out, row, heads, qh0, nq, m, l, acc, D);
 }
 
 static void one_task16(const float *q, int64_t q_tok, int64_t q_head, int64_t row, const float *k, const float *v,
