@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from engine import LLM, AsyncEngine, EngineConfig, FinishReason, SamplingParams
+from engine.attention import PagedKVCache
 from engine.detokenizer import IncrementalDetokenizer, replacement_is_final
 from engine.loading import load_model
 
@@ -337,9 +338,22 @@ def test_sampling_params_validation(kwargs, message):
     assert str(err.value) == message
 
 
+def test_the_cpu_kv_pool_reads_as_zeros_before_any_write():
+    """On CPU the pool is the OS's anonymous memory: never-written slots read as zeros with no
+    zeroing pass (a NaN there would poison masked attention), and pages are only committed once
+    written."""
+    cache = PagedKVCache(2, 4096, 16, 3, 64, torch.float32, torch.device("cpu"))
+    assert all(t.abs().sum().item() == 0 for t in (*cache.keys, *cache.values))
+    assert all(cache._zeroed)  # nothing left for zero_new_blocks to do
+    cache.keys[1][16:32].fill_(2.0)  # a block written, its neighbours untouched
+    assert cache.keys[1][:16].abs().sum().item() == 0 and cache.keys[1][32:].abs().sum().item() == 0
+    assert cache.keys[1][16:32].sum().item() == 2.0 * 16 * 3 * 64
+
+
 def test_unwritten_cache_memory_never_leaks_into_attention(llama, llm):
-    """The KV pool is allocated uninitialized; garbage (here: NaN everywhere) in slots a sequence
-    has not written must not reach its attention, even though they are masked out."""
+    """A KV pool allocated uninitialized (torch.empty, as on a GPU) is zeroed a block at a time when
+    first handed out: garbage (here: NaN everywhere) in slots a sequence has not written must not
+    reach its attention, even though they are masked out."""
     poisoned = LLM(load_model(str(llama)), EngineConfig(num_kv_blocks=64, block_size=16))
     cache = poisoned.core.runner.cache
     for t in (*cache.keys, *cache.values):
