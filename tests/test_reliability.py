@@ -85,13 +85,18 @@ def test_16_concurrent_conversations_over_three_routes_each_get_their_own_text(t
 def test_closed_chat_stream_is_aborted_and_its_kv_blocks_freed(tiny_server):
     url = tiny_server.url  # resuming on (--resume-window 5): the request is aborted anyway, kept resumable
     wait_idle(url)
-    with httpx.stream("POST", f"{url}/chat", json={"prompt": "Talk for a long time.", "max_new_tokens": 900,
-                                                    "temperature": 0}, timeout=120) as response:
-        events = iter(SSEReader(response))
-        pieces = [next(events) for _ in range(5)]
-        assert all(p.event == "message" for p in pieces)
-        assert httpx.get(f"{url}/health").json()["engine"]["num_running"] == 1
-        events.close()  # the client goes away after 5 pieces
+    # steps of at least 10 ms: the tiny model would otherwise write all 900 tokens in about 0.2 s
+    httpx.post(f"{url}/_test/slow-steps", params={"seconds": 0.01}, timeout=10)
+    try:
+        with httpx.stream("POST", f"{url}/chat", json={"prompt": "Talk for a long time.", "max_new_tokens": 900,
+                                                        "temperature": 0}, timeout=120) as response:
+            events = iter(SSEReader(response))
+            pieces = [next(events) for _ in range(5)]
+            assert all(p.event == "message" for p in pieces)
+            assert httpx.get(f"{url}/health").json()["engine"]["num_running"] == 1
+            events.close()  # the client goes away after 5 pieces
+    finally:
+        httpx.post(f"{url}/_test/slow-steps", params={"seconds": 0}, timeout=10)
     closed = time.monotonic()
     engine = wait_idle(url, timeout=10)
     print(f"idle {time.monotonic() - closed:.3f} s after the client closed")
