@@ -307,3 +307,15 @@ def wait_idle(url: str, timeout: float = 30.0) -> dict:
             return engine
         time.sleep(0.05)
     raise AssertionError(f"the engine did not become idle within {timeout:g} s: {engine}")
+
+
+@contextlib.contextmanager
+def slow_steps(url: str, seconds: float, headers: dict[str, str] | None = None):
+    """Every engine step of the server at `url` sleeps `seconds` first (its `/_test/slow-steps` hook)
+    while the block runs: a request outlives what the test does beside it however fast the machine."""
+    response = httpx.post(f"{url}/_test/slow-steps", params={"seconds": seconds}, headers=headers, timeout=10)
+    assert response.status_code == 200, response.text
+    try:
+        yield
+    finally:
+        httpx.post(f"{url}/_test/slow-steps", params={"seconds": 0}, headers=headers, timeout=10)

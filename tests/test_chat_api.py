@@ -9,7 +9,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from tests.servers import SSEReader, chat_text, parse_sse, usage_of
+from tests.servers import SSEReader, chat_text, parse_sse, slow_steps, usage_of
 
 CAPITAL = "What is the capital of France?"
 
@@ -74,16 +74,12 @@ def test_first_piece_arrives_while_the_request_still_runs(tiny_server):
     body = {"prompt": "Count to one hundred.", "max_new_tokens": 400, "temperature": 0}
     # steps of at least 10 ms (a 4 s stream): the tiny model writes 400 tokens in under 0.1 s,
     # sooner than /health answers on a busy machine
-    httpx.post(f"{url}/_test/slow-steps", params={"seconds": 0.01}, timeout=10)
-    try:
-        with httpx.stream("POST", f"{url}/chat", json=body, timeout=120) as response:
-            events = iter(SSEReader(response))
-            first = next(events)
-            assert first.event == "message" and first.data
-            running = httpx.get(f"{url}/health", timeout=10).json()["engine"]["num_running"]
-            rest = list(events)
-    finally:
-        httpx.post(f"{url}/_test/slow-steps", params={"seconds": 0}, timeout=10)
+    with slow_steps(url, 0.01), httpx.stream("POST", f"{url}/chat", json=body, timeout=120) as response:
+        events = iter(SSEReader(response))
+        first = next(events)
+        assert first.event == "message" and first.data
+        running = httpx.get(f"{url}/health", timeout=10).json()["engine"]["num_running"]
+        rest = list(events)
     assert running >= 1  # the request was still generating when its first piece had arrived
     assert rest[-1].event == "end"
     assert usage_of(rest)["completion_tokens"] > 1

@@ -16,7 +16,7 @@ import openai
 import pytest
 from gradio_client import Client
 
-from tests.servers import SSEReader, chat_text, parse_sse, usage_of, wait_idle
+from tests.servers import SSEReader, chat_text, parse_sse, slow_steps, usage_of, wait_idle
 
 # The page's defaults sample (temperature 0.7, top-p 0.9, top-k 50, repetition penalty 1.1);
 # these settings make a gradio_client call greedy like `/chat` with temperature 0.
@@ -86,17 +86,13 @@ def test_closed_chat_stream_is_aborted_and_its_kv_blocks_freed(tiny_server):
     url = tiny_server.url  # resuming on (--resume-window 5): the request is aborted anyway, kept resumable
     wait_idle(url)
     # steps of at least 10 ms: the tiny model would otherwise write all 900 tokens in about 0.2 s
-    httpx.post(f"{url}/_test/slow-steps", params={"seconds": 0.01}, timeout=10)
-    try:
-        with httpx.stream("POST", f"{url}/chat", json={"prompt": "Talk for a long time.", "max_new_tokens": 900,
-                                                        "temperature": 0}, timeout=120) as response:
-            events = iter(SSEReader(response))
-            pieces = [next(events) for _ in range(5)]
-            assert all(p.event == "message" for p in pieces)
-            assert httpx.get(f"{url}/health").json()["engine"]["num_running"] == 1
-            events.close()  # the client goes away after 5 pieces
-    finally:
-        httpx.post(f"{url}/_test/slow-steps", params={"seconds": 0}, timeout=10)
+    with slow_steps(url, 0.01), httpx.stream("POST", f"{url}/chat", timeout=120, json={
+            "prompt": "Talk for a long time.", "max_new_tokens": 900, "temperature": 0}) as response:
+        events = iter(SSEReader(response))
+        pieces = [next(events) for _ in range(5)]
+        assert all(p.event == "message" for p in pieces)
+        assert httpx.get(f"{url}/health").json()["engine"]["num_running"] == 1
+        events.close()  # the client goes away after 5 pieces
     closed = time.monotonic()
     engine = wait_idle(url, timeout=10)
     print(f"idle {time.monotonic() - closed:.3f} s after the client closed")
@@ -315,16 +311,13 @@ def test_request_timeout_ends_a_long_request_with_a_clear_error(guarded):
     url = guarded.url
     auth = {"Authorization": "Bearer sekret-key"}
     # 10 ms a step: 1000 tokens outlive the 2 s timeout on any machine (the native steps are fast)
-    assert httpx.post(f"{url}/_test/slow-steps", params={"seconds": 0.01}, headers=auth, timeout=10).status_code == 200
-    try:
+    with slow_steps(url, 0.01, headers=auth):
         events = stream_chat_events(url, {"prompt": "Talk.", "max_new_tokens": 1000, "temperature": 0}, headers=auth)
         assert [e.event for e in events[-2:]] == ["error", "end"]
         assert "timeout" in json.loads(events[-2].data)["error"] and "2 s" in json.loads(events[-2].data)["error"]
         plain = httpx.post(f"{url}/v1/completions", json={"prompt": "Talk.", "max_tokens": 1000, "ignore_eos": True},
                            headers=auth, timeout=60)
         assert plain.status_code == 504 and "timeout" in plain.json()["error"]["message"]
-    finally:
-        httpx.post(f"{url}/_test/slow-steps", params={"seconds": 0}, headers=auth, timeout=10)
     wait_idle(url)
 
 
@@ -334,12 +327,9 @@ def test_a_stuck_engine_answers_503_and_ends_its_requests_instead_of_hanging(ser
     returns the server is healthy and answers again."""
     server = server_with("--stall-timeout", "1")
     url = server.url
-    httpx.post(f"{url}/_test/slow-steps", params={"seconds": 5}, timeout=10)
-    try:
+    with slow_steps(url, 5):
         events = stream_chat_events(url, {"prompt": "Talk.", "max_new_tokens": 4, "temperature": 0})
         health = httpx.get(f"{url}/health", timeout=10)
-    finally:
-        httpx.post(f"{url}/_test/slow-steps", params={"seconds": 0}, timeout=10)
     assert [e.event for e in events[-2:]] == ["error", "end"], events
     error = json.loads(events[-2].data)["error"]
     assert "inside one step" in error and "stuck" in error and "--stall-timeout 1 s" in error, error

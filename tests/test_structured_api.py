@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.servers import SSEReader, chat_text, parse_sse, usage_of
+from tests.servers import SSEReader, chat_text, parse_sse, slow_steps, usage_of
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 12},
@@ -112,11 +112,8 @@ def test_bad_and_hostile_constraints_are_400_while_other_streams_flow(tiny_serve
                 received.append(event.event)
         done.set()
 
-    httpx.post(f"{tiny_server.url}/_test/slow-steps", params={"seconds": 0.02}, timeout=10)  # a 6 s stream
-    try:
+    with slow_steps(tiny_server.url, 0.02):  # a 6 s stream
         _refuse_beside_a_stream(tiny_server, stream, received, done)
-    finally:
-        httpx.post(f"{tiny_server.url}/_test/slow-steps", params={"seconds": 0}, timeout=10)
 
 
 def _refuse_beside_a_stream(tiny_server, stream, received, done):
