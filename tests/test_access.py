@@ -16,7 +16,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from server.errors import public_engine_error
-from tests.servers import SSEReader, chat_text, parse_sse, run_server, usage_of, wait_idle
+from tests.servers import SSEReader, chat_text, parse_sse, run_server, slow_steps, usage_of, wait_idle
 
 KEY = "edge-test-key-5b1e9c"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -267,8 +267,11 @@ def test_an_engine_failure_reaches_clients_without_the_exception_text(keyed, ser
     """Runs last in this module: it kills the keyed server's engine."""
     server_with.retire(keyed)
     url = keyed.url
-    with httpx.stream("POST", f"{url}/chat", json={"prompt": "Talk.", "max_new_tokens": 900}, headers=AUTH,
-                      timeout=60) as response:
+    # 10 ms steps: the tiny model writes 900 tokens in well under a second, so the request could
+    # end before the kill reaches it (CI saw ['usage', 'end'])
+    with slow_steps(url, 0.01, headers=AUTH), httpx.stream(
+            "POST", f"{url}/chat", json={"prompt": "Talk.", "max_new_tokens": 900}, headers=AUTH,
+            timeout=60) as response:
         seen = []
         for event in SSEReader(response):
             seen.append(event)

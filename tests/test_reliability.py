@@ -146,7 +146,8 @@ def test_past_the_queue_chat_answers_429_at_once_with_retry_after(server_with):
             await client.get(f"{url}/health")
             return await asyncio.gather(*(one(client, i) for i in range(20)))
 
-    results = asyncio.run(burst())
+    with slow_steps(url, 0.01):  # 10 ms steps: no admitted request ends before the burst is answered
+        results = asyncio.run(burst())
     ok = [r for r in results if r[0] == 200]
     busy = [r for r in results if r[0] == 429]
     failed = [parse_sse(r[4])[-2].data for r in ok if parse_sse(r[4])[-2].event == "error"]
@@ -167,7 +168,7 @@ def test_openai_route_answers_429_in_its_shape_when_full(server_with):
     url = server_with("--max-num-seqs", "4", "--max-queue", "4").url
     wait_idle(url)
     body = {"prompt": "Talk.", "max_new_tokens": 900, "temperature": 0}
-    with httpx.Client(timeout=120) as client:
+    with slow_steps(url, 0.01), httpx.Client(timeout=120) as client:  # the 8 outlive the 429 check
         streams = [client.stream("POST", f"{url}/chat", json=body) for _ in range(8)]
         responses = [s.__enter__() for s in streams]
         try:
@@ -187,23 +188,24 @@ def test_page_queue_holds_extra_visitors_in_line_with_their_position(server_with
     url = server_with("--max-num-seqs", "4", "--max-queue", "4").url
     wait_idle(url)
     client = Client(url + "/", verbose=False)
-    jobs = [client.submit(message=f"Talk about {i}.", history=[], max_new_tokens=900, api_name="/chat", **GREEDY)
-            for i in range(6)]
-    try:
-        seen = None  # a moment with 4 page events generating and the others waiting with a rank
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and seen is None:
-            statuses = [job.status() for job in jobs]
-            working = [s for s in statuses if s.code.name in ("PROCESSING", "ITERATING")]
-            waiting = [s for s in statuses if s.code.name == "IN_QUEUE" and s.rank is not None]
-            if len(working) == 4 and waiting:
-                seen = sorted(s.rank for s in waiting)
-            time.sleep(0.05)
-        assert seen is not None, "never saw 4 answers generating while the others waited in line"
-        assert httpx.get(f"{url}/health", timeout=10).json()["engine"]["num_running"] <= 4
-    finally:
-        for job in jobs:
-            job.cancel()
+    with slow_steps(url, 0.01):  # 10 ms steps: the 4 answers outlive the polling below
+        jobs = [client.submit(message=f"Talk about {i}.", history=[], max_new_tokens=900, api_name="/chat", **GREEDY)
+                for i in range(6)]
+        try:
+            seen = None  # a moment with 4 page events generating and the others waiting with a rank
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and seen is None:
+                statuses = [job.status() for job in jobs]
+                working = [s for s in statuses if s.code.name in ("PROCESSING", "ITERATING")]
+                waiting = [s for s in statuses if s.code.name == "IN_QUEUE" and s.rank is not None]
+                if len(working) == 4 and waiting:
+                    seen = sorted(s.rank for s in waiting)
+                time.sleep(0.05)
+            assert seen is not None, "never saw 4 answers generating while the others waited in line"
+            assert httpx.get(f"{url}/health", timeout=10).json()["engine"]["num_running"] <= 4
+        finally:
+            for job in jobs:
+                job.cancel()
     wait_idle(url, timeout=30)
 
 
