@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.servers import wait_idle
+from tests.servers import slow_steps, wait_idle
 
 pytestmark = [pytest.mark.browser, pytest.mark.embedded]
 
@@ -161,28 +161,29 @@ def test_answer_grows_and_stop_aborts_it(visitor, embedded_server, shots):
     assert health["model"] in header and f"{health['max_model_len']} tokens" in header
     aborted_before = metric(url, "rill_requests_finished_total", route="gradio", finish_reason="abort")
 
-    visitor.open_settings()
-    visitor.set_slider("rill-temperature", "0")
-    visitor.set_slider("rill-repetition-penalty", "1")
-    # greedy, this answer runs about 360 tokens: prose, then a code block
-    visitor.send("Explain how a hash map works, with a short Python example.")
-    lengths: list[int] = []
+    with slow_steps(url, 0.01):  # 10 ms steps: the answer is still running when Stop is clicked
+        visitor.open_settings()
+        visitor.set_slider("rill-temperature", "0")
+        visitor.set_slider("rill-repetition-penalty", "1")
+        # greedy, this answer runs about 360 tokens: prose, then a code block
+        visitor.send("Explain how a hash map works, with a short Python example.")
+        lengths: list[int] = []
 
-    def grown_three_times():
-        text = visitor.bot_text()
-        if text and (not lengths or len(text) > lengths[-1]):
-            lengths.append(len(text))
-        return len(lengths) >= 3
+        def grown_three_times():
+            text = visitor.bot_text()
+            if text and (not lengths or len(text) > lengths[-1]):
+                lengths.append(len(text))
+            return len(lengths) >= 3
 
-    until(grown_three_times, message="the answer to grow three times")
-    until(lambda: grown_three_times() and lengths[-1] >= 420, message="a few lines of answer for the screenshot")
-    visitor.close_settings()  # fold the settings back for the picture
-    visitor.page.screenshot(path=str(shots / "chat.png"))
-    assert visitor.page.locator("#rill-stop").is_visible()
-    assert metric(url, "rill_requests_running") >= 1
+        until(grown_three_times, message="the answer to grow three times")
+        until(lambda: grown_three_times() and lengths[-1] >= 420, message="a few lines of answer for the screenshot")
+        visitor.close_settings()  # fold the settings back for the picture
+        visitor.page.screenshot(path=str(shots / "chat.png"))
+        assert visitor.page.locator("#rill-stop").is_visible()
+        assert metric(url, "rill_requests_running") >= 1
 
-    visitor.page.click("#rill-stop")
-    until(lambda: metric(url, "rill_requests_running") == 0, message="the engine to have no running request")
+        visitor.page.click("#rill-stop")
+        until(lambda: metric(url, "rill_requests_running") == 0, message="the engine to have no running request")
     until(lambda: metric(url, "rill_requests_finished_total", route="gradio", finish_reason="abort")
           == aborted_before + 1, message="the page's request to be counted as aborted")
     until(visitor.idle, message="Send to come back after Stop")
@@ -199,16 +200,17 @@ def test_closing_the_tab_aborts_its_answer(browser, embedded_server):
     url = embedded_server.url
     wait_idle(url, timeout=WAIT_S)
     aborted_before = metric(url, "rill_requests_finished_total", route="gradio", finish_reason="abort")
-    visitor = Page(browser, url)
-    try:
-        visitor.page.click("#rill-chatbot button:has-text('Explain continuous batching')")  # an example
-        until(lambda: len(visitor.bot_text()) > 0, message="the answer to the example to start")
-        assert visitor.user_text() == "Explain continuous batching to a five-year-old."
-        assert visitor.page.locator("#rill-stop").is_visible()
-    finally:
-        visitor.close()
-    until(lambda: metric(url, "rill_requests_finished_total", route="gradio", finish_reason="abort")
-          == aborted_before + 1, message="the closed tab's request to be aborted")
+    with slow_steps(url, 0.01):  # 10 ms steps: the answer is still running when the tab closes
+        visitor = Page(browser, url)
+        try:
+            visitor.page.click("#rill-chatbot button:has-text('Explain continuous batching')")  # an example
+            until(lambda: len(visitor.bot_text()) > 0, message="the answer to the example to start")
+            assert visitor.user_text() == "Explain continuous batching to a five-year-old."
+            assert visitor.page.locator("#rill-stop").is_visible()
+        finally:
+            visitor.close()
+        until(lambda: metric(url, "rill_requests_finished_total", route="gradio", finish_reason="abort")
+              == aborted_before + 1, message="the closed tab's request to be aborted")
     wait_idle(url, timeout=WAIT_S)
 
 
