@@ -107,8 +107,9 @@ def test_closed_openai_stream_and_abandoned_plain_request_are_aborted(abort_serv
             if i == 8:
                 break
     wait_idle(url, timeout=10)
-    with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up
-        httpx.post(f"{url}/chat", json={"prompt": "Talk.", "max_new_tokens": 900, "stream": False}, timeout=0.1)  # 900 tokens take far longer
+    # a non-streaming client that gives up: with 10 ms steps its 900 tokens take far longer than 0.1 s
+    with slow_steps(url, 0.01), pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/chat", json={"prompt": "Talk.", "max_new_tokens": 900, "stream": False}, timeout=0.1)
     wait_idle(url, timeout=10)
 
 
