@@ -254,21 +254,22 @@ def test_a_cancelled_gradio_client_job_aborts_its_request(embedded_server):
 
     from gradio_client import Client
 
-    from tests.servers import wait_idle
+    from tests.servers import slow_steps, wait_idle
 
     url = embedded_server.url
     wait_idle(url, timeout=180)
     before = scrape(url)
     client = Client(f"{url}/", verbose=False)
-    # greedy, this answer runs about 360 tokens
-    job = client.submit("Explain how a hash map works, with a short Python example.", None, "", 0.0, 1.0, 0, 400, 1.0,
-                        api_name="/chat")
-    deadline = time.monotonic() + 180
-    while len(job.outputs()) < 2 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert len(job.outputs()) >= 2, "the answer did not stream"
-    job.cancel()
-    wait_idle(url, timeout=180)
+    with slow_steps(url, 0.01):  # 10 ms steps: the answer is still running when the job is cancelled
+        # greedy, this answer runs about 360 tokens
+        job = client.submit("Explain how a hash map works, with a short Python example.", None, "", 0.0, 1.0, 0, 400,
+                            1.0, api_name="/chat")
+        deadline = time.monotonic() + 180
+        while len(job.outputs()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(job.outputs()) >= 2, "the answer did not stream"
+        job.cancel()
+        wait_idle(url, timeout=180)
     deadline = time.monotonic() + 60
     while _moved(before, scrape(url), "rill_requests_finished_total", route="gradio", finish_reason="abort") < 1 \
             and time.monotonic() < deadline:
