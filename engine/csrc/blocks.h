@@ -5,6 +5,9 @@
 #define RILL_BLOCKS_H
 #include <math.h>
 #include <stdint.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2 };
 
@@ -52,9 +55,18 @@ static inline float round_block(const float *xb, int8_t *q) {
     return d;
 }
 
-/* panel p's sums acc [rows][16] (+ bias) into its columns of y [rows, out] */
+/* panel p's sums acc [rows][16] (+ bias) into its columns of y [rows, out]; a full panel a row per
+ * zmm store (AVX-512), the same sums: 0.96-1.00x the time of the float32 kernel at 16 and 32 rows,
+ * 0.96-0.99x at 8 (bench.qlinear_ab, SmolLM2's shapes), where scalar stores were 2-4% of it */
 static inline void store_panel(const float *acc, const float *bias, float *y, int64_t rows, int64_t out, int64_t p) {
     const int cols = out - p * 16 < 16 ? (int)(out - p * 16) : 16;
+#ifdef __AVX512F__
+    if (cols == 16) {
+        const __m512 b = bias ? _mm512_loadu_ps(bias + p * 16) : _mm512_setzero_ps();
+        for (int64_t r = 0; r < rows; r++) _mm512_storeu_ps(y + r * out + p * 16, _mm512_add_ps(_mm512_loadu_ps(acc + r * 16), b));
+        return;
+    }
+#endif
     for (int64_t r = 0; r < rows; r++)
         for (int j = 0; j < cols; j++) y[r * out + p * 16 + j] = acc[r * 16 + j] + (bias ? bias[p * 16 + j] : 0.0f);
 }
