@@ -85,7 +85,8 @@ class StepMetadata:
     decode_slots: torch.Tensor | None  # [num_decodes, max_context] slots (0-padded)
     decode_context_lens: torch.Tensor | None  # [num_decodes]
     prefills: list[PrefillChunk] = field(default_factory=list)
-    decode_kernel: object | None = None  # cpu.DecodeAttentionKernel: decodes in C (float32 CPU)
+    decode_kernel: object | None = None  # cpu.DecodeAttentionKernel (float32 CPU) or gpu.PagedDecodeKernel (CUDA)
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, width] int32, for a kernel that reads blocks
     _masks: dict = field(default_factory=dict)  # (kind, key, window) -> bool mask, built once per step
 
     def decode_mask(self, sliding_window: int | None) -> torch.Tensor:
@@ -149,7 +150,10 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
 
     out = query.new_empty(num_tokens, num_heads, head_dim)
     kernel = step.decode_kernel
-    if step.decode_token_index is not None and kernel is not None and query.dtype == k_cache.dtype == torch.float32 \
+    if step.decode_block_tables is not None:  # the GPU kernel: the paged cache read in place
+        kernel(query, out, k_cache, v_cache, step.decode_token_index, step.decode_block_tables,
+               step.cache.block_size, step.decode_context_lens, scaling, sliding_window, softcap)
+    elif step.decode_token_index is not None and kernel is not None and query.dtype == k_cache.dtype == torch.float32 \
             and query.stride(-1) == 1:
         kernel(query, out, k_cache, v_cache, step.decode_token_index, step.decode_slots,
                step.decode_context_lens, scaling, sliding_window, softcap)

@@ -19,7 +19,7 @@ class EngineConfig:
     seed: int = 0  # seeds the generator shared by unseeded sampling requests
     packed_linears: bool = True  # on CPU, nn.Linear with weights repacked once: C kernel (float32) or oneDNN
     prefix_caching: bool = True  # share the KV blocks of common prompt prefixes between requests
-    decode_kernel: bool = True  # on CPU (float32), decode attention in a C kernel built once into $RILL_CACHE
+    decode_kernel: bool = True  # decode attention in a kernel: C on CPU (float32, built once into $RILL_CACHE), Triton on CUDA
     linear_kernel: bool = True  # on CPU (float32), linears in a C kernel of the same library (else oneDNN)
     native_decode: bool = True  # on CPU (float32, Llama family), decode steps in C, one call per step
     native_prefill_tokens: int = 128  # steps whose prompt tokens attend to no more positions than one prompt this long would run natively too

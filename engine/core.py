@@ -19,6 +19,7 @@ import torch
 from engine.attention import PagedKVCache
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, replacement_is_final
+from engine.gpu import paged_decode_kernel
 from engine.grammar import GrammarCompiler, GrammarState
 from engine.kv_cache import BlockAllocator
 from engine.loading import rill_cache_dir
@@ -191,10 +192,12 @@ class EngineCore:
             kernel = None
             if on_cpu and config.decode_kernel and model.dtype == torch.float32:
                 kernel = decode_attention_kernel(rill_cache_dir())
-            native = self._native_decoder(model) if kernel is not None and config.native_decode else None
+            elif model.device.type == "cuda" and config.decode_kernel:
+                kernel = paged_decode_kernel(model.device)
+            native = self._native_decoder(model) if on_cpu and kernel is not None and config.native_decode else None
             self.runner = PagedRunner(model, self.num_kv_blocks, config.block_size, decode_kernel=kernel, native=native,
                                       native_prefill_tokens=config.native_prefill_tokens)
-            log.info("engine: decode attention %s", f"in the C kernel {kernel.path}" if kernel else "on the torch path")
+            log.info("engine: decode attention %s", f"in the kernel {kernel.path}" if kernel else "on the torch path")
         else:
             self.runner = FallbackRunner(model)
         self.attention_path = self.runner.path

@@ -236,6 +236,8 @@ def call_panel_kernel(fn, threads: int, x: torch.Tensor, panels: torch.Tensor, b
 class DecodeAttentionKernel:
     """`rill_decode_attention` from the compiled library, called with tensors (float32, CPU)."""
 
+    reads = "slots"  # a slot per context position (gpu.PagedDecodeKernel reads block tables)
+
     def __init__(self, library: ctypes.CDLL, path: Path):
         self.path = path
         self._fn = library.rill_decode_attention

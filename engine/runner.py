@@ -87,7 +87,8 @@ class PagedRunner:
     def __init__(self, model, num_blocks: int, block_size: int, decode_kernel=None, native=None,
                  native_prefill_tokens: int = 128):
         self.model = model
-        self.decode_kernel = decode_kernel  # cpu.DecodeAttentionKernel or None (torch path)
+        self.decode_kernel = decode_kernel  # cpu.DecodeAttentionKernel, gpu.PagedDecodeKernel or None (torch path)
+        self.kernel_reads_blocks = getattr(decode_kernel, "reads", None) == "blocks"
         self.native = native  # native.NativeDecoder for decode steps and short prefills, or None (modules)
         # Steps whose prompt chunks attend to no more positions in all than one prompt of this many
         # tokens would (sum of tokens x their chunk's end) run natively too, each prompt token
@@ -147,12 +148,16 @@ class PagedRunner:
             return flat_tables.index_select(0, rows * width + positions // bs) * bs + positions % bs
 
         slot_mapping = slots(torch.tensor(token_rows), pos)
-        decode_slots = decode_lens = decode_index = None
-        if dec_index:
+        decode_slots = decode_lens = decode_index = decode_tables = None
+        if dec_index and self.kernel_reads_blocks:  # [num_decodes, width]: no slot per context position
+            decode_tables = flat_tables.view(len(plan), width).index_select(0, torch.tensor(dec_rows))
+            decode_tables = decode_tables.to(dev, torch.int32)
+        elif dec_index:
             ctx_len = max(dec_lens)
             ctx = torch.arange(ctx_len).repeat(len(dec_rows))
             rows = torch.tensor(dec_rows).repeat_interleave(ctx_len)
             decode_slots = slots(rows, ctx).view(len(dec_rows), ctx_len).to(dev)  # [num_decodes, max_context]
+        if dec_index:
             decode_lens = torch.tensor(dec_lens, device=dev)
             decode_index = torch.tensor(dec_index, device=dev)
         prompt_tokens = len(input_ids) - len(dec_index)
@@ -182,6 +187,7 @@ class PagedRunner:
             decode_context_lens=decode_lens,
             prefills=chunks,
             decode_kernel=self.decode_kernel,
+            decode_block_tables=decode_tables,
         )
         out = self.model(
             input_ids=torch.tensor([input_ids], device=dev),  # [1, total_tokens]
@@ -191,7 +197,13 @@ class PagedRunner:
             logits_to_keep=0 if len(sample_rows) == len(input_ids) else torch.tensor(sample_rows, dtype=torch.long, device=dev),
             rill_step=step,
         )
-        return out.logits[0].float()  # [num_sampling_chunks, vocab]
+        logits = out.logits[0].float()  # [num_sampling_chunks, vocab]
+        if dev.type != "cpu" and _argmax_only(plan):
+            # each row's argmax found where the logits are (-1: a row not finite): the sampler then
+            # copies no logits to the host (256 rows of SmolLM2's are 50 MB a step)
+            best = torch.where(torch.isfinite(logits).all(dim=1), logits.argmax(dim=1), -1)
+            logits.rill_argmax = best.cpu()
+        return logits
 
     def _native_decodes(self, plan: list[ScheduledChunk]) -> torch.Tensor:
         """`run` for a step of decodes only on the native step, its slots computed with numpy: the

@@ -38,6 +38,14 @@ def argmax_is_enough(seq) -> bool:
             and seq.num_output_tokens >= p.min_tokens)
 
 
+def _end_spent_thoughts(token_ids: list[int], seqs) -> list[int]:
+    """token_ids, with the token that closes a thought where one used its budget (engine/reasoning.py)."""
+    for i, s in enumerate(seqs):
+        if s.reasoning is not None and (forced := s.reasoning.forced_token()) is not None:
+            token_ids[i] = forced
+    return token_ids
+
+
 def logit_rows(logits: torch.Tensor, index) -> torch.Tensor:
     """logits[index] with what the native step attached to its rows (their argmax, screened or not)."""
     rows = logits[index]
@@ -68,6 +76,10 @@ class Sampler:
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         """logits: [rows, vocab] float32, one row per sequence in `seqs`."""
+        best = getattr(logits, "rill_argmax", None)
+        if best is not None and logits.device.type != "cpu" and best.numel() and int(best.min()) >= 0 \
+                and all(argmax_is_enough(s) for s in seqs):  # a GPU's step found each row's argmax
+            return SampleResult(_end_spent_thoughts(best.tolist(), seqs), [None] * len(seqs), [])
         logits = logits.cpu()
         rows, vocab = logits.shape
         params = [s.params for s in seqs]
@@ -108,9 +120,7 @@ class Sampler:
             greedy = torch.tensor([p.temperature == 0 for p in params])
             token_ids = torch.where(greedy, torch.tensor(token_ids), self._sample(logits, seqs, params)).tolist()
 
-        for i, s in enumerate(seqs):
-            if s.reasoning is not None and (forced := s.reasoning.forced_token()) is not None:
-                token_ids[i] = forced  # the thought used its budget: it ends here
+        token_ids = _end_spent_thoughts(token_ids, seqs)
         logprobs: list[TokenLogprob | None] = [None] * rows
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         if want:
