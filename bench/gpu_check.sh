@@ -19,13 +19,23 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     export PYTHONPATH=/tmp/rill-site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+if ! $PY -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    echo "gpu_check: $PY's torch sees no CUDA GPU here; nothing to check (run this on a GPU machine)"
+    exit 2
+fi
+tok=${RILL_GPU_TOKENIZER:-.gpu/smollm2}
+if [ ! -f "$tok/tokenizer.json" ]; then
+    echo "gpu_check: no SmolLM2 tokenizer in $tok; write it where the embedded model is installed:"
+    echo "  .venv/bin/python -m bench.gpu_check --save-tokenizer $tok"
+    exit 2
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 $PY -c 'import torch, transformers, triton; print("torch", torch.__version__, "transformers", transformers.__version__, "triton", triton.__version__)' | tee -a "$out/gpu.txt"
 start=$SECONDS
 timeout 180 $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$out/parity.log"
 parity=${PIPESTATUS[0]}
 echo "parity: exit $parity after $((SECONDS - start)) s" | tee -a "$out/parity.log"
-timeout 240 $PY -m bench.gpu_check --tokenizer "${RILL_GPU_TOKENIZER:-.gpu/smollm2}" --out "$out/gpu_check.json" \
+timeout 240 $PY -m bench.gpu_check --tokenizer "$tok" --out "$out/gpu_check.json" \
     > "$out/figures.log" 2>&1
 figures=$?
 grep -v "^Loading weights" "$out/figures.log" | grep -E "^(bf16|sweep|memory|\{'gpu)|Error|error" | head -80
