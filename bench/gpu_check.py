@@ -6,14 +6,17 @@
   exact by design: the engine batches other rows beside each prompt and its attention sums in
   another order, and a bfloat16 rounding can flip a near-tie.
 - **Throughput.** `LLM.generate` alone (no server), a closed batch of N prompts of 20 tokens,
-  128 tokens each (`ignore_eos`), bfloat16, random weights in SmolLM2-135M's shape (its own
+  64 tokens each (`ignore_eos`), bfloat16, random weights in SmolLM2-135M's shape (its own
   tokenizer, `--tokenizer`) and in a 1.2B Llama's shape (Llama-3.2-1B's layers and heads, SmolLM2's
   vocabulary): the Triton decode attention against the torch path, tokens per second.
+- **Attention.** The kernel alone on 4,000-position contexts: each (sequence, KV head) in one
+  program against its positions split into shares (what a step of few sequences gets).
 - **Memory.** Peak CUDA memory above the loaded engine while 32 (64) sequences decode after prompts
   of 4,000 tokens: the torch path gathers every decode's keys and values padded to the longest
   context, per layer; the Triton kernel reads the cache in place.
 
 Usage: python -m bench.gpu_check --tokenizer DIR [--out FILE.json] [--batches 1,8,32,128,256] [--tokens 64]
+                                [--sections bf16_agreement,sweep,attention,memory]
        python -m bench.gpu_check --save-tokenizer DIR   (on the CPU machine: the embedded model's tokenizer)
 """
 
@@ -128,6 +131,49 @@ def sweep(path: Path, batches: list[int], tokens: int, kernel: bool) -> list[dic
     return rows
 
 
+def attention_timing() -> list[dict]:
+    """The decode attention alone, one layer's call on contexts of 4,000 positions (bfloat16, blocks
+    of 16 scattered over the cache): each (sequence, KV head) whole in one program against its
+    positions split into the shares the kernel chooses. Microseconds a call, mean of 50."""
+    from engine.gpu import paged_decode_kernel
+
+    kernel = paged_decode_kernel(torch.device("cuda"))
+    rows_out = []
+    context, block = 4000, 16
+    for name, heads, kv_heads, dim in (("smollm2-135m", 9, 3, 64), ("llama-1.2b", 32, 8, 64)):
+        for rows in (1, 4, 32, 128):
+            per_row = -(-context // block)
+            gen = torch.Generator(device="cuda").manual_seed(rows)
+            k_cache = torch.randn(rows * per_row * block, kv_heads, dim, device="cuda", generator=gen).bfloat16()
+            v_cache = torch.randn_like(k_cache)
+            tables = torch.randperm(rows * per_row, device="cuda", generator=gen).int().view(rows, per_row)
+            query = torch.randn(1, heads, rows, dim, device="cuda", generator=gen).bfloat16()
+            out = torch.empty(rows, heads, dim, device="cuda", dtype=torch.bfloat16)
+            index = torch.arange(rows, device="cuda")
+            lens = torch.full((rows,), context, device="cuda")
+            row = dict(model=name, sequences=rows, context=context)
+            for label, splits in (("whole_us", 1), ("split_us", None)):
+                kernel.splits = splits
+                call = lambda: kernel(query, out, k_cache, v_cache, index, tables, block, lens, dim ** -0.5, None, None,
+                                      context)
+                for _ in range(3):
+                    call()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(50):
+                    call()
+                end.record()
+                torch.cuda.synchronize()
+                row[label] = round(start.elapsed_time(end) * 1000 / 50, 1)
+            kernel.splits = None
+            row["shares"] = kernel.num_splits(rows * kv_heads, context, None)
+            row["whole_over_split"] = round(row["whole_us"] / row["split_us"], 2)
+            rows_out.append(row)
+            print(f"attention {row}", flush=True)
+            del k_cache, v_cache
+    return rows_out
+
+
 def long_context_memory(path: Path, sequences: int, prompt_tokens: int, kernel: bool) -> dict:
     from engine import LLM, EngineConfig, SamplingParams
     from engine.loading import load_model
@@ -166,7 +212,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=64, help="tokens each sequence generates in the sweep")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="random-weight model shapes of the sweep")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    parser.add_argument("--sections", default="bf16_agreement,sweep,memory", help="which parts to run")
+    parser.add_argument("--sections", default="bf16_agreement,sweep,attention,memory", help="which parts to run")
     args = parser.parse_args(argv)
     if args.save_tokenizer:
         from engine.loading import load_model
@@ -199,6 +245,7 @@ def main(argv=None) -> int:
             ("bf16_agreement", lambda: bf16_agreement(root)),
             ("sweep", lambda: [row for shape in shapes for kernel in (True, False)
                                for row in sweep(model(shape), batches, tokens, kernel)]),
+            ("attention", lambda: attention_timing() if DEVICE == "cuda" else "not on CPU"),
             ("memory", lambda: [long_context_memory(model(shape), n, 4000, kernel)
                                 for shape, n in (("smollm2-135m", 32), ("llama-1.2b", 64)) if shape in shapes
                                 for kernel in (True, False)] if DEVICE == "cuda" else "not on CPU"),

@@ -3,7 +3,7 @@
 #   1. parity: tests/test_gpu.py (float32 greedy equals `generate` on the GPU with the Triton decode
 #      attention and with the torch path; the kernel against float64 in float32, bfloat16, float16);
 #   2. figures: bench/gpu_check.py (bfloat16 agreement with `generate`, an engine throughput sweep,
-#      the decode attention's memory at long contexts), as JSON.
+#      the decode attention alone whole and split, its memory at long contexts), as JSON.
 # Usage: bash bench/gpu_check.sh [OUT_DIR]     (default: $OUT, else ./gpu_check_out)
 # Needs torch with CUDA and Triton, transformers >= 5.23, pytest, and SmolLM2's tokenizer in
 # $RILL_GPU_TOKENIZER (default .gpu/smollm2; write it on the CPU machine with
@@ -38,6 +38,6 @@ echo "parity: exit $parity after $((SECONDS - start)) s" | tee -a "$out/parity.l
 timeout 240 $PY -m bench.gpu_check --tokenizer "$tok" --out "$out/gpu_check.json" \
     > "$out/figures.log" 2>&1
 figures=$?
-grep -v "^Loading weights" "$out/figures.log" | grep -E "^(bf16|sweep|memory|\{'gpu)|Error|error" | head -80
+grep -v "^Loading weights" "$out/figures.log" | grep -E "^(bf16|sweep|attention|memory|\{'gpu)|Error|error" | head -80
 echo "figures: exit $figures after $((SECONDS - start)) s"
 exit $(( parity || figures ))

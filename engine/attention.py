@@ -87,6 +87,7 @@ class StepMetadata:
     prefills: list[PrefillChunk] = field(default_factory=list)
     decode_kernel: object | None = None  # cpu.DecodeAttentionKernel (float32 CPU) or gpu.PagedDecodeKernel (CUDA)
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, width] int32, for a kernel that reads blocks
+    decode_max_context: int = 0  # the longest of decode_context_lens
     _masks: dict = field(default_factory=dict)  # (kind, key, window) -> bool mask, built once per step
 
     def decode_mask(self, sliding_window: int | None) -> torch.Tensor:
@@ -152,7 +153,8 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     kernel = step.decode_kernel
     if step.decode_block_tables is not None:  # the GPU kernel: the paged cache read in place
         kernel(query, out, k_cache, v_cache, step.decode_token_index, step.decode_block_tables,
-               step.cache.block_size, step.decode_context_lens, scaling, sliding_window, softcap)
+               step.cache.block_size, step.decode_context_lens, scaling, sliding_window, softcap,
+               step.decode_max_context)
     elif step.decode_token_index is not None and kernel is not None and query.dtype == k_cache.dtype == torch.float32 \
             and query.stride(-1) == 1:
         kernel(query, out, k_cache, v_cache, step.decode_token_index, step.decode_slots,

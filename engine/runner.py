@@ -188,6 +188,7 @@ class PagedRunner:
             prefills=chunks,
             decode_kernel=self.decode_kernel,
             decode_block_tables=decode_tables,
+            decode_max_context=max(dec_lens, default=0),
         )
         out = self.model(
             input_ids=torch.tensor([input_ids], device=dev),  # [1, total_tokens]

@@ -36,18 +36,24 @@ def reference_attention(query, k_cache, v_cache, index, tables, block_size, lens
     return out
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("dtype, tol, splits", [
+    *[(torch.float32, 1e-5, splits) for splits in (None, 1, 3, 8)],  # None: the kernel's choice
+    (torch.bfloat16, 2e-2, 1), (torch.bfloat16, 2e-2, 3), (torch.float16, 2e-3, 3),
+])
 @pytest.mark.parametrize("heads, kv_heads, dim, window, softcap", [
     (9, 3, 64, None, None),  # SmolLM2's geometry
     (8, 8, 128, None, None),  # no GQA, a wide head
     (8, 2, 80, 7, None),  # a head size that is no power of two, a sliding window
     (4, 2, 16, 5, 50.0),  # Gemma-2: window and soft cap
 ])
-def test_the_kernel_reads_each_decodes_blocks_in_place(dtype, tol, heads, kv_heads, dim, window, softcap):
+def test_the_kernel_reads_each_decodes_blocks_in_place(dtype, tol, heads, kv_heads, dim, window, softcap, splits):
+    """Each decode's attention over its own blocks, whole or in shares of its positions whose
+    softmax states are merged (as a step of few sequences is split to fill the GPU)."""
     from engine.gpu import paged_decode_kernel
 
     kernel = paged_decode_kernel(torch.device("cuda"))
     assert kernel is not None, "Triton is missing: the GPU would take the torch path"
+    kernel.splits = splits
     gen = torch.Generator(device="cuda").manual_seed(0)
     block_size, blocks, tokens = 16, 64, 7
     k_cache = torch.randn(blocks * block_size, kv_heads, dim, device="cuda", generator=gen).to(dtype)
@@ -65,7 +71,7 @@ def test_the_kernel_reads_each_decodes_blocks_in_place(dtype, tol, heads, kv_hea
         taken += need
     out = torch.full((tokens, heads, dim), 7.0, dtype=dtype, device="cuda")
     scaling = dim ** -0.5
-    kernel(query, out, k_cache, v_cache, index, tables, block_size, lens, scaling, window, softcap)
+    kernel(query, out, k_cache, v_cache, index, tables, block_size, lens, scaling, window, softcap, 300)
     want = reference_attention(query, k_cache, v_cache, index, tables, block_size, lens, scaling, window, softcap)
     got = out.double()
     err = (got[index] - want[index]).abs().max().item()
@@ -85,9 +91,12 @@ def generate_on_cuda(path, prompts, dtype) -> list[list[int]]:
     return outs
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3norm", "gemma2", "gpt2"])
-@pytest.mark.parametrize("kernel", [True, False], ids=["triton", "torch-path"])
-def test_greedy_on_cuda_equals_generate(tiny_model, arch, kernel):
+@pytest.mark.parametrize("arch, kernel, splits", [
+    *[(arch, kernel, None) for arch in ("llama", "mistral", "qwen2", "qwen3norm", "gemma2", "gpt2")
+      for kernel in (True, False)],
+    ("llama", True, 4), ("gemma2", True, 4),  # every decode's positions in 4 shares, merged
+])
+def test_greedy_on_cuda_equals_generate(tiny_model, arch, kernel, splits):
     """16 prompts of 1 to 300 tokens batched together (chunked prefill beside decodes), float32:
     the same tokens as `generate` on the same GPU, with the Triton decode attention and without."""
     assert not torch.backends.cuda.matmul.allow_tf32, "TF32 matmuls would change float32's sums"
@@ -97,6 +106,8 @@ def test_greedy_on_cuda_equals_generate(tiny_model, arch, kernel):
     runner = llm.core.runner
     assert llm.core.attention_path == "paged" and runner.device.type == "cuda"
     assert (type(runner.decode_kernel).__name__ == "PagedDecodeKernel") == kernel
+    if splits:
+        runner.decode_kernel.splits = splits
     prompts = make_prompts(len(loaded.tokenizer))
     results = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
     refs = generate_on_cuda(path, prompts, torch.float32)
