@@ -3,7 +3,8 @@
 The torch path gathers every decode's keys and values into one tensor padded to the longest
 context of the step, so its memory grows with batch x context. Here one program per (decode
 sequence, KV head) walks that sequence's own block table and reads its keys and values where they
-lie, with an online softmax in float32: no gather, no padding, nothing allocated but the output.
+lie, with an online softmax in float32: no gather, no padding (split shares, below, allocate
+their softmax states: a few floats per head and share).
 The query heads that share a KV head (GQA) are computed together, so each key is read once.
 
 Exact float32 arithmetic (no TF32: products are summed on the CUDA cores, not `tl.dot`), so a
@@ -106,7 +107,6 @@ class PagedDecodeKernel:
 
     reads = "blocks"
     path = "triton (paged, in place)"
-    dtypes = (torch.float32, torch.bfloat16, torch.float16)
     MIN_SHARE = 256  # positions: a share below this costs more to merge than it saves
 
     def __init__(self, device: torch.device, block_n: int = 32):
