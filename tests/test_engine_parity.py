@@ -143,6 +143,47 @@ def test_torch_decode_path_equals_generate(tiny_model, arch):
     assert engine_outputs(llm, prompts) == refs
 
 
+class BlockTableAttention:
+    """What the GPU's decode attention (engine/gpu.py) is handed, block tables rather than a slot
+    per position, turned into attention in torch here: CI has no GPU, and this checks that the
+    runner hands each decode its own blocks, length, query row and the step's longest context."""
+
+    reads = "blocks"
+    path = "block tables, in torch (test)"
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, query, out, k_cache, v_cache, token_index, block_tables, block_size, context_lens,
+                 scaling, window, softcap, max_context):
+        assert max_context == int(context_lens.max()) and block_tables.dtype == torch.int32
+        groups = query.shape[1] // k_cache.shape[1]
+        for row in range(token_index.shape[0]):
+            length, tok = int(context_lens[row]), int(token_index[row])
+            pos = torch.arange(length)
+            slots = block_tables[row].long()[pos // block_size] * block_size + pos % block_size
+            k = k_cache[slots].repeat_interleave(groups, dim=1)  # [length, heads, D]
+            v = v_cache[slots].repeat_interleave(groups, dim=1)
+            scores = torch.einsum("hd,lhd->hl", query[0, :, tok], k) * scaling
+            if softcap:
+                scores = torch.tanh(scores / softcap) * softcap
+            if window:
+                scores[:, pos < length - window] = float("-inf")
+            out[tok] = torch.einsum("hl,lhd->hd", torch.softmax(scores, dim=-1), v)
+        self.calls += 1
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2"])
+def test_a_kernel_that_reads_block_tables_gets_each_decodes_own(tiny_model, arch):
+    """The runner's side of the GPU kernel's interface, on the CPU: the same tokens as `generate`."""
+    path, prompts, refs = prompts_and_refs(tiny_model, arch)
+    llm = LLM(load_model(str(path)), EngineConfig(max_num_batched_tokens=128, native_decode=False))
+    runner = llm.core.runner
+    runner.decode_kernel, runner.kernel_reads_blocks = BlockTableAttention(), True
+    assert engine_outputs(llm, prompts) == refs
+    assert runner.decode_kernel.calls >= MAX_TOKENS * 2  # every decode step, in each of the 2 layers
+
+
 @pytest.mark.parametrize("arch", ["llama", "mistral", "bloom"])
 def test_parity_survives_preemption(tiny_model, arch):
     path, prompts, refs = prompts_and_refs(tiny_model, arch)
