@@ -64,11 +64,9 @@ def random_model(shape: str, tokenizer_dir: Path, out: Path) -> Path:
 
 
 def bf16_agreement(root: Path) -> list[dict]:
-    from transformers import AutoModelForCausalLM
-
     from engine import LLM, EngineConfig, SamplingParams
     from engine.loading import load_model
-    from tests.test_engine_parity import MAX_TOKENS, make_prompts
+    from tests.test_engine_parity import MAX_TOKENS, make_prompts, reference_outputs
     from tests.tiny_models import build_tiny_model, build_tokenizer
 
     tokenizer = build_tokenizer()
@@ -79,20 +77,15 @@ def bf16_agreement(root: Path) -> list[dict]:
         prompts = make_prompts(len(loaded.tokenizer))
         llm = LLM(loaded, EngineConfig(max_num_batched_tokens=128))
         got = [r.token_ids for r in llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))]
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(DEVICE).eval()
         shares = []
-        for prompt, tokens in zip(prompts, got):
-            ids = torch.tensor([prompt], device=DEVICE)
-            with torch.no_grad():
-                want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
-                                      do_sample=False)[0, len(prompt):].tolist()
+        for tokens, want in zip(got, reference_outputs(path, prompts, device=DEVICE, dtype=torch.bfloat16)):
             same = next((i for i, (a, b) in enumerate(zip(tokens, want)) if a != b), min(len(tokens), len(want)))
             shares.append(same / MAX_TOKENS)
         rows.append(dict(arch=arch, prompts=len(prompts), identical=sum(s == 1.0 for s in shares),
                          mean_share_before_first_difference=round(sum(shares) / len(shares), 3),
                          kernel_calls=getattr(llm.core.runner.decode_kernel, "calls", None)))
         print(f"bf16 {arch}: {rows[-1]}", flush=True)
-        del llm, model
+        del llm
         empty_cache()
     return rows
 

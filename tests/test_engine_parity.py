@@ -23,11 +23,12 @@ def make_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in PROMPT_LENGTHS]  # 0..2 are special
 
 
-def reference_outputs(path, prompts) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+def reference_outputs(path, prompts, device: str = "cpu", dtype=torch.float32) -> list[list[int]]:
+    """`generate(do_sample=False)` on each prompt alone."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     outs = []
     for prompt in prompts:
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=device)
         with torch.no_grad():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
                                  do_sample=False)

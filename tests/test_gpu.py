@@ -5,11 +5,9 @@ CI is; `bench/gpu_check.sh` runs them on the GPU machine, with the bfloat16 figu
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
-
 from engine import LLM, EngineConfig, SamplingParams
 from engine.loading import load_model
-from tests.test_engine_parity import MAX_TOKENS, PROMPT_LENGTHS, make_prompts
+from tests.test_engine_parity import MAX_TOKENS, PROMPT_LENGTHS, make_prompts, reference_outputs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (bench/gpu_check.sh runs these on the GPU machine)")
@@ -79,18 +77,6 @@ def test_the_kernel_reads_each_decodes_blocks_in_place(dtype, tol, heads, kv_hea
     assert (out[[1, 2, 5]] == 7.0).all(), "the kernel wrote rows that are no decode's"
 
 
-def generate_on_cuda(path, prompts, dtype) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to("cuda").eval()
-    outs = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt], device="cuda")
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
-                                 do_sample=False)
-        outs.append(out[0, len(prompt):].tolist())
-    return outs
-
-
 @pytest.mark.parametrize("arch, kernel, splits", [
     *[(arch, kernel, None) for arch in ("llama", "mistral", "qwen2", "qwen3norm", "gemma2", "gpt2")
       for kernel in (True, False)],
@@ -110,7 +96,7 @@ def test_greedy_on_cuda_equals_generate(tiny_model, arch, kernel, splits):
         runner.decode_kernel.splits = splits
     prompts = make_prompts(len(loaded.tokenizer))
     results = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
-    refs = generate_on_cuda(path, prompts, torch.float32)
+    refs = reference_outputs(path, prompts, device="cuda")
     for n, got, want in zip(PROMPT_LENGTHS, [r.token_ids for r in results], refs):
         assert got == want, f"{arch}: prompt of {n} tokens diverged"
     if kernel:
