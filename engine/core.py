@@ -197,9 +197,13 @@ class EngineCore:
             native = self._native_decoder(model) if on_cpu and kernel is not None and config.native_decode else None
             self.runner = PagedRunner(model, self.num_kv_blocks, config.block_size, decode_kernel=kernel, native=native,
                                       native_prefill_tokens=config.native_prefill_tokens)
+            self.decode_attention = ("C (the native decode step)" if native is not None else
+                                     "Triton (the paged cache in place)" if self.runner.kernel_reads_blocks else
+                                     "C kernel" if kernel is not None else "torch (gathered per step)")
             log.info("engine: decode attention %s", f"in the kernel {kernel.path}" if kernel else "on the torch path")
         else:
             self.runner = FallbackRunner(model)
+            self.decode_attention = "transformers' own (the fallback path)"
         self.attention_path = self.runner.path
         # the fallback path keeps its own cache per sequence: nothing there to share
         self.allocator = BlockAllocator(self.num_kv_blocks, config.block_size,

@@ -279,3 +279,10 @@ def test_cors_is_off_by_default(tiny_server):
     response = post_chat(tiny_server.url, {"prompt": "Hi", "max_new_tokens": 1, "stream": False},
                          headers={"Origin": "https://evil.example"})
     assert response.status_code == 200 and "access-control-allow-origin" not in response.headers
+
+
+def test_health_says_which_weights_linears_and_decode_attention_the_model_got(tiny_server):
+    """The tiny Llama in float32 on the CPU: float weights, the C linears, decode steps in C."""
+    health = httpx.get(f"{tiny_server.url}/health", timeout=10).json()
+    assert (health["weights"], health["linears"], health["decode_attention"]) == \
+        ("float", "C kernel", "C (the native decode step)")

@@ -64,6 +64,8 @@ def test_batched_greedy_equals_generate(tiny_model, arch, path_kind):
         assert llm.core.runner.decode_kernel is not None, "the decode attention kernel was not built"
     assert llm.core.linears == "C kernel"  # every linear (needs the C compiler too)
     assert (getattr(llm.core.runner, "native", None) is not None) == (arch in NATIVE_ARCHS)
+    assert llm.core.decode_attention == ("C (the native decode step)" if arch in NATIVE_ARCHS else
+                                         "C kernel" if path_kind == "paged" else "transformers' own (the fallback path)")
     got = engine_outputs(llm, prompts)
     for n, g, r in zip(PROMPT_LENGTHS, got, refs):
         assert g == r, f"{arch}: prompt of {n} tokens diverged"
@@ -141,6 +143,7 @@ def test_torch_decode_path_equals_generate(tiny_model, arch):
     llm = LLM(load_model(str(path)), EngineConfig(max_num_batched_tokens=128, decode_kernel=False,
                                                   linear_kernel=False))
     assert llm.core.runner.decode_kernel is None and llm.core.linears == "oneDNN"
+    assert llm.core.decode_attention == "torch (gathered per step)"
     assert engine_outputs(llm, prompts) == refs
 
 

@@ -92,6 +92,7 @@ def test_greedy_on_cuda_equals_generate(tiny_model, arch, kernel, splits):
     runner = llm.core.runner
     assert llm.core.attention_path == "paged" and runner.device.type == "cuda"
     assert (type(runner.decode_kernel).__name__ == "PagedDecodeKernel") == kernel
+    assert llm.core.decode_attention == ("Triton (the paged cache in place)" if kernel else "torch (gathered per step)")
     if splits:
         runner.decode_kernel.splits = splits
     prompts = make_prompts(len(loaded.tokenizer))

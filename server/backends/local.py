@@ -66,4 +66,5 @@ class LocalEngine(AsyncEngine):
 
     def health_info(self) -> dict:
         return {"backend": "local", "weights": self.loaded.weights, "linears": self.core.linears,
+                "decode_attention": self.core.decode_attention,
                 "engine_restarts": self.num_restarts}

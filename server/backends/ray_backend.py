@@ -186,6 +186,7 @@ class RayEngine(RemoteEngine):
     def health_info(self) -> dict:
         replicas = self.replica_stats()
         return {"backend": "ray", "weights": self._info.get("weights"), "linears": self._info.get("linears"),
+                "decode_attention": self._info.get("decode_attention"),
                 "engine_restarts": sum(int(e.get("engine_restarts", 0)) for e in replicas),
                 "replicas": [{"replica": e["replica"], "pid": e.get("pid"), "alive": e["alive"],
                               "requests_total": e.get("requests_total", 0), "engine": e.get("engine")}

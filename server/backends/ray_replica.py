@@ -93,6 +93,7 @@ class EngineReplica:
         engine = self.engine
         return {"model_name": engine.model_name, "max_model_len": engine.max_model_len,
                 "tokenizer": engine.tokenizer, "weights": engine.loaded.weights, "linears": engine.core.linears,
+                "decode_attention": engine.core.decode_attention,
                 "attention_path": engine.attention_path, "block_size": engine.config.block_size,
                 "num_kv_blocks": engine.core.num_kv_blocks}
 
