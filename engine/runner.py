@@ -149,15 +149,15 @@ class PagedRunner:
 
         slot_mapping = slots(torch.tensor(token_rows), pos)
         decode_slots = decode_lens = decode_index = decode_tables = None
-        if dec_index and self.kernel_reads_blocks:  # [num_decodes, width]: no slot per context position
-            decode_tables = flat_tables.view(len(plan), width).index_select(0, torch.tensor(dec_rows))
-            decode_tables = decode_tables.to(dev, torch.int32)
-        elif dec_index:
-            ctx_len = max(dec_lens)
-            ctx = torch.arange(ctx_len).repeat(len(dec_rows))
-            rows = torch.tensor(dec_rows).repeat_interleave(ctx_len)
-            decode_slots = slots(rows, ctx).view(len(dec_rows), ctx_len).to(dev)  # [num_decodes, max_context]
         if dec_index:
+            if self.kernel_reads_blocks:  # [num_decodes, width]: no slot per context position
+                decode_tables = flat_tables.view(len(plan), width).index_select(0, torch.tensor(dec_rows))
+                decode_tables = decode_tables.to(dev, torch.int32)
+            else:
+                ctx_len = max(dec_lens)
+                ctx = torch.arange(ctx_len).repeat(len(dec_rows))
+                rows = torch.tensor(dec_rows).repeat_interleave(ctx_len)
+                decode_slots = slots(rows, ctx).view(len(dec_rows), ctx_len).to(dev)  # [num_decodes, max_context]
             decode_lens = torch.tensor(dec_lens, device=dev)
             decode_index = torch.tensor(dec_index, device=dev)
         prompt_tokens = len(input_ids) - len(dec_index)

@@ -149,8 +149,9 @@ def test_torch_decode_path_equals_generate(tiny_model, arch):
 
 class BlockTableAttention:
     """What the GPU's decode attention (engine/gpu.py) is handed, block tables rather than a slot
-    per position, turned into attention in torch here: CI has no GPU, and this checks that the
-    runner hands each decode its own blocks, length, query row and the step's longest context."""
+    per position, turned into attention in torch here (in the inputs' dtype and device): CI has no
+    GPU, and this checks that the runner hands each decode its own blocks, length, query row and the
+    step's longest context; tests/test_gpu.py holds the Triton kernel to it in float64."""
 
     reads = "blocks"
     path = "block tables, in torch (test)"
@@ -164,7 +165,7 @@ class BlockTableAttention:
         groups = query.shape[1] // k_cache.shape[1]
         for row in range(token_index.shape[0]):
             length, tok = int(context_lens[row]), int(token_index[row])
-            pos = torch.arange(length)
+            pos = torch.arange(length, device=query.device)
             slots = block_tables[row].long()[pos // block_size] * block_size + pos % block_size
             k = k_cache[slots].repeat_interleave(groups, dim=1)  # [length, heads, D]
             v = v_cache[slots].repeat_interleave(groups, dim=1)

@@ -7,31 +7,11 @@ import pytest
 import torch
 from engine import LLM, EngineConfig, SamplingParams
 from engine.loading import load_model
-from tests.test_engine_parity import MAX_TOKENS, PROMPT_LENGTHS, make_prompts, reference_outputs
+from tests.test_engine_parity import (MAX_TOKENS, PROMPT_LENGTHS, BlockTableAttention, make_prompts,
+                                      reference_outputs)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (bench/gpu_check.sh runs these on the GPU machine)")
-
-
-def reference_attention(query, k_cache, v_cache, index, tables, block_size, lens, scaling, window, softcap):
-    """Each decode's keys and values gathered from its block table; attention in float64."""
-    _, heads, tokens, dim = query.shape
-    groups = heads // k_cache.shape[1]
-    out = torch.zeros(tokens, heads, dim, dtype=torch.float64, device=query.device)
-    for row in range(index.shape[0]):
-        length = int(lens[row])
-        pos = torch.arange(length, device=query.device)
-        slots = tables[row].long()[pos // block_size] * block_size + pos % block_size
-        k = k_cache[slots].double().repeat_interleave(groups, dim=1)  # [length, heads, D]
-        v = v_cache[slots].double().repeat_interleave(groups, dim=1)
-        q = query[0, :, int(index[row])].double()  # [heads, D]
-        scores = torch.einsum("hd,lhd->hl", q, k) * scaling
-        if softcap:
-            scores = torch.tanh(scores / softcap) * softcap
-        if window:
-            scores[:, pos < length - window] = float("-inf")
-        out[int(index[row])] = torch.einsum("hl,lhd->hd", torch.softmax(scores, dim=-1), v)
-    return out
 
 
 @pytest.mark.parametrize("dtype, tol, splits", [
@@ -70,7 +50,9 @@ def test_the_kernel_reads_each_decodes_blocks_in_place(dtype, tol, heads, kv_hea
     out = torch.full((tokens, heads, dim), 7.0, dtype=dtype, device="cuda")
     scaling = dim ** -0.5
     kernel(query, out, k_cache, v_cache, index, tables, block_size, lens, scaling, window, softcap, 300)
-    want = reference_attention(query, k_cache, v_cache, index, tables, block_size, lens, scaling, window, softcap)
+    want = torch.zeros(tokens, heads, dim, dtype=torch.float64, device="cuda")  # the same gathered in float64
+    BlockTableAttention()(query.double(), want, k_cache.double(), v_cache.double(), index, tables, block_size, lens,
+                          scaling, window, softcap, 300)
     got = out.double()
     err = (got[index] - want[index]).abs().max().item()
     assert err <= tol * max(1.0, want[index].abs().max().item()), f"max error {err:.2e} against float64"
