@@ -11,6 +11,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 
 from server import chat, openai_api
+from server.backends import delay_steps
 from server.errors import ApiError, install_error_handlers
 from server.middleware import ApiGuard
 from server.resume import ResumeRegistry
@@ -98,7 +99,7 @@ def create_app(engine, settings: Settings) -> FastAPI:
             return JSONResponse({"ready": False, "reason": "shutting down"}, status_code=503)
         return {"ready": True}
 
-    if settings.test_hooks and getattr(engine, "core", None) is not None:  # hooks into an engine in this process
+    if settings.test_hooks:
         _install_test_hooks(app, engine)
 
     try:  # another module owns the metrics; the app works without it
@@ -131,8 +132,9 @@ class InjectedFailure(RuntimeError):
 def _install_test_hooks(app: FastAPI, engine) -> None:
     """--test-hooks only (without the flag these routes do not exist; with an API key they need it,
     like every route): `POST /_test/kill-engine` makes the engine loop die at its next step, so the
-    suite can check /health's 503 and the error events of in-flight streams; `POST /_test/slow-steps`
-    makes every step sleep first (for timeouts); `POST /_test/raise`
+    suite can check /health's 503 and the error events of in-flight streams (an engine in this
+    process only); `POST /_test/slow-steps` makes every step sleep first (for timeouts; also the
+    replicas of --backend ray); `POST /_test/raise`
     fails inside a route with an exception whose text names a file, so the suite can check that
     a 500's body carries none of it."""
 
@@ -140,22 +142,23 @@ def _install_test_hooks(app: FastAPI, engine) -> None:
     async def raise_inside():
         raise InjectedFailure("secret detail from /srv/rill/server/app.py line 1")
 
+    local = getattr(engine, "core", None) is not None
+    if not local and not hasattr(engine, "delay_steps"):
+        return  # --backend openai: nothing of the engine runs here
+
     @app.post("/_test/slow-steps", include_in_schema=False)
     async def slow_steps(seconds: float = 0.0):
         """Every engine step sleeps `seconds` first (0 undoes it): a request outlives a short
-        timeout however fast the machine."""
-        core = engine.core
-        step = getattr(core, "_step_before_test_delay", core.step)
-        core._step_before_test_delay = step
-        if seconds > 0:
-            def slowed():
-                time.sleep(seconds)
-                return step()
-
-            core.step = slowed
+        timeout however fast the machine. With --backend ray, on every replica (answered once
+        each has applied it)."""
+        if local:
+            delay_steps(engine.core, seconds)
         else:
-            core.step = step
+            await asyncio.to_thread(engine.delay_steps, seconds)
         return {"step_delay_s": max(seconds, 0.0)}
+
+    if not local:
+        return
 
     @app.post("/_test/kill-engine", include_in_schema=False)
     async def kill_engine():

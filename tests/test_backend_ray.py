@@ -16,7 +16,7 @@ import httpx
 import pytest
 from gradio_client import Client
 
-from tests.servers import SSEReader, chat_text, run_server, wait_idle
+from tests.servers import SSEReader, chat_text, run_server, slow_steps, wait_idle
 
 pytest.importorskip("ray.serve", reason="--backend ray needs requirements-ray.txt")
 pytestmark = [pytest.mark.ray, pytest.mark.server]
@@ -177,32 +177,42 @@ def both_running(server, wait_s: float = 1.5) -> dict[str, int]:
 
 def test_a_killed_replica_errors_its_streams_the_other_serves_and_ray_restarts_it(ray_front):
     """Last in the module: it kills a replica process. The kill comes as soon as both replicas
-    run a stream (their statistics are at most 0.5 s old). Each stream is 4 samples of 1,000
-    tokens (3.4 s alone on two cores, 1.4 s for one sample: the kill once came after the dead
-    replica had finished), so the dead one's are still running on a faster machine too."""
-    body = {"max_tokens": 1000, "ignore_eos": True, "stream": True, "n": 4}
+    run a stream (their statistics are at most 0.5 s old, more when a replica is busy). Each
+    stream is 4 samples of 500 tokens, and every step of the replicas sleeps 10 ms first
+    (`/_test/slow-steps` reaches them through the board), so a stream lasts at least 5 s however
+    fast the machine: without the sleep they took 1.5-1.9 s, and the kill once came after both
+    had finished."""
+    body = {"max_tokens": 500, "ignore_eos": True, "stream": True, "n": 4}
     clients, streams, running = [], [], {}
     try:
-        for i in range(0, 6, 2):  # two at a time, until both replicas run some (24 samples fill one)
-            for j in (i, i + 1):
-                client = httpx.Client(timeout=120)
-                request = client.build_request("POST", f"{ray_front.url}/v1/completions",
-                                               json={**body, "prompt": f"Stream {j}: say something long."})
-                clients.append(client)
-                streams.append(client.send(request, stream=True))
-            running = both_running(ray_front)
-            if running:
-                break
-        assert running, f"the streams did not spread over both replicas: {ray_front.health()['replicas']}"
-        victim_id = max(running, key=running.get)
-        victim = replicas(ray_front)[victim_id]
-        os.kill(victim["pid"], signal.SIGKILL)
-        outcomes = in_parallel(lambda r: [e.event for e in SSEReader(r)], streams)
+        with slow_steps(ray_front.url, 0.01):
+            for i in range(0, 6, 2):  # two at a time, until both replicas run some (24 samples fill one)
+                for j in (i, i + 1):
+                    client = httpx.Client(timeout=120)
+                    request = client.build_request("POST", f"{ray_front.url}/v1/completions",
+                                                   json={**body, "prompt": f"Stream {j}: say something long."})
+                    clients.append(client)
+                    streams.append(client.send(request, stream=True))
+                running = both_running(ray_front)
+                if running:
+                    break
+            assert running, f"the streams did not spread over both replicas: {ray_front.health()['replicas']}"
+            started = time.monotonic()
+            victim_id = max(running, key=running.get)
+            victim = replicas(ray_front)[victim_id]
+            os.kill(victim["pid"], signal.SIGKILL)
+
+            def read(response) -> tuple[list[str], float]:
+                events = [e.event for e in SSEReader(response)]
+                return events, time.monotonic() - started
+
+            timed = in_parallel(read, streams)
     finally:
         for client in clients:
             client.close()
+    outcomes = [events for events, _ in timed]
     errored = [events for events in outcomes if "error" in events]
-    summary = [(len(events), "error" in events) for events in outcomes]
+    summary = [(len(events), "error" in events, f"ended {seconds:.1f} s after the kill") for events, seconds in timed]
     assert errored and len(errored) < len(outcomes), (running, summary)
     assert all(events[-1] == "message" for events in outcomes)  # each ends with data: [DONE]
     # New requests go to the live replica.

@@ -222,6 +222,19 @@ class RayEngine(RemoteEngine):
         finally:
             response.cancel()  # a no-op once the stream ended; else the replica aborts the request
 
+    def delay_steps(self, seconds: float, timeout: float = 30.0) -> None:
+        """Test hook (--test-hooks): every replica's steps sleep `seconds` first. Returns once each
+        live replica has posted that it applied it (they read it from the board as they post)."""
+        ray.get(self._board.set_step_delay.remote(seconds))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            now, entries = time.time(), ray.get(self._board.read.remote()).values()
+            live = [e for e in entries if e.get("alive") and now - e.get("time", 0) < 3.0]  # a killed one's lingers
+            if live and all(e.get("step_delay_s") == max(0.0, seconds) for e in live):
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"the replicas did not apply a step delay of {seconds:g} s within {timeout:g} s")
+
     def failure_message(self, exc: BaseException) -> str:
         if isinstance(exc, (RayActorError, ActorUnavailableError)):
             return ("The engine replica serving this request stopped (its process died); the other replicas "

@@ -32,9 +32,14 @@ class StatsBoard:
 
     def __init__(self):
         self.entries: dict[str, dict] = {}
+        self.step_delay_s = 0.0  # test hook (--test-hooks): what every replica's steps sleep first
 
-    def post(self, replica: str, entry: dict) -> None:
+    def post(self, replica: str, entry: dict) -> float:
         self.entries[replica] = entry
+        return self.step_delay_s
+
+    def set_step_delay(self, seconds: float) -> None:
+        self.step_delay_s = max(0.0, float(seconds))
 
     def read(self) -> dict[str, dict]:
         return self.entries
@@ -59,7 +64,7 @@ def build_app(args: dict):
 
     settings = Settings(**args)
     return serve.deployment(EngineReplica, **deployment_options(settings)).bind(
-        dict(iter_engine_fields(settings)), max(1, int(settings.replica_cpus)))
+        dict(iter_engine_fields(settings)), max(1, int(settings.replica_cpus)), bool(settings.test_hooks))
 
 
 def stats_dict(stats) -> dict:
@@ -72,7 +77,7 @@ def stats_dict(stats) -> dict:
 class EngineReplica:
     """One rill engine; Ray Serve makes `num_replicas` of these, each in its own process."""
 
-    def __init__(self, fields: dict, threads: int):
+    def __init__(self, fields: dict, threads: int, test_hooks: bool = False):
         import torch
 
         from server.backends.local import load_engine
@@ -84,6 +89,8 @@ class EngineReplica:
         self.pid = os.getpid()
         self.started = time.time()
         self.requests_total = 0  # requests this replica admitted
+        self.test_hooks = test_hooks  # then the steps sleep what the board says (the front's /_test/slow-steps)
+        self.step_delay_s = 0.0
         self._board = stats_board()
         self._stop = threading.Event()
         threading.Thread(target=self._report_forever, name="rill-replica-stats", daemon=True).start()
@@ -135,13 +142,21 @@ class EngineReplica:
 
     def _entry(self) -> dict:
         return {"replica": self.replica, "pid": self.pid, "time": time.time(), "started": self.started,
-                "alive": bool(self.engine.alive), "requests_total": self.requests_total,
+                "alive": bool(self.engine.alive), "requests_total": self.requests_total, "step_delay_s": self.step_delay_s,
                 "engine_restarts": self.engine.num_restarts, "engine": stats_dict(self.engine.stats())}
 
     def _report_forever(self) -> None:
         while True:
             try:
-                self._board.post.remote(self.replica, self._entry())
+                posted = self._board.post.remote(self.replica, self._entry())
+                if self.test_hooks:
+                    delay = ray.get(posted, timeout=5)
+                    if delay != self.step_delay_s:
+                        from server.backends import delay_steps
+
+                        delay_steps(self.engine.core, delay)
+                        self.step_delay_s = delay
+                        self._board.post.remote(self.replica, self._entry())  # applied: the front waits for this
             except Exception:  # noqa: BLE001 - the board is gone (the front end stopped); try again later
                 log.debug("posting statistics failed", exc_info=True)
             if self._stop.wait(REPORT_PERIOD_S):
