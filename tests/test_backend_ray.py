@@ -142,11 +142,12 @@ def test_a_disconnect_aborts_the_request_on_its_replica(ray_front):
     settle()
     aborted_before = sum(r["engine"]["finished_total"].get("abort", 0) for r in replicas(ray_front).values())
     body = {"prompt": "Count forever.", "max_tokens": 900, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{ray_front.url}/v1/completions", json=body, timeout=60) as response:
-        reader = iter(SSEReader(response))
-        for _ in range(5):
-            next(reader)
-    wait_idle(ray_front.url)  # every replica: nothing running, every KV block free (long before 900 tokens)
+    with slow_steps(ray_front.url, 0.01):  # 900 tokens take 9 s or more: the client leaves long before
+        with httpx.stream("POST", f"{ray_front.url}/v1/completions", json=body, timeout=60) as response:
+            reader = iter(SSEReader(response))
+            for _ in range(5):
+                next(reader)
+        wait_idle(ray_front.url)  # every replica: nothing running, every KV block free
     settle()
     aborted = sum(r["engine"]["finished_total"].get("abort", 0) for r in replicas(ray_front).values())
     assert aborted == aborted_before + 1
@@ -156,7 +157,8 @@ def test_overload_is_a_429_with_retry_after(ray_front):
     # Three prompts of 16 samples each: 48 sequences, and no replica's engine takes two of them.
     body = {"prompt": ["Talk.", "Sing.", "Shout."], "n": 16, "max_tokens": 200, "ignore_eos": True,
             "temperature": 1.0, "stream": True}
-    response = httpx.post(f"{ray_front.url}/v1/completions", json=body, timeout=60)
+    with slow_steps(ray_front.url, 0.01):  # the first prompt's samples still run when the third comes
+        response = httpx.post(f"{ray_front.url}/v1/completions", json=body, timeout=60)
     assert response.status_code == 429, response.text
     assert response.headers["Retry-After"] == "1"
     error = response.json()["error"]
