@@ -65,6 +65,7 @@ def _sampling_params(body: ChatBody, settings, engine) -> SamplingParams:
         repetition_penalty=body.repetition_penalty,
         stop=tuple(body.stop_list()),
         seed=body.seed,
+        ignore_eos=body.ignore_eos,
         constraint=body.constraint(),
         reasoning=getattr(engine, "think_tags", None) is not None,
         max_reasoning_tokens=None if body.max_reasoning_tokens is None else min(body.max_reasoning_tokens, max_tokens),

@@ -123,6 +123,7 @@ class ChatBody(_ConstraintFields):
     repetition_penalty: float = Field(1.0, gt=0, le=100)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    ignore_eos: bool = Field(False, description="go on past the end-of-sequence token, up to max_new_tokens")
     regex: str | None = Field(None, description="the reply must match this regular expression (Rust regex syntax)")
     grammar: str | None = Field(None, description="the reply must match this Lark grammar (llguidance's dialect)")
 

@@ -253,6 +253,17 @@ def test_embedded_model_answers_paris_streaming_and_not(embedded_server):
     assert greedy(url, CAPITAL, max_new_tokens=48) == streamed
 
 
+def test_ignore_eos_goes_past_the_end_of_the_answer_to_max_new_tokens(embedded_server):
+    body = {"prompt": CAPITAL, "stream": False, "temperature": 0, "max_new_tokens": 40}
+    ended = post_chat(embedded_server.url, body).json()
+    going = post_chat(embedded_server.url, {**body, "ignore_eos": True}).json()
+    assert ended["usage"]["finish_reason"] == "stop" and ended["usage"]["completion_tokens"] < 40, ended
+    assert going["usage"]["finish_reason"] == "length" and going["usage"]["completion_tokens"] == 40, going
+    assert going["response"].startswith(ended["response"]) and len(going["response"]) > len(ended["response"])
+    refused = post_chat(embedded_server.url, {**body, "ignore_eos": "sometimes"})
+    assert refused.status_code == 400 and "ignore_eos" in refused.json()["error"], refused.text
+
+
 def test_chinese_prompt_streams_without_replacement_characters(embedded_server):
     body = {"prompt": "法国的首都是哪里？请用中文回答。", "temperature": 0, "max_new_tokens": 48}
     with httpx.stream("POST", f"{embedded_server.url}/chat", json=body, timeout=120) as response:
