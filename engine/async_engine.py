@@ -189,14 +189,8 @@ class AsyncEngine:
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its deltas; aborts it if the consumer goes away first."""
         stream = self.add_request(prompt_token_ids, params, request_id)
-        finished = False
-        try:
-            async for out in stream:
-                yield out
-            finished = True
-        finally:
-            if not finished:
-                self.abort(stream.request_id)
+        async for out in stream.until_done():
+            yield out
 
     def text_streamer(self, prompt_token_ids: list[int], params: SamplingParams,
                       request_id: str | None = None, timeout: float | None = None) -> RequestTextStreamer:

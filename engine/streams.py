@@ -90,6 +90,17 @@ class RequestStream(_Sink):
             if out is not None:
                 yield out
 
+    async def until_done(self) -> AsyncIterator[RequestOutput]:
+        """Like `async for`, but the request is aborted if the consumer leaves before its end."""
+        finished = False
+        try:
+            async for out in self:
+                yield out
+            finished = True
+        finally:
+            if not finished:
+                self.abort()
+
     def iter_sync(self, timeout: float | None = None) -> Iterator[RequestOutput]:
         remaining = self.n
         while remaining:

@@ -179,14 +179,8 @@ class RemoteEngine:
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None):
         stream = self.add_request(prompt_token_ids, params, request_id)
         await self.wait_admitted(stream)
-        finished = False
-        try:
-            async for out in stream:
-                yield out
-            finished = True
-        finally:
-            if not finished:
-                self.abort(stream.request_id)
+        async for out in stream.until_done():
+            yield out
 
     def abort(self, request_id: str) -> bool:
         """Stop relaying and stop the remote request (its KV blocks are freed there); the consumer
