@@ -77,8 +77,9 @@ class Sampler:
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         """logits: [rows, vocab] float32, one row per sequence in `seqs`."""
         best = getattr(logits, "rill_argmax", None)
-        if best is not None and logits.device.type != "cpu" and best.numel() and int(best.min()) >= 0 \
-                and all(argmax_is_enough(s) for s in seqs):  # a GPU's step found each row's argmax
+        if best is not None and best.numel() and int(best.min()) >= 0 and all(argmax_is_enough(s) for s in seqs):
+            # the step found each row's argmax (the native step, a GPU's) and no row reads more of its
+            # logits: nothing to copy from the device or to pass over
             return SampleResult(_end_spent_thoughts(best.tolist(), seqs), [None] * len(seqs), [])
         logits = logits.cpu()
         rows, vocab = logits.shape

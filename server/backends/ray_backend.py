@@ -43,6 +43,7 @@ NAMESPACE = "rill"
 POLL_PERIOD_S = 0.5  # how often the front reads the replicas' statistics
 STALE_S = 10.0  # a replica that has not posted for this long counts as dead (a busy one posts late)
 FORGET_S = 60.0  # and is dropped from /health after this long
+FRESH_S = 3.0  # the test hook waits only for replicas that posted this recently (a killed one's entry lingers)
 ADMIT_RETRIES = 3  # a replica that died before taking a request: try this many times in all
 
 
@@ -229,7 +230,7 @@ class RayEngine(RemoteEngine):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             now, entries = time.time(), ray.get(self._board.read.remote()).values()
-            live = [e for e in entries if e.get("alive") and now - e.get("time", 0) < 3.0]  # a killed one's lingers
+            live = [e for e in entries if e.get("alive") and now - e.get("time", 0) < FRESH_S]
             if live and all(e.get("step_delay_s") == max(0.0, seconds) for e in live):
                 return
             time.sleep(0.05)

@@ -145,18 +145,22 @@ class EngineReplica:
                 "alive": bool(self.engine.alive), "requests_total": self.requests_total, "step_delay_s": self.step_delay_s,
                 "engine_restarts": self.engine.num_restarts, "engine": stats_dict(self.engine.stats())}
 
+    def _take_step_delay(self, delay: float) -> None:
+        """Test hook: sleep `delay` s before each step, as the board says, and post that it is done
+        (the front's /_test/slow-steps answers once every replica has)."""
+        if delay != self.step_delay_s:
+            from server.backends import delay_steps
+
+            delay_steps(self.engine.core, delay)
+            self.step_delay_s = delay
+            self._board.post.remote(self.replica, self._entry())
+
     def _report_forever(self) -> None:
         while True:
             try:
                 posted = self._board.post.remote(self.replica, self._entry())
                 if self.test_hooks:
-                    delay = ray.get(posted, timeout=5)
-                    if delay != self.step_delay_s:
-                        from server.backends import delay_steps
-
-                        delay_steps(self.engine.core, delay)
-                        self.step_delay_s = delay
-                        self._board.post.remote(self.replica, self._entry())  # applied: the front waits for this
+                    self._take_step_delay(ray.get(posted, timeout=5))
             except Exception:  # noqa: BLE001 - the board is gone (the front end stopped); try again later
                 log.debug("posting statistics failed", exc_info=True)
             if self._stop.wait(REPORT_PERIOD_S):
