@@ -269,7 +269,6 @@ def test_status_tab_shows_the_load(visitor, embedded_server, shots):
     from gradio_client import Client
 
     url = embedded_server.url
-    client = Client(f"{url}/", verbose=False)
     # Four answers of 120 tokens take under 2 s on a fast CPU, less than one refresh of the tab
     # (STATUS_REFRESH_S): so the load is kept up, four answers in flight, until the tab has shown it.
     load_done = threading.Event()
@@ -278,6 +277,8 @@ def test_status_tab_shows_the_load(visitor, embedded_server, shots):
     def keep_four_in_flight(slot: int):
         n = 0
         while not load_done.is_set():
+            client = Client(f"{url}/", verbose=False)  # one per job: one shared by jobs that come and go
+            # races in gradio_client (tests/test_soak.py, run_gradio)
             job = client.submit(f"Tell me a story about robot number {slot * 100 + n}.", None, "", 0.7, 0.9, 50,
                                 120, 1.1, api_name="/chat")
             answers.append(job.result(timeout=WAIT_S))

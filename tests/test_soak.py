@@ -117,13 +117,17 @@ async def run_http(client: httpx.AsyncClient, url: str, job: Job) -> None:
     job.text = "".join(pieces)
 
 
-def run_gradio(client: Client, job: Job) -> None:
+def run_gradio(url: str, job: Job) -> None:
+    """One job on a Client of its own, as each visitor of the page has its own session. Jobs that
+    come and go on one shared Client race in gradio_client: the server closes the session's event
+    stream when its last job completes, and a job that Client registered meanwhile is cancelled
+    (`CancelledError`, seen once in CI)."""
+    client = Client(url + "/", verbose=False)
     job.text = client.submit(message=job.prompt, history=[], max_new_tokens=job.max_tokens, api_name="/chat",
                              **GREEDY_PAGE).result(timeout=300)
 
 
 async def soak(url: str, jobs: list[Job]) -> None:
-    gradio = Client(url + "/", verbose=False)
     gate = asyncio.Semaphore(CONCURRENCY)
     async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=CONCURRENCY + 8)) as client:
 
@@ -131,7 +135,7 @@ async def soak(url: str, jobs: list[Job]) -> None:
             async with gate:
                 try:
                     if job.route == "gradio":
-                        await asyncio.to_thread(run_gradio, gradio, job)
+                        await asyncio.to_thread(run_gradio, url, job)
                     else:
                         await run_http(client, url, job)
                 except Exception as exc:  # recorded and asserted on below
