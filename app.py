@@ -27,7 +27,7 @@ from dataclasses import dataclass
 # Before gradio or transformers are imported: nothing phones home unless asked.
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
-from server.settings import Settings  # noqa: E402  (torch-free)
+from frontend.settings import Settings  # noqa: E402  (torch-free)
 
 log = logging.getLogger("rill")
 
@@ -273,7 +273,7 @@ def parse_settings(argv: list[str] | None = None, environ: dict[str, str] | None
 
 
 def _check_backend(parser: argparse.ArgumentParser, settings: Settings) -> None:
-    from server.backends import BACKENDS
+    from frontend.backends import BACKENDS
 
     if settings.backend not in BACKENDS:
         parser.error(f"--backend must be one of {', '.join(BACKENDS)}. Given: {settings.backend!r}")
@@ -292,8 +292,8 @@ def _check_backend(parser: argparse.ArgumentParser, settings: Settings) -> None:
 
 
 def engine_config(settings: Settings):
-    from server.backends import iter_engine_fields
-    from server.backends.local import engine_config as config_of
+    from frontend.backends import iter_engine_fields
+    from frontend.backends.local import engine_config as config_of
 
     return config_of(dict(iter_engine_fields(settings)))
 
@@ -477,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 <pid>: every thread's stack on stderr
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from engine.loading import ModelLoadError
-    from server.backends import BackendError, create_engine
+    from frontend.backends import BackendError, create_engine
 
     try:
         engine_config(settings)  # a bad engine setting stops here, before any model or Ray starts

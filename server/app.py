@@ -11,11 +11,11 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 
 from server import chat, openai_api
-from server.backends import delay_steps
+from frontend.backends import delay_steps
 from server.errors import ApiError, install_error_handlers
 from server.middleware import ApiGuard
 from server.resume import ResumeRegistry
-from server.settings import Settings
+from frontend.settings import Settings
 
 log = logging.getLogger("rill.server")
 

@@ -18,9 +18,9 @@ import json
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import JSONResponse
 
-from engine.request import FinishReason, InvalidRequest, QueueFull, SamplingParams
-from server.errors import BODY_FIELDS, ApiError, internal_error_message, log_internal_error, queue_full_error
-from server.generation import (Generation, RequestFailed, admission, check_prompt_chars, off_loop, request_id_from,
+from engine.request import FinishReason, InvalidRequest, SamplingParams
+from server.errors import BODY_FIELDS, ApiError, internal_error_message, log_internal_error
+from frontend.admission import (Generation, RequestFailed, admission, compile_constraint, check_prompt_chars, off_loop, request_id_from,
                                start_generation)
 from server.resume import ResumableStream
 from server.schemas import ChatBody
@@ -76,18 +76,6 @@ def _usage(gen: Generation, completion_tokens: int, finish_reason) -> dict:
     reason = finish_reason.value if isinstance(finish_reason, FinishReason) else finish_reason
     return {"prompt_tokens": gen.num_prompt_tokens, "completion_tokens": completion_tokens,
             "finish_reason": reason}
-
-
-async def compile_constraint(engine, params: SamplingParams) -> None:
-    """The request's constraint compiled off the event loop before admission, so the batch never waits
-    for it: a 400 when it cannot be compiled, a 429 when too many are compiling."""
-    compile_ = getattr(engine, "compile_constraint", None)  # an engine without it compiles at admission
-    if params.constraint is None or compile_ is None:
-        return
-    try:
-        await off_loop(compile_, params)
-    except QueueFull as exc:
-        raise queue_full_error(exc, 1) from None
 
 
 async def _pump(gen: Generation, record: ResumableStream) -> None:

@@ -9,7 +9,6 @@ exception text, no traceback, no path ever reaches a client.
 from __future__ import annotations
 
 import logging
-import re
 import secrets
 from typing import Any
 
@@ -18,7 +17,8 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
 
-from engine.request import InvalidRequest, QueueFull
+from engine.request import InvalidRequest
+from frontend.errors import ApiError
 
 _OPENAI_TYPES = {
     400: "invalid_request_error",
@@ -30,19 +30,6 @@ _OPENAI_TYPES = {
     429: "rate_limit_error",
     503: "service_unavailable",
 }
-
-
-class ApiError(Exception):
-    """An HTTP error with a message for the client; rendered in the route family's shape."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
 
 
 def is_openai_path(path: str) -> bool:
@@ -76,26 +63,6 @@ def log_internal_error(what: str, exc: BaseException | None = None) -> str:
     reference = secrets.token_hex(4)
     log.error("%s [reference %s]", what, reference, exc_info=exc or True)
     return reference
-
-
-# "<what failed>: <ExceptionType>: <its text>", as the engine words a failure it caught.
-_EXCEPTION_TAIL = re.compile(r":\s+[A-Za-z_][\w.]*:(\s.*)?$", re.DOTALL)
-
-
-def public_engine_error(error: str | None) -> str:
-    """An engine error as a client may read it: the engine's own sentence, without the text of the
-    exception under it (which can name files, tensors or internals; the engine logged it)."""
-    text = (error or "").strip()
-    cut = _EXCEPTION_TAIL.search(text)
-    if cut is not None:
-        text = text[: cut.start()].rstrip(" .:") + "; the server log has the details."
-    return text or "unknown error"
-
-
-def queue_full_error(exc: QueueFull, retry_after: int) -> ApiError:
-    detail = str(exc) or "the waiting queue is full"
-    return ApiError(429, f"Server busy: {detail}. Retry after {retry_after} s.", code="queue_full",
-                    headers={"Retry-After": str(retry_after)})
 
 
 def _describe_input(value: Any) -> str:

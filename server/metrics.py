@@ -1,4 +1,4 @@
-"""`GET /metrics`: the app's request metrics (engine/telemetry.py) in the Prometheus text format,
+"""`GET /metrics`: the app's request metrics (frontend/telemetry.py) in the Prometheus text format,
 and, with several engine replicas (--backend ray), each replica's numbers under a `replica` label."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from fastapi import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from engine.telemetry import RequestMetrics
+from frontend.telemetry import RequestMetrics
 
 # (name, type, help, how to read it from a replica's entry) of the per-replica series.
 REPLICA_METRICS = (

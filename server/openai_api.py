@@ -18,10 +18,10 @@ from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse
 
 from engine.request import FinishReason, RequestOutput, SamplingParams
-from engine.tools import ToolFormat, tool_format
-from server.chat import compile_constraint, run_while_connected
+from frontend.tools import ToolFormat, tool_format
+from server.chat import run_while_connected
 from server.errors import ApiError, error_body, internal_error_message
-from server.generation import (Generation, RequestFailed, admission, check_prompt_chars, off_loop, request_id_from,
+from frontend.admission import (Generation, RequestFailed, admission, compile_constraint, check_prompt_chars, off_loop, request_id_from,
                                start_generation)
 from server.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from server.sse import event_stream_response
@@ -87,7 +87,7 @@ class _Reply:
         self.parser = fmt.parser() if fmt is not None else None
         self.reasoning: list[str] = []
         self.content: list[str] = []
-        self.calls: list = []  # engine.tools.ToolCall
+        self.calls: list = []  # frontend.tools.ToolCall
 
     def feed(self, out: RequestOutput) -> list[dict]:
         """The stream deltas this output adds (several for a tool call: its name, then its arguments)."""
@@ -375,12 +375,6 @@ async def completions(body: CompletionRequest, request: Request, x_request_id: s
         if isinstance(p, str):
             check_prompt_chars(engine, len(p), "prompt")
     prompts = await off_loop(lambda: [engine.encode(p) if isinstance(p, str) else list(p) for p in raw_prompts])
-    vocab = len(engine.tokenizer)
-    for ids in prompts:
-        bad = [t for t in ids if t >= vocab]
-        if bad:
-            raise ApiError(400, f"`prompt` token ids must be below the vocabulary size {vocab}. Given: {bad[:5]}",
-                           param="prompt")
     if body.max_tokens is not None:
         max_tokens = body.max_tokens
     else:

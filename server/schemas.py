@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.request import MAX_N, MAX_STOP_LENGTH, MAX_STOP_STRINGS, Constraint
-from engine.tools import ToolRequest
+from frontend.tools import ToolRequest
 
 Role = Literal["system", "user", "assistant"]
 MAX_STOP = MAX_STOP_STRINGS
@@ -289,7 +289,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # None: the format's default (engine/tools.py)
+    parallel_tool_calls: bool | None = None  # None: the format's default (frontend/tools.py)
 
     @model_validator(mode="after")
     def _check_logprobs(self):

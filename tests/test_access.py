@@ -15,7 +15,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from server.errors import public_engine_error
+from frontend.errors import public_engine_error
 from tests.servers import SSEReader, chat_text, parse_sse, run_server, slow_steps, usage_of, wait_idle
 
 KEY = "edge-test-key-5b1e9c"

@@ -44,7 +44,7 @@ def test_the_local_backend_never_imports_ray(tiny_llama_path):
         "import sys, asyncio\n"
         "import app\n"
         f"settings = app.parse_settings(['--model', {str(tiny_llama_path)!r}])\n"
-        "from server.backends import create_engine\n"
+        "from frontend.backends import create_engine\n"
         "engine = create_engine(settings)\n"
         "web = app.build_app(engine, settings)\n"
         "from engine.request import SamplingParams\n"

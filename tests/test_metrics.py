@@ -11,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.request import FinishReason, RequestOutput
-from engine.telemetry import METRICS_DOC, RequestMetrics, log_request
+from frontend.telemetry import METRICS_DOC, RequestMetrics, log_request
 from server.metrics import install_metrics
 
 
@@ -315,7 +315,7 @@ def _imported_packages(path) -> set[str]:
 @pytest.mark.parametrize("package, forbidden", [("ui", {"server", "app"}), ("server", {"ui", "app"}),
                                                 ("engine", {"ui", "server", "app"})])
 def test_imports_point_one_way_and_the_page_records_metrics_without_the_routes(package, forbidden):
-    """docs/architecture.md: `app -> ui, server -> engine`; request metrics live in engine/telemetry.py."""
+    """docs/architecture.md: `app -> ui, server -> engine`; request metrics live in frontend/telemetry.py."""
     from pathlib import Path
     root = Path(__file__).resolve().parents[1]
     offenders = {str(path.relative_to(root)): sorted(_imported_packages(path) & forbidden)

@@ -14,9 +14,9 @@ from types import SimpleNamespace
 from engine.request import FinishReason, RequestOutput, SamplingParams
 from engine.streams import RequestStream
 from server.chat import _continue, _start_pump
-from server.generation import Generation, admission
+from frontend.admission import Generation, admission
 from server.resume import ResumeRegistry
-from server.settings import Settings
+from frontend.settings import Settings
 
 PROMPT = [5, 6, 7]
 

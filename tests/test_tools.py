@@ -1,4 +1,4 @@
-"""Tool-call formats (engine/tools.py): the parsers give the same content and calls whole or fed a
+"""Tool-call formats (frontend/tools.py): the parsers give the same content and calls whole or fed a
 character at a time, hold back a tag being written, never put call text in content; each format's
 constraint makes a random model write a valid call of a declared function."""
 
@@ -11,7 +11,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.loading import load_model
-from engine.tools import (TOOL_FORMATS, GenericParser, HermesParser, Llama3Parser, ToolRequest, tool_format)
+from frontend.tools import (TOOL_FORMATS, GenericParser, HermesParser, Llama3Parser, ToolRequest, tool_format)
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],

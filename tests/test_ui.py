@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings as hyp_settings, strategies as st
 
 from engine.request import FinishReason, InvalidRequest, new_request_id
-from engine.telemetry import RequestMetrics
+from frontend.telemetry import RequestMetrics
 from ui.chat import (ChatError, ChatSettings, _split_code, escape_html, fit_to_context, stream_answer,
                      to_engine_messages, unescape_html)
 

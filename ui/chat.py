@@ -21,11 +21,13 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from engine.request import (MAX_CHARS_PER_TOKEN, Constraint, InvalidRequest, QueueFull, SamplingParams,
+from engine.request import (MAX_CHARS_PER_TOKEN, Constraint, InvalidRequest, SamplingParams,
                             prompt_char_limit)
 from engine.streamers import ReasoningPiece
-from engine.telemetry import queue_time_of
-from engine.tools import HermesParser, Llama3Parser
+from frontend.telemetry import queue_time_of
+from frontend.admission import admit_text
+from frontend.errors import ApiError
+from frontend.tools import HermesParser, Llama3Parser
 
 WAIT_POLL_S = 0.25  # while no token comes, the generator wakes this often so Stop can close it
 OUTPUT_FORMATS = ("Text", "JSON object", "JSON schema")  # the page's "JSON mode / schema" choice
@@ -384,22 +386,9 @@ def stream_answer(engine, metrics, route: str, history: list[dict], message: str
              f"(asked: {max_new_tokens}); it may be cut short.")
     params = settings.sampling_params(fitted.max_tokens)
     try:
-        compile_constraint = getattr(engine, "compile_constraint", None)
-        if compile_constraint is not None:
-            compile_constraint(params)  # this worker thread waits for the grammar, not the engine
-        streamer = engine.text_streamer(fitted.prompt_token_ids, params)
-    except QueueFull as exc:
-        if metrics is not None:
-            metrics.error(route, 429)
-        raise ChatError(f"The server is busy ({exc}). Try again in a moment.") from exc
-    except InvalidRequest as exc:
-        if metrics is not None:
-            metrics.error(route, 400)
-        raise ChatError(str(exc)) from exc
-    except RuntimeError as exc:  # the engine is not running (rebuilding after a fault, or shutting down)
-        if metrics is not None:
-            metrics.error(route, 503)
-        raise ChatError(str(exc)) from exc
+        streamer = admit_text(engine, fitted.prompt_token_ids, params, metrics=metrics, route=route)
+    except ApiError as exc:
+        raise ChatError(exc.message) from exc
     streamer.timeout = WAIT_POLL_S  # TextIteratorStreamer raises queue.Empty past it; we wait again
     unwatch = watch(streamer) if watch is not None else None
     tracker = metrics.start(route, num_prompt_tokens=len(fitted.prompt_token_ids),

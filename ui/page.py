@@ -4,9 +4,9 @@ import threading
 
 import gradio as gr
 
-from engine.telemetry import RequestMetrics
+from frontend.telemetry import RequestMetrics
 from ui import status
-from engine.tools import tool_format
+from frontend.tools import tool_format
 from ui.chat import (OUTPUT_FORMATS, ChatError, ChatSettings, answer_messages, escape_html, stream_answer,
                      to_engine_messages)
 

@@ -27,7 +27,7 @@ class Settings:
     seed: int = 0  # engine seed (requests without their own seed)
     stall_timeout: float = 120.0  # seconds inside one engine step before the engine counts as stuck (0: never)
     max_engine_restarts: int = 3  # engine rebuilds after faults within 10 minutes; one more and the process exits 1
-    # where the engines run (server/backends)
+    # where the engines run (frontend/backends)
     backend: str = "local"  # local (this process) | ray (replicas on Ray Serve) | openai (a remote server)
     replicas: int = 2  # --backend ray: engine replicas (the minimum when autoscaling)
     max_replicas: int = 0  # --backend ray: autoscale up to this many by ongoing requests; 0 = no autoscaling

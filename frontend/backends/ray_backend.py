@@ -30,9 +30,9 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 from ray.serve.exceptions import BackPressureError
 
-from server.backends import BackendError
-from server.backends.ray_replica import build_app, stats_board
-from server.backends.remote import Admitted, Refused, RemoteEngine
+from frontend.backends import BackendError
+from frontend.backends.ray_replica import build_app, stats_board
+from frontend.backends.remote import Admitted, Refused, RemoteEngine
 
 log = logging.getLogger("rill.backend")
 
@@ -100,7 +100,7 @@ def deployment_options(settings) -> dict:
         health_check_timeout_s=30.0,
         graceful_shutdown_timeout_s=5.0,
         request_router_config=RequestRouterConfig(
-            request_router_class="server.backends.ray_router.PrefixAffinityRouter",
+            request_router_class="frontend.backends.ray_router.PrefixAffinityRouter",
             request_router_kwargs={"block_size": settings.block_size}),
     )
     if settings.max_replicas > settings.replicas:
@@ -172,7 +172,7 @@ class RayEngine(RemoteEngine):
         return entries
 
     def stats(self):
-        from server.backends.remote import aggregate_stats
+        from frontend.backends.remote import aggregate_stats
 
         return aggregate_stats([e["engine"] for e in self.replica_stats() if e["alive"]])
 

@@ -3,7 +3,7 @@ aborted when nobody reads it any more.
 
 Routes admit a `Generation` before they answer (`await start_generation(...)`: so a full queue is
 a 429 and a bad prompt a 400, never a broken stream), then iterate `deltas()` for the request's
-`RequestOutput`s. Admission has two steps for every backend (server/backends): the constructor
+`RequestOutput`s. Admission has two steps for every backend (frontend/backends): the constructor
 (local checks, the request queued or sent) and `ready()` (a remote engine's answer).
 """
 
@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 
 from engine.request import (MAX_CHARS_PER_TOKEN, FinishReason, InvalidRequest, QueueFull, RequestOutput,
                             SamplingParams, new_request_id, prompt_char_limit)
-from server.errors import ApiError, public_engine_error, queue_full_error
+from frontend.errors import ApiError, public_engine_error, queue_full_error
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _ALIVE_CHECK_S = 1.0  # how often a waiting reader checks that the engine thread still runs
@@ -95,10 +95,71 @@ def fault_hook(request):
     return state.engine.inject_fault
 
 
-def retry_after_seconds(engine) -> int:
-    """Retry-After for a 429, in seconds. Slots free as requests finish (many per second under
-    load), so a client is told to come back after the smallest whole interval."""
-    return 1
+RETRY_AFTER_S = 1  # a 429's Retry-After: slots free as requests finish (many per second under load)
+
+
+def admit(engine, prompt_token_ids: list[int], params: SamplingParams, request_id: str, *, text: bool = False,
+          timeout: float | None = None, prior_output_ids: list[int] = (), session: str | None = None,
+          on_admit=None):
+    """The one admission path of `/chat`, `/v1` and the page: the engine checks the prompt and the
+    parameters once (context, vocabulary, KV cache, capacity) and queues the request; its refusals
+    come out as `InvalidRequest` (400) or `ApiError` (429, 503). Returns the request's
+    `RequestStream`, or with `text=True` a `TextIteratorStreamer` for a worker thread (the page)."""
+    if not engine.alive:
+        raise ApiError(503, _down_reason(engine), code="engine_dead")
+    extra = {"session": session} if session is not None else {}
+    try:
+        if text:
+            if timeout is not None:
+                extra["timeout"] = timeout
+            handle = engine.text_streamer(prompt_token_ids, params, request_id=request_id, **extra)
+        else:
+            handle = engine.add_request(prompt_token_ids, params, request_id=request_id,
+                                        prior_output_ids=prior_output_ids, **extra)
+    except QueueFull as exc:
+        raise queue_full_error(exc, RETRY_AFTER_S) from None
+    except InvalidRequest:
+        raise
+    except RuntimeError as exc:  # the engine stopped (or a remote would not take it) between the check and now
+        raise ApiError(503, f"{exc} Check /health.", code="engine_dead") from None
+    if on_admit is not None:
+        on_admit(request_id)  # test hook; the engine applies it before its next step
+    return handle
+
+
+def compile_constraint_now(engine, params: SamplingParams) -> None:
+    """Blocking (a worker thread): the request's constraint compiled before admission, so that the
+    engine thread never waits for a grammar; 400 when it does not compile, 429 when too many are
+    compiling. An engine without a compiler (a remote one) compiles where it runs."""
+    compile_ = getattr(engine, "compile_constraint", None)
+    if params.constraint is None or compile_ is None:
+        return
+    try:
+        compile_(params)
+    except QueueFull as exc:
+        raise queue_full_error(exc, RETRY_AFTER_S) from None
+
+
+async def compile_constraint(engine, params: SamplingParams) -> None:
+    """`compile_constraint_now` off the event loop."""
+    if params.constraint is not None:
+        await off_loop(compile_constraint_now, engine, params)
+
+
+def admit_text(engine, prompt_token_ids: list[int], params: SamplingParams, *, timeout: float | None = None,
+               metrics=None, route: str = "ui", session: str | None = None):
+    """A worker thread's admission (the page's generator): the constraint compiled, then `admit`
+    with a text streamer; a refusal is counted in the metrics under its status and raised as
+    `ApiError` (400, 429 or 503) whose message the page shows as it is."""
+    try:
+        compile_constraint_now(engine, params)
+        return admit(engine, prompt_token_ids, params, new_engine_request_id(), text=True, timeout=timeout,
+                     session=session)
+    except (ApiError, InvalidRequest) as exc:
+        error = exc if isinstance(exc, ApiError) else ApiError(400, str(exc), param=exc.param)
+        if metrics is not None:
+            metrics.error(route, error.status)
+        raise error from None
 
 
 def new_engine_request_id() -> str:
@@ -125,7 +186,7 @@ class Generation:
                  prior_output_ids: list[int] = (), session: str | None = None):
         self.engine = engine
         self.session = session  # the conversation's key for replica affinity (x-session-id), or None
-        self.metrics = metrics  # engine.telemetry.RequestMetrics, or None
+        self.metrics = metrics  # frontend.telemetry.RequestMetrics, or None
         self.route = route  # metrics label
         self.label = label  # the client-facing request id; not unique, not a key
         self.request_id = new_engine_request_id()  # the engine's key for this admission
@@ -137,23 +198,9 @@ class Generation:
         self.finished = False  # every sample reached finished=True
         self._tick: asyncio.TimerHandle | None = None  # wakes the reader every second (see _next)
         self._stopped = False
-        self._admit(engine, prompt_token_ids, params, on_admit, prior_output_ids)  # errors: see handlers
+        self.stream = admit(engine, prompt_token_ids, params, self.request_id, prior_output_ids=prior_output_ids,
+                            session=session, on_admit=on_admit)  # errors: see the route handlers
         self._remaining = set(range(params.n))
-
-    def _admit(self, engine, prompt_token_ids, params, on_admit, prior_output_ids) -> None:
-        if not engine.alive:
-            raise ApiError(503, _down_reason(engine), code="engine_dead")
-        engine.check_prompt(prompt_token_ids, params)
-        extra = {"session": self.session} if self.session is not None else {}
-        try:
-            self.stream = engine.add_request(prompt_token_ids, params, request_id=self.request_id,
-                                             prior_output_ids=prior_output_ids, **extra)
-        except QueueFull as exc:
-            raise queue_full_error(exc, retry_after_seconds(engine)) from None
-        except RuntimeError as exc:  # the engine stopped between the check above and now
-            raise ApiError(503, f"{exc} Check /health.", code="engine_dead") from None
-        if on_admit is not None:
-            on_admit(self.request_id)  # test hook; the engine applies it before its next step
 
     async def ready(self) -> "Generation":
         """Waits until the engine took the request (at once for the local engine; a remote one
@@ -166,7 +213,7 @@ class Generation:
         try:
             await wait(self.stream, timeout)
         except QueueFull as exc:
-            raise queue_full_error(exc, retry_after_seconds(self.engine)) from None
+            raise queue_full_error(exc, RETRY_AFTER_S) from None
         except asyncio.TimeoutError:
             raise ApiError(504, f"The request exceeded the server's request timeout of {self.timeout:g} s "
                                 "before the engine took it.", code="timeout") from None

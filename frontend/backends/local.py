@@ -9,7 +9,7 @@ from engine.request import SamplingParams
 
 
 def engine_config(fields: dict) -> EngineConfig:
-    """The EngineConfig of the model and engine settings (server.backends.iter_engine_fields)."""
+    """The EngineConfig of the model and engine settings (frontend.backends.iter_engine_fields)."""
     return EngineConfig(block_size=fields["block_size"], num_kv_blocks=fields["num_kv_blocks"],
                         kv_cache_memory=fields["kv_cache_memory"], max_num_seqs=fields["max_num_seqs"],
                         max_num_batched_tokens=fields["max_num_batched_tokens"], max_queue=fields["max_queue"],
@@ -37,7 +37,7 @@ class LocalEngine(AsyncEngine):
 
     @classmethod
     def from_settings(cls, settings) -> "LocalEngine":
-        from server.backends import iter_engine_fields
+        from frontend.backends import iter_engine_fields
 
         return load_engine(dict(iter_engine_fields(settings)), cls)
 
@@ -58,7 +58,7 @@ class LocalEngine(AsyncEngine):
                       timeout: float | None = None, session: str | None = None):
         return super().text_streamer(prompt_token_ids, params, request_id, timeout)
 
-    async def wait_admitted(self, request_id: str, timeout: float | None = None) -> None:
+    async def wait_admitted(self, stream, timeout: float | None = None) -> None:
         return None  # add_request already admitted it or raised
 
     def replica_stats(self) -> list[dict]:

@@ -92,7 +92,7 @@ def aggregate_stats(entries: list[dict]) -> EngineStats:
 
 
 class RemoteEngine:
-    """The engine-client interface (server.backends.EngineClient) over a remote stream per request."""
+    """The engine-client interface (frontend.backends.EngineClient) over a remote stream per request."""
 
     backend = "remote"
     continuable = False  # a subclass that gets output token ids back can continue a request

@@ -56,11 +56,11 @@ def stats_board():
 
 def build_app(args: dict):
     """The replicas as a Serve application, for `serve run` or a KubeRay RayService's serveConfigV2
-    (`import_path: server.backends.ray_replica:build_app`, `args`: app.py's settings by name, e.g.
+    (`import_path: frontend.backends.ray_replica:build_app`, `args`: app.py's settings by name, e.g.
     {"model_id": "HuggingFaceTB/SmolLM2-135M-Instruct", "replicas": 4, "max_replicas": 16})."""
-    from server.backends import iter_engine_fields
-    from server.backends.ray_backend import deployment_options
-    from server.settings import Settings
+    from frontend.backends import iter_engine_fields
+    from frontend.backends.ray_backend import deployment_options
+    from frontend.settings import Settings
 
     settings = Settings(**args)
     return serve.deployment(EngineReplica, **deployment_options(settings)).bind(
@@ -80,7 +80,7 @@ class EngineReplica:
     def __init__(self, fields: dict, threads: int, test_hooks: bool = False):
         import torch
 
-        from server.backends.local import load_engine
+        from frontend.backends.local import load_engine
 
         torch.set_num_threads(max(1, int(threads)))  # this replica's share of the cores
         self.engine = load_engine(fields).start()
@@ -149,7 +149,7 @@ class EngineReplica:
         """Test hook: sleep `delay` s before each step, as the board says, and post that it is done
         (the front's /_test/slow-steps answers once every replica has)."""
         if delay != self.step_delay_s:
-            from server.backends import delay_steps
+            from frontend.backends import delay_steps
 
             delay_steps(self.engine.core, delay)
             self.step_delay_s = delay

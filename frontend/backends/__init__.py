@@ -57,7 +57,7 @@ class EngineClient(Protocol):
     def add_request(self, prompt_token_ids: list[int], params: "SamplingParams", request_id: str | None = None,
                     prior_output_ids: list[int] = (), session: str | None = None) -> "RequestStream": ...
 
-    async def wait_admitted(self, request_id: str, timeout: float | None = None) -> None: ...
+    async def wait_admitted(self, stream: "RequestStream", timeout: float | None = None) -> None: ...
 
     def text_streamer(self, prompt_token_ids: list[int], params: "SamplingParams", request_id: str | None = None,
                       timeout: float | None = None, session: str | None = None) -> "RequestTextStreamer": ...
@@ -78,15 +78,15 @@ class EngineClient(Protocol):
 def create_engine(settings) -> "EngineClient":
     """The engine client the settings name, started. Raises `ModelLoadError` or `BackendError`."""
     if settings.backend == "local":
-        from server.backends.local import LocalEngine
+        from frontend.backends.local import LocalEngine
 
         return LocalEngine.from_settings(settings).start()
     if settings.backend == "ray":
-        from server.backends.ray_backend import RayEngine
+        from frontend.backends.ray_backend import RayEngine
 
         return RayEngine.from_settings(settings)
     if settings.backend == "openai":
-        from server.backends.openai_backend import OpenAIEngine
+        from frontend.backends.openai_backend import OpenAIEngine
 
         return OpenAIEngine.from_settings(settings)
     raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}. Given: {settings.backend!r}")

@@ -34,8 +34,8 @@ import httpx
 
 from engine.core import EngineStats
 from engine.request import FinishReason, RequestOutput, SamplingParams
-from server.backends import BackendError
-from server.backends.remote import Admitted, Refused, RemoteEngine
+from frontend.backends import BackendError
+from frontend.backends.remote import Admitted, Refused, RemoteEngine
 
 log = logging.getLogger("rill.backend")
 
