@@ -17,13 +17,14 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse
 
-from engine.request import FinishReason, RequestOutput, SamplingParams
-from frontend.tools import ToolFormat, tool_format
+from engine.request import RequestOutput, SamplingParams
+from frontend.tools import tool_format
 from server.chat import run_while_connected
 from server.errors import ApiError, error_body, internal_error_message
 from frontend.admission import (Generation, RequestFailed, admission, compile_constraint, check_prompt_chars, off_loop, request_id_from,
                                start_generation)
-from server.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from server.openai_choices import ChatChoices, CompletionChoices, TokenText
+from server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from server.sse import event_stream_response
 
 router = APIRouter(prefix="/v1")
@@ -48,14 +49,7 @@ def check_model(state, model: str | None) -> None:
                        code="model_not_found")
 
 
-def _finish(reason) -> str | None:
-    if reason is None:
-        return None
-    value = reason.value if isinstance(reason, FinishReason) else str(reason)
-    return value
-
-
-def _params(body: _SamplingFields, max_tokens: int, logprobs: int | None, constraint=None,
+def _params(body: SamplingFields, max_tokens: int, logprobs: int | None, constraint=None,
             reasoning: bool = False) -> SamplingParams:
     return SamplingParams(
         max_tokens=max_tokens,
@@ -79,53 +73,6 @@ def _params(body: _SamplingFields, max_tokens: int, logprobs: int | None, constr
     )
 
 
-class _Reply:
-    """One choice's reply as the client sees it: the thought, the content and the tool calls parsed out
-    of the text by the model's tool format (no call's text reaches `content`)."""
-
-    def __init__(self, fmt: ToolFormat | None):
-        self.parser = fmt.parser() if fmt is not None else None
-        self.reasoning: list[str] = []
-        self.content: list[str] = []
-        self.calls: list = []  # frontend.tools.ToolCall
-
-    def feed(self, out: RequestOutput) -> list[dict]:
-        """The stream deltas this output adds (several for a tool call: its name, then its arguments)."""
-        deltas = []
-        if out.reasoning:
-            self.reasoning.append(out.reasoning)
-            deltas.append({"reasoning": out.reasoning, "reasoning_content": out.reasoning})
-        if self.parser is None:
-            events = [("content", out.text)] if out.text else []
-        else:
-            events = self.parser.feed(out.text) + (self.parser.finish() if out.finished else [])
-        for kind, value in events:
-            if kind == "content":
-                self.content.append(value)
-                deltas.append({"content": value})
-                continue
-            index = len(self.calls)
-            self.calls.append(value)
-            deltas.append({"tool_calls": [{"index": index, "id": value.id, "type": "function",
-                                           "function": {"name": value.name, "arguments": ""}}]})
-            deltas.append({"tool_calls": [{"index": index, "function": {"arguments": value.arguments}}]})
-        return deltas
-
-    def finish_reason(self, reason) -> str | None:
-        reason = _finish(reason)
-        return "tool_calls" if self.calls and reason == "stop" else reason
-
-    def message(self) -> dict:
-        content = "".join(self.content)
-        message = {"role": "assistant", "content": content if content or not self.calls else None}
-        if self.calls:
-            message["tool_calls"] = [{"id": c.id, "type": "function",
-                                      "function": {"name": c.name, "arguments": c.arguments}} for c in self.calls]
-        if self.reasoning:
-            message["reasoning"] = message["reasoning_content"] = "".join(self.reasoning)
-        return message
-
-
 def _default_max_tokens(engine, num_prompt_tokens: int) -> int:
     """OpenAI's default: whatever room the context (and the KV cache) leaves; at least 1, so that
     a prompt that fills the context gets check_prompt's message."""
@@ -134,62 +81,6 @@ def _default_max_tokens(engine, num_prompt_tokens: int) -> int:
     if core is not None and hasattr(core, "num_kv_blocks"):
         room = min(room, core.num_kv_blocks * engine.config.block_size)
     return max(1, room - num_prompt_tokens)
-
-
-class _TokenText:
-    """Token id -> its text and bytes, cached (for logprobs)."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.cache: dict[int, str] = {}
-
-    def __call__(self, token_id: int) -> str:
-        text = self.cache.get(token_id)
-        if text is None:
-            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
-            self.cache[token_id] = text
-        return text
-
-
-def _chat_logprobs(out: RequestOutput, token_text: _TokenText, top_n: int) -> dict | None:
-    if out.logprobs is None:
-        return None
-    content = []
-    for lp in out.logprobs:
-        tok = token_text(lp.token_id)
-        content.append({
-            "token": tok, "logprob": lp.logprob, "bytes": list(tok.encode("utf-8")),
-            "top_logprobs": [{"token": token_text(t), "logprob": p, "bytes": list(token_text(t).encode("utf-8"))}
-                             for t, p in lp.top[:top_n]],
-        })
-    return {"content": content}
-
-
-def _completion_logprobs(out: RequestOutput, token_text: _TokenText, top_n: int, offset: int) -> dict | None:
-    if out.logprobs is None:
-        return None
-    tokens, token_logprobs, tops, offsets = [], [], [], []
-    for lp in out.logprobs:
-        tok = token_text(lp.token_id)
-        tokens.append(tok)
-        token_logprobs.append(lp.logprob)
-        tops.append({token_text(t): p for t, p in lp.top[:top_n]} if top_n else None)
-        offsets.append(offset)
-        offset += len(tok)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
-
-
-def _merge_logprobs(acc: dict | None, new: dict | None, chat: bool) -> dict | None:
-    if new is None:
-        return acc
-    if acc is None:
-        return new
-    if chat:
-        acc["content"].extend(new["content"])
-    else:
-        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
-            acc[key].extend(new[key])
-    return acc
 
 
 async def _merged(gens: list[Generation]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -295,73 +186,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, x_requ
     params = _params(body, max_tokens, top_n if body.logprobs else None, constraint,
                      reasoning=getattr(engine, "think_tags", None) is not None)
     await compile_constraint(engine, params)
-    gen = (await _admit_all(request, [prompt_ids], params, request_id, "v1_chat"))[0]
-    token_text = _TokenText(engine.tokenizer)
-    meta = {"id": f"chatcmpl-{request_id}", "created": int(time.time()), "model": engine.model_name}
-    headers = {"x-request-id": request_id}
-
-    replies = [_Reply(fmt) for _ in range(body.n)]
-    if not body.stream:
-        logprobs: list[dict | None] = [None] * body.n
-        reasons: list[str | None] = [None] * body.n
-        counts = [0] * body.n
-
-        async def read():
-            async for out in gen.deltas():
-                replies[out.index].feed(out)
-                logprobs[out.index] = _merge_logprobs(logprobs[out.index], _chat_logprobs(out, token_text, top_n), True)
-                counts[out.index] = out.num_output_tokens
-                if out.finished:
-                    reasons[out.index] = replies[out.index].finish_reason(out.finish_reason)
-
-        await _run_or_500(read(), request, gen)
-        if body.logprobs:
-            logprobs = [lp if lp is not None else {"content": []} for lp in logprobs]
-        choices = [{"index": i, "message": replies[i].message(),
-                    "logprobs": logprobs[i] if body.logprobs else None, "finish_reason": reasons[i]}
-                   for i in range(body.n)]
-        completion = sum(counts)
-        return JSONResponse({**meta, "object": "chat.completion", "choices": choices, "system_fingerprint": None,
-                             "usage": _usage(gen.num_prompt_tokens, completion)}, headers=headers)
-
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    path = request.url.path
-
-    def chunk(choices: list[dict], usage=None) -> dict:
-        payload = {**meta, "object": "chat.completion.chunk", "system_fingerprint": None, "choices": choices}
-        if include_usage:
-            payload["usage"] = usage
-        return {"data": json.dumps(payload, ensure_ascii=False)}
-
-    async def events():
-        counts = [0] * body.n
-        try:
-            for i in range(body.n):
-                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None}])
-            async for _, out in _merged([gen]):
-                counts[out.index] = out.num_output_tokens
-                lp = _chat_logprobs(out, token_text, top_n) if body.logprobs else None
-                deltas = replies[out.index].feed(out)
-                if lp and not any("content" in d for d in deltas):
-                    deltas.append({"content": ""})  # the logprobs of text held back (a tool call's)
-                for delta in deltas:
-                    yield chunk([{"index": out.index, "delta": delta, "logprobs": lp if "content" in delta else None,
-                                  "finish_reason": None}])
-                    if "content" in delta:
-                        lp = None
-                if out.finished:
-                    yield chunk([{"index": out.index, "delta": {}, "logprobs": None,
-                                  "finish_reason": replies[out.index].finish_reason(out.finish_reason)}])
-            if include_usage:
-                yield chunk([], _usage(gen.num_prompt_tokens, sum(counts)))
-        except Exception as exc:  # RequestFailed, or a bug: the client is told, never left hanging
-            if not isinstance(exc, RequestFailed):
-                log.exception("stream %s failed", request_id)
-            yield _error_chunk(path, exc)
-        yield {"data": "[DONE]"}
-
-    return event_stream_response(events(), request_id)
+    gens = await _admit_all(request, [prompt_ids], params, request_id, "v1_chat")
+    choices = ChatChoices(body.n, fmt, TokenText(engine.tokenizer), top_n, bool(body.logprobs))
+    return await _answer(request, gens, body, choices, f"chatcmpl-{request_id}", request_id)
 
 
 @router.post("/completions")
@@ -379,66 +206,53 @@ async def completions(body: CompletionRequest, request: Request, x_request_id: s
         max_tokens = body.max_tokens
     else:
         max_tokens = _default_max_tokens(engine, max(len(p) for p in prompts))
-    top_n = body.logprobs or 0
     params = _params(body, max_tokens, body.logprobs, body.constraint())
     await compile_constraint(engine, params)
     gens = await _admit_all(request, prompts, params, request_id, "v1_completions")
-    token_text = _TokenText(engine.tokenizer)
-    n = body.n
-    meta = {"id": f"cmpl-{request_id}", "created": int(time.time()), "model": engine.model_name}
-    headers = {"x-request-id": request_id}
-    num_choices = n * len(gens)
+    choices = CompletionChoices(body.n * len(gens), TokenText(engine.tokenizer), body.logprobs)
+    return await _answer(request, gens, body, choices, f"cmpl-{request_id}", request_id)
+
+
+async def _answer(request: Request, gens: list[Generation], body, choices, answer_id: str, request_id: str):
+    """The answer of admitted generations (`body.n` choices each) in the route's `choices` layout:
+    one JSON body, or a stream of chunks ending with `[DONE]` (an error after the start is an
+    `event: error` chunk first). Choice k of generation g is choice g * n + k."""
+    meta = {"id": answer_id, "created": int(time.time()), "model": request.app.state.engine.model_name}
     prompt_tokens = sum(g.num_prompt_tokens for g in gens)
+    counts: dict[int, int] = {}  # choice -> its output tokens so far
 
     if not body.stream:
-        texts = [[] for _ in range(num_choices)]
-        logprobs: list[dict | None] = [None] * num_choices
-        reasons: list[str | None] = [None] * num_choices
-        counts = [0] * num_choices
-        offsets = [0] * num_choices
-
         async def read():
             async for g, out in _merged(gens):
-                idx = g * n + out.index
-                lp = _completion_logprobs(out, token_text, top_n, offsets[idx]) if body.logprobs is not None else None
-                if lp:
-                    offsets[idx] = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp["tokens"] else offsets[idx]
-                texts[idx].append(out.text)
-                logprobs[idx] = _merge_logprobs(logprobs[idx], lp, False)
-                counts[idx] = out.num_output_tokens
-                if out.finished:
-                    reasons[idx] = _finish(out.finish_reason)
+                index = g * body.n + out.index
+                counts[index] = out.num_output_tokens
+                choices.add(index, out)
 
         await _run_or_500(read(), request, *gens)
-        choices = [{"index": i, "text": "".join(texts[i]), "logprobs": logprobs[i], "finish_reason": reasons[i]}
-                   for i in range(num_choices)]
-        return JSONResponse({**meta, "object": "text_completion", "choices": choices, "system_fingerprint": None,
-                             "usage": _usage(prompt_tokens, sum(counts))}, headers=headers)
+        return JSONResponse({**meta, "object": choices.whole_object, "choices": choices.whole(),
+                             "system_fingerprint": None, "usage": _usage(prompt_tokens, sum(counts.values()))},
+                            headers={"x-request-id": request_id})
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     path = request.url.path
 
-    def chunk(choices: list[dict], usage=None) -> dict:
-        payload = {**meta, "object": "text_completion", "system_fingerprint": None, "choices": choices}
+    def chunk(chunk_choices: list[dict], usage=None) -> dict:
+        payload = {**meta, "object": choices.chunk_object, "system_fingerprint": None, "choices": chunk_choices}
         if include_usage:
             payload["usage"] = usage
         return {"data": json.dumps(payload, ensure_ascii=False)}
 
     async def events():
-        counts = [0] * num_choices
-        offsets = [0] * num_choices
         try:
+            for opening in choices.opening():
+                yield chunk([opening])
             async for g, out in _merged(gens):
-                idx = g * n + out.index
-                counts[idx] = out.num_output_tokens
-                lp = _completion_logprobs(out, token_text, top_n, offsets[idx]) if body.logprobs is not None else None
-                if lp and lp["tokens"]:
-                    offsets[idx] = lp["text_offset"][-1] + len(lp["tokens"][-1])
-                if out.text or lp or out.finished:
-                    yield chunk([{"index": idx, "text": out.text, "logprobs": lp,
-                                  "finish_reason": _finish(out.finish_reason) if out.finished else None}])
+                index = g * body.n + out.index
+                counts[index] = out.num_output_tokens
+                for choice in choices.stream(index, out):
+                    yield chunk([choice])
             if include_usage:
-                yield chunk([], _usage(prompt_tokens, sum(counts)))
+                yield chunk([], _usage(prompt_tokens, sum(counts.values())))
         except Exception as exc:  # RequestFailed, or a bug: the client is told, never left hanging
             if not isinstance(exc, RequestFailed):
                 log.exception("stream %s failed", request_id)

@@ -246,7 +246,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingFields(_ConstraintFields):
+class SamplingFields(_ConstraintFields):
     """The sampling settings both OpenAI routes share, with the common extensions."""
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
@@ -279,7 +279,7 @@ class _SamplingFields(_ConstraintFields):
         return _stop_list(self.stop)
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     """`POST /v1/chat/completions`."""
 
     messages: list[OpenAIMessage] = Field(..., min_length=1)
@@ -327,7 +327,7 @@ class ChatCompletionRequest(_SamplingFields):
 PromptType = str | list[str] | list[Annotated[int, Field(ge=0)]] | list[list[Annotated[int, Field(ge=0)]]]
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     """`POST /v1/completions`."""
 
     prompt: PromptType

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from engine.detokenizer import IncrementalDetokenizer, StopMatcher
 from engine.request import MAX_STOP_LENGTH, InvalidRequest, SamplingParams, prompt_char_limit
-from ui.chat import (MAX_HISTORY_CHARS, MAX_HISTORY_MESSAGES, ChatError, ChatSettings, fit_to_context,
-                     stream_answer, to_engine_messages)
+from ui.chat import ChatSettings, stream_answer
+from ui.history import MAX_HISTORY_CHARS, MAX_HISTORY_MESSAGES, ChatError, fit_to_context, to_engine_messages
 
 # --------------------------------------------------------------------------- stop strings
 

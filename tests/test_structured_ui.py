@@ -10,7 +10,8 @@ import pytest
 
 from engine.async_engine import AsyncEngine
 from engine.loading import load_model
-from ui.chat import AnswerStats, ChatError, ChatSettings, answer_messages, stream_answer
+from ui.chat import AnswerStats, ChatSettings, answer_messages, stream_answer
+from ui.history import ChatError
 from ui.page import build_demo
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},

@@ -16,8 +16,9 @@ from hypothesis import given, settings as hyp_settings, strategies as st
 
 from engine.request import FinishReason, InvalidRequest, new_request_id
 from frontend.telemetry import RequestMetrics
-from ui.chat import (ChatError, ChatSettings, _split_code, escape_html, fit_to_context, stream_answer,
-                     to_engine_messages, unescape_html)
+from ui.chat import ChatSettings, stream_answer
+from ui.history import ChatError, fit_to_context, to_engine_messages
+from ui.markup import _split_code, escape_html, unescape_html
 
 XSS = "<img src=x onerror=alert(1)>"
 

@@ -1,44 +1,32 @@
-"""The chat logic behind the page, free of Gradio layout: history in, streamed answer out.
+"""The chat logic behind the page, free of Gradio layout: settings and history in, streamed answer out.
 
-- `to_engine_messages` turns a Gradio history (any of its message shapes) into plain
-  `{"role", "content"}` dicts;
-- `check_history` bounds a client-given conversation (messages and characters);
-- `fit_to_context` drops the oldest turns until prompt + answer fit the model's context (a binary
-  search over the number dropped: a few template renders, not one per turn);
-- `escape_html` / `unescape_html` keep model and user text from ever becoming HTML in the page
-  (markdown and code still render; `<img src=x onerror=...>` shows as text);
-- `stream_answer` is the generator: it feeds the engine's threaded `TextIteratorStreamer`
-  (`engine.text_streamer`) and yields the growing text; closing it (Stop in the page, a cancelled
-  gradio_client job) aborts the engine request.
+`stream_answer` is the generator: it admits the request through the front end's one admission
+path (a threaded `TextIteratorStreamer`, frontend/admission.py `admit_text`) and yields the
+growing text; closing it (Stop in the page, a cancelled gradio_client job) aborts the engine
+request. `answer_messages` is what the page shows of an answer (a "Thinking" box, tool calls as
+tool messages). The conversation's bounds and trimming are in ui/history.py, the escaping in
+ui/markup.py.
 """
 
 from __future__ import annotations
 
 import json
 import queue
-import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from engine.request import (MAX_CHARS_PER_TOKEN, Constraint, InvalidRequest, SamplingParams,
-                            prompt_char_limit)
+from engine.request import Constraint, InvalidRequest, SamplingParams
 from engine.streamers import ReasoningPiece
-from frontend.telemetry import queue_time_of
 from frontend.admission import admit_text
 from frontend.errors import ApiError
+from frontend.telemetry import queue_time_of
 from frontend.tools import HermesParser, Llama3Parser
+from ui.history import ChatError, check_history, fit_to_context
+from ui.markup import escape_html
 
 WAIT_POLL_S = 0.25  # while no token comes, the generator wakes this often so Stop can close it
 OUTPUT_FORMATS = ("Text", "JSON object", "JSON schema")  # the page's "JSON mode / schema" choice
-MAX_HISTORY_MESSAGES = 1000  # messages of a conversation the page or its API takes
-MAX_HISTORY_CHARS = 1_000_000  # characters of all its messages together
-
-
-class ChatError(Exception):
-    """A chat request the page cannot serve; the message is shown to the user as is."""
-
-
 @dataclass(frozen=True, slots=True)
 class ChatSettings:
     """The sampling settings the page and the `/chat` API take."""
@@ -92,235 +80,6 @@ def _whole(value):
     return value
 
 
-# --- HTML escaping outside code -------------------------------------------------------------------
-
-_FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
-_BACKTICKS = re.compile(r"`+")
-
-
-def _split_code(text: str) -> list[tuple[bool, str]]:
-    """Cuts markdown `text` into (is_code, piece): fenced blocks and inline code spans are code.
-
-    An unclosed fence runs to the end, as markdown renders it (so a streaming code block stays code).
-    """
-    pieces: list[tuple[bool, str]] = []
-    prose: list[str] = []
-    fence: str | None = None
-    block: list[str] = []
-    for line in text.splitlines(keepends=True):
-        match = _FENCE.match(line)
-        if fence is None:
-            if match:
-                if prose:
-                    pieces.extend(_split_inline("".join(prose)))
-                    prose = []
-                fence = match.group(1)
-                block = [line]
-            else:
-                prose.append(line)
-        else:
-            block.append(line)
-            if match and match.group(1)[0] == fence[0] and len(match.group(1)) >= len(fence) \
-                    and not line.strip()[len(match.group(1)):].strip():
-                pieces.append((True, "".join(block)))
-                fence, block = None, []
-    if block:
-        pieces.append((True, "".join(block)))
-    if prose:
-        pieces.extend(_split_inline("".join(prose)))
-    return pieces
-
-
-def _split_inline(text: str) -> list[tuple[bool, str]]:
-    """Inline code spans: a run of n backticks up to the next run of exactly n backticks."""
-    pieces: list[tuple[bool, str]] = []
-    position = 0
-    search_from = 0
-    while True:
-        opener = _BACKTICKS.search(text, search_from)
-        if opener is None:
-            break
-        width = len(opener.group(0))
-        closer = None
-        for candidate in _BACKTICKS.finditer(text, opener.end()):
-            if len(candidate.group(0)) == width:
-                closer = candidate
-                break
-        if closer is None:
-            search_from = opener.end()  # a lone backtick run is plain text
-            continue
-        if opener.start() > position:
-            pieces.append((False, text[position:opener.start()]))
-        pieces.append((True, text[opener.start():closer.end()]))
-        position = search_from = closer.end()
-    if position < len(text):
-        pieces.append((False, text[position:]))
-    return pieces
-
-
-def escape_html(text: str) -> str:
-    """`&` and `<` outside code become entities: no tag can form, markdown still renders."""
-    return "".join(piece if is_code else piece.replace("&", "&amp;").replace("<", "&lt;")
-                   for is_code, piece in _split_code(text))
-
-
-def unescape_html(text: str) -> str:
-    """The inverse of `escape_html` (the same pieces are code in the escaped text)."""
-    return "".join(piece if is_code else piece.replace("&lt;", "<").replace("&amp;", "&")
-                   for is_code, piece in _split_code(text))
-
-
-# --- history ---------------------------------------------------------------------------------------
-
-def content_text(content) -> str:
-    """The text of one message's content: a string, a list of parts, or a dict part."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, dict):
-        if content.get("type", "text") == "text" and isinstance(content.get("text"), str):
-            return content["text"]
-        return ""  # files and components carry no text for a text model
-    if isinstance(content, (list, tuple)):
-        return "".join(content_text(part) for part in content)
-    text = getattr(content, "text", None)
-    return text if isinstance(text, str) else ""
-
-
-def to_engine_messages(history, *, escaped: bool) -> list[dict]:
-    """Gradio history -> [{"role": "user" | "assistant" | "system", "content": str}].
-
-    `escaped`: the history comes from the page's Chatbot (its text went through `escape_html`).
-    Also takes gradio's older pair format [[user, assistant], ...]. Messages with no text are dropped.
-    Raises `ChatError` when `history` is not a list, or longer than `check_history` allows.
-    """
-    if history is None:
-        return []
-    if not isinstance(history, (list, tuple)):
-        raise ChatError("`history` must be a list of messages, [{\"role\": \"user\" | \"assistant\", "
-                        f"\"content\": \"...\"}}, ...]. Given: {type(history).__name__}")
-    _check_history_size(len(history), 0)  # before any per-message work
-    texts: list[tuple[str, str]] = []  # (role, text), checked against the bounds before unescaping
-    for item in history:
-        if isinstance(item, (list, tuple)) and len(item) == 2 and not isinstance(item, dict):
-            pairs = (("user", item[0]), ("assistant", item[1]))
-        else:
-            role = item.get("role") if isinstance(item, dict) else getattr(item, "role", None)
-            content = item.get("content") if isinstance(item, dict) else getattr(item, "content", None)
-            metadata = item.get("metadata") if isinstance(item, dict) else getattr(item, "metadata", None)
-            if metadata and (metadata.get("title") if isinstance(metadata, dict) else None):
-                continue  # tool/thought bubbles are not part of the conversation
-            pairs = ((role, content),)
-        for role, content in pairs:
-            if role not in ("user", "assistant", "system"):
-                continue
-            text = content_text(content)
-            if text:
-                texts.append((role, text))
-    _check_history_size(len(texts), sum(len(text) for _, text in texts))
-    return [{"role": role, "content": unescape_html(text) if escaped else text} for role, text in texts]
-
-
-def check_history(messages: list[dict]) -> None:
-    """Raises `ChatError` for a conversation beyond MAX_HISTORY_MESSAGES messages or
-    MAX_HISTORY_CHARS characters (what was wrong, what is allowed, what was given)."""
-    _check_history_size(len(messages), sum(len(m["content"]) for m in messages))
-
-
-def _check_history_size(num_messages: int, chars: int) -> None:
-    if num_messages > MAX_HISTORY_MESSAGES:
-        raise ChatError(f"The conversation is too long: at most {MAX_HISTORY_MESSAGES} messages are allowed. "
-                        f"Given: {num_messages} messages. Start a new conversation (Clear).")
-    if chars > MAX_HISTORY_CHARS:
-        raise ChatError(f"The conversation is too long: at most {MAX_HISTORY_CHARS} characters are allowed in all "
-                        f"its messages. Given: {chars} characters. Start a new conversation (Clear).")
-
-
-@dataclass(slots=True)
-class FittedPrompt:
-    """A prompt that fits the context: its tokens, how many old turns were dropped, the answer budget."""
-
-    prompt_token_ids: list[int]
-    dropped_turns: int
-    max_tokens: int  # the answer's token budget (max_new_tokens, or less where the context is short)
-
-
-def _turns(messages: list[dict]) -> list[list[dict]]:
-    """Groups messages into turns, each starting at a user message."""
-    turns: list[list[dict]] = []
-    for message in messages:
-        if message["role"] == "user" or not turns:
-            turns.append([message])
-        else:
-            turns[-1].append(message)
-    return turns
-
-
-def fit_to_context(engine, history: list[dict], message: str, system_prompt: str,
-                   max_new_tokens: int) -> FittedPrompt:
-    """Tokens of [system] + history + message, dropping the oldest turns until the answer fits.
-
-    The fewest turns dropped is found by binary search (the prompt only shrinks as turns go), so a
-    conversation of T turns costs about log2(T) + 2 template renders; turns that alone exceed the
-    character bound of the context are dropped before any render. Raises `ChatError` when even the
-    message alone leaves no room for an answer.
-    """
-    context = int(engine.max_model_len)
-    system = [{"role": "system", "content": system_prompt}] if system_prompt.strip() else []
-    history = [m for m in history if m["role"] != "system"]  # the page's system prompt wins
-    user = [{"role": "user", "content": message}]
-    char_limit = prompt_char_limit(context)
-    fixed_chars = len(message) + (len(system_prompt) if system else 0)
-    if fixed_chars > char_limit:
-        raise ChatError(f"The message is too long: with the system prompt it has {fixed_chars} characters, and "
-                        f"the model's context of {context} tokens takes at most {char_limit} characters "
-                        f"({MAX_CHARS_PER_TOKEN} per token). Shorten the message or the system prompt.")
-    turns = _turns(history)
-    turn_chars = [sum(len(m["content"]) for m in turn) for turn in turns]
-    first, chars = 0, fixed_chars + sum(turn_chars)
-    while chars > char_limit:  # these oldest turns cannot fit whatever they tokenize to
-        chars -= turn_chars[first]
-        first += 1
-    rendered: dict[int, list[int]] = {}  # turns dropped -> the prompt's token ids
-
-    def render(dropped: int) -> list[int]:
-        if dropped not in rendered:
-            messages = system + [m for turn in turns[dropped:] for m in turn] + user
-            try:
-                rendered[dropped] = engine.encode_chat(messages)
-            except InvalidRequest as exc:  # the chat template refused the conversation: say why
-                raise ChatError(str(exc)) from None
-        return rendered[dropped]
-
-    def fits(dropped: int) -> bool:
-        return len(render(dropped)) + max_new_tokens <= context
-
-    if fits(first):
-        dropped = first
-    elif first == len(turns) or not fits(len(turns)):
-        dropped = len(turns)
-        ids = render(dropped)
-        room = context - len(ids)
-        if room < 1:
-            raise ChatError(f"The message is too long: with the system prompt it takes {len(ids)} tokens, "
-                            f"and the model's context holds {context} tokens in all (prompt and answer). "
-                            "Shorten the message or the system prompt.")
-        return FittedPrompt(ids, dropped, room)  # the answer is cut short to fit
-    else:
-        too_few, enough = first, len(turns)  # fits(too_few) is false, fits(enough) true
-        while enough - too_few > 1:
-            middle = (too_few + enough) // 2
-            if fits(middle):
-                enough = middle
-            else:
-                too_few = middle
-        dropped = enough
-    return FittedPrompt(rendered[dropped], dropped, max_new_tokens)
-
-
-# --- streaming -------------------------------------------------------------------------------------
-
 @dataclass(slots=True)
 class AnswerStats:
     """What the page shows under the chat about the answer being (or last) generated."""
@@ -352,16 +111,8 @@ class AnswerStats:
         return f"{state}: " + " · ".join(parts)
 
 
-def stream_answer(engine, metrics, route: str, history: list[dict], message: str, settings: ChatSettings,
-                  warn: Callable[[str], None] | None = None,
-                  watch: Callable[[object], Callable[[], None]] | None = None) -> Iterator[tuple[str, AnswerStats]]:
-    """Yields (text so far, stats) as the engine streams the answer to `message` after `history`.
-
-    The engine request is aborted when the generator is closed before the end (Stop, a cancelled
-    client job, a dropped connection). Raises `ChatError` for requests the engine refuses.
-    `watch(streamer)` is called once the request is admitted (e.g. to abort it when the visitor's
-    tab closes); what it returns is called when the request ends.
-    """
+def _checked_max_new_tokens(message, settings: ChatSettings, history: list[dict]) -> int:
+    """The request's checks before any tokenizing; returns max_new_tokens as an int."""
     if not isinstance(message, str):
         raise ChatError(f"`message` must be a string. Given: {type(message).__name__}")
     if not message.strip():
@@ -376,6 +127,81 @@ def stream_answer(engine, metrics, route: str, history: list[dict], message: str
     if max_new_tokens < 1 or max_new_tokens != settings.max_new_tokens:
         raise ChatError(f"`max_new_tokens` must be an integer >= 1. Given: {settings.max_new_tokens!r}")
     settings.sampling_params(max_new_tokens)  # the parameters are checked before any tokenizing
+    return max_new_tokens
+
+
+class _Progress:
+    """One answer's stats as its pieces arrive (what the page shows under the chat), and its
+    metrics record (tokens as they come, the end with its finish reason)."""
+
+    def __init__(self, streamer, stats: AnswerStats, arrival: float, tracker):
+        self.streamer, self.stats, self.arrival, self.tracker = streamer, stats, arrival, tracker
+        self.first_time: float | None = None
+        self.thought_start = arrival
+
+    def produced(self) -> int:
+        return int(getattr(self.streamer, "num_output_tokens", 0) or 0)
+
+    def _rate(self, now: float) -> None:
+        self.stats.elapsed_s = now - self.arrival
+        if self.first_time is not None and self.stats.num_output_tokens > 1 and now > self.first_time:
+            self.stats.decode_tokens_per_s = (self.stats.num_output_tokens - 1) / (now - self.first_time)
+
+    def piece(self, piece: str, now: float) -> bool:
+        """Records a piece; True when the page has something new to show."""
+        stats, produced = self.stats, self.produced()
+        first_token_time = getattr(self.streamer, "first_token_time", None)
+        if self.first_time is None and (piece or produced):
+            self.first_time = first_token_time or now
+            stats.ttft_s = max(0.0, self.first_time - self.arrival)
+        if self.tracker is not None and produced > self.tracker.num_output_tokens:
+            self.tracker.tokens(produced - self.tracker.num_output_tokens, now=now, first_token_time=first_token_time)
+        stats.num_output_tokens = max(produced, self.tracker.num_output_tokens if self.tracker else 0,
+                                      stats.num_output_tokens)
+        self._rate(now)
+        if isinstance(piece, ReasoningPiece):
+            if not stats.thinking:
+                stats.thinking, self.thought_start = True, now
+            stats.reasoning += piece
+            stats.reasoning_s = now - self.thought_start
+            return True
+        if piece and stats.thinking:
+            stats.thinking = False
+            stats.reasoning_s = now - self.thought_start
+        return bool(piece)
+
+    def end(self, finished: bool) -> str:
+        """The answer ended (`finished`: it reached its end, else it was closed); returns the finish reason."""
+        now, stats, streamer = time.monotonic(), self.stats, self.streamer
+        reason = getattr(streamer, "finish_reason", None)
+        reason = str(getattr(reason, "value", reason)) if reason is not None and finished else "abort"
+        produced = self.produced()
+        stats.num_output_tokens = max(produced, stats.num_output_tokens)
+        stats.finish_reason = reason
+        if stats.thinking:
+            stats.thinking = False
+            stats.reasoning_s = now - self.thought_start
+        self._rate(now)
+        if self.tracker is not None:
+            queue_time = queue_time_of(streamer)
+            if queue_time is None and getattr(streamer, "scheduled_time", None) is not None:
+                queue_time = max(0.0, streamer.scheduled_time - self.arrival)
+            self.tracker.finish(reason, num_output_tokens=produced if finished else None, now=now,
+                                error=getattr(streamer, "error", None), queue_time=queue_time)
+        return reason
+
+
+def stream_answer(engine, metrics, route: str, history: list[dict], message: str, settings: ChatSettings,
+                  warn: Callable[[str], None] | None = None,
+                  watch: Callable[[object], Callable[[], None]] | None = None) -> Iterator[tuple[str, AnswerStats]]:
+    """Yields (text so far, stats) as the engine streams the answer to `message` after `history`.
+
+    The engine request is aborted when the generator is closed before the end (Stop, a cancelled
+    client job, a dropped connection). Raises `ChatError` for requests the engine refuses.
+    `watch(streamer)` is called once the request is admitted (e.g. to abort it when the visitor's
+    tab closes); what it returns is called when the request ends.
+    """
+    max_new_tokens = _checked_max_new_tokens(message, settings, history)
     arrival = time.monotonic()
     fitted = fit_to_context(engine, history, message, settings.system_prompt or "", max_new_tokens)
     if fitted.dropped_turns and warn is not None:
@@ -395,9 +221,8 @@ def stream_answer(engine, metrics, route: str, history: list[dict], message: str
                             request_id=getattr(streamer, "request_id", None), arrival_time=arrival) \
         if metrics is not None else None
     stats = AnswerStats(num_prompt_tokens=len(fitted.prompt_token_ids), dropped_turns=fitted.dropped_turns)
+    progress = _Progress(streamer, stats, arrival, tracker)
     text = ""
-    first_time: float | None = None
-    thought_start = arrival
     finished = False
     try:
         iterator = iter(streamer)
@@ -410,56 +235,17 @@ def stream_answer(engine, metrics, route: str, history: list[dict], message: str
                 stats.elapsed_s = time.monotonic() - arrival
                 yield text, stats  # nothing new: a chance for Stop to close the generator
                 continue
-            now = time.monotonic()
-            produced = int(getattr(streamer, "num_output_tokens", 0) or 0)
-            if first_time is None and (piece or produced):
-                first_time = getattr(streamer, "first_token_time", None) or now
-                stats.ttft_s = max(0.0, first_time - arrival)
-            if tracker is not None:
-                new = produced - tracker.num_output_tokens
-                if new > 0:
-                    tracker.tokens(new, now=now, first_token_time=getattr(streamer, "first_token_time", None))
-            stats.num_output_tokens = max(produced, tracker.num_output_tokens if tracker else 0, stats.num_output_tokens)
-            stats.elapsed_s = now - arrival
-            if first_time is not None and stats.num_output_tokens > 1 and now > first_time:
-                stats.decode_tokens_per_s = (stats.num_output_tokens - 1) / (now - first_time)
-            if isinstance(piece, ReasoningPiece):
-                if not stats.thinking:
-                    stats.thinking, thought_start = True, now
-                stats.reasoning += piece
-                stats.reasoning_s = now - thought_start
-                yield text, stats
-            elif piece:
-                if stats.thinking:
-                    stats.thinking = False
-                    stats.reasoning_s = now - thought_start
-                text += piece
+            if progress.piece(piece, time.monotonic()):
+                if not isinstance(piece, ReasoningPiece):
+                    text += piece
                 yield text, stats
         finished = True
     finally:
-        now = time.monotonic()
         if not finished:
             streamer.abort()
         if unwatch is not None:
             unwatch()
-        reason = getattr(streamer, "finish_reason", None)
-        reason = str(getattr(reason, "value", reason)) if reason is not None and finished else "abort"
-        produced = int(getattr(streamer, "num_output_tokens", 0) or 0)
-        stats.num_output_tokens = max(produced, stats.num_output_tokens)
-        stats.finish_reason = reason
-        if stats.thinking:
-            stats.thinking = False
-            stats.reasoning_s = now - thought_start
-        stats.elapsed_s = now - arrival
-        if first_time is not None and stats.num_output_tokens > 1 and now > first_time:
-            stats.decode_tokens_per_s = (stats.num_output_tokens - 1) / (now - first_time)
-        if tracker is not None:
-            error = getattr(streamer, "error", None)
-            queue_time = queue_time_of(streamer)
-            if queue_time is None and getattr(streamer, "scheduled_time", None) is not None:
-                queue_time = max(0.0, streamer.scheduled_time - arrival)
-            tracker.finish(reason, num_output_tokens=produced if finished else None, now=now, error=error,
-                           queue_time=queue_time)
+        reason = progress.end(finished)
     if reason == "error":
         raise ChatError(f"The engine failed while answering: {getattr(streamer, 'error', None) or 'unknown error'}")
     yield text, stats  # the final stats (finish reason, totals)

@@ -1,16 +1,14 @@
-"""The Gradio Blocks page: a chat tab and a status tab, plus the `/chat` API for gradio_client."""
+"""The Gradio Blocks page: a chat tab and a status tab, plus the `/chat` API for gradio_client.
+Layout only: what the events do is in ui/handlers.py."""
 
-import threading
+from types import SimpleNamespace
 
 import gradio as gr
 
 from frontend.telemetry import RequestMetrics
-from ui import status
-from frontend.tools import tool_format
-from ui.chat import (OUTPUT_FORMATS, ChatError, ChatSettings, answer_messages, escape_html, stream_answer,
-                     to_engine_messages)
+from ui.chat import OUTPUT_FORMATS
+from ui.handlers import DEFAULTS, IDLE, PageHandlers
 
-DEFAULTS = ChatSettings()
 EXAMPLES = [
     "Explain continuous batching to a five-year-old.",
     "Write a Python function that checks whether a string is a palindrome.",
@@ -24,47 +22,113 @@ CSS = """
 """
 
 
-class VisitorStreams:
-    """The engine requests each browser session is streaming, so a closed tab aborts its answers."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._by_session: dict[str, set] = {}  # session hash -> streamers in flight
-
-    def watcher(self, request: gr.Request | None):
-        session = getattr(request, "session_hash", None)
-        if session is None:
-            return None
-
-        def watch(streamer):
-            with self._lock:
-                self._by_session.setdefault(session, set()).add(streamer)
-
-            def unwatch():
-                with self._lock:
-                    streams = self._by_session.get(session)
-                    if streams is not None:
-                        streams.discard(streamer)
-                        if not streams:
-                            del self._by_session[session]
-            return unwatch
-
-        return watch
-
-    def abort_session(self, request: gr.Request) -> None:
-        """Aborts every answer the session still streams (its tab was closed)."""
-        session = getattr(request, "session_hash", None)
-        with self._lock:
-            streams = self._by_session.pop(session, set())
-        for streamer in streams:
-            streamer.abort()
-
-
 def _header(engine, model_name: str) -> str:
     return (f"## rill chat · `{model_name}`\n"
             f"Context: **{engine.max_model_len} tokens** · continuous batching on a paged KV cache · "
             f"attention: {getattr(engine, 'attention_path', 'paged')}. "
             "Answers stream as they are generated; **Stop** aborts the request in the engine.")
+
+
+def _chat_tab(model_name: str, context: int, default_max_new: int, thinks: bool) -> SimpleNamespace:
+    """The chat tab's components (inside an open `gr.Tab`)."""
+    ui = SimpleNamespace()
+    ui.chatbot = gr.Chatbot(
+        label=model_name, elem_id="rill-chatbot", height=520, layout="bubble",
+        buttons=["copy", "copy_all"], feedback_options=None,
+        placeholder=f"**{model_name}** is ready. Ask anything, or pick an example.",
+        examples=[{"text": text} for text in EXAMPLES],
+        sanitize_html=True, render_markdown=True,
+    )
+    with gr.Row(equal_height=True):
+        ui.textbox = gr.Textbox(show_label=False, placeholder="Type a message and press Enter",
+                                scale=8, lines=1, max_lines=8, autofocus=True, elem_id="rill-input",
+                                submit_btn=False)
+        ui.send = gr.Button("Send", variant="primary", scale=1, min_width=80, elem_id="rill-send")
+        ui.stop = gr.Button("Stop", variant="stop", scale=1, min_width=80, visible=False, elem_id="rill-stop")
+    ui.answer_stats = gr.Markdown("", elem_id="rill-answer-stats")
+    with gr.Accordion("System prompt and sampling", open=False, elem_id="rill-settings"):
+        _settings(ui, context, default_max_new, thinks)
+    return ui
+
+
+def _settings(ui: SimpleNamespace, context: int, default_max_new: int, thinks: bool) -> None:
+    """The system prompt and sampling settings (in the order `PageHandlers.respond` takes them)."""
+    ui.system_prompt = gr.Textbox(label="System prompt", value=DEFAULTS.system_prompt, lines=2,
+                                  placeholder="Empty = the model's default system prompt")
+    with gr.Row():
+        ui.temperature = gr.Slider(0.0, 2.0, value=DEFAULTS.temperature, step=0.05, label="Temperature",
+                                   info="0 = greedy (deterministic)", elem_id="rill-temperature")
+        ui.top_p = gr.Slider(0.05, 1.0, value=DEFAULTS.top_p, step=0.05, label="Top-p",
+                             info="nucleus: keep the smallest set with this probability mass")
+    with gr.Row():
+        ui.top_k = gr.Slider(0, 200, value=DEFAULTS.top_k, step=1, label="Top-k",
+                             info="keep the k most likely tokens; 0 = off")
+        ui.max_new_tokens = gr.Slider(1, max(1, min(context, 4096)), value=default_max_new, step=1,
+                                      label="Max new tokens", info=f"context: {context} tokens",
+                                      elem_id="rill-max-new-tokens")
+        ui.repetition_penalty = gr.Slider(1.0, 2.0, value=DEFAULTS.repetition_penalty, step=0.05,
+                                          label="Repetition penalty", info="1 = off",
+                                          elem_id="rill-repetition-penalty")
+    with gr.Row():
+        ui.output_format = gr.Radio(list(OUTPUT_FORMATS), value="Text", label="JSON mode / schema",
+                                    info="constrain the answer to JSON, or to a JSON schema",
+                                    elem_id="rill-output-format")
+        ui.thinking_budget = gr.Slider(0, max(1, min(context, 4096)), value=0, step=1, label="Thinking budget",
+                                       visible=thinks, info="tokens of thought before the answer; 0 = no limit",
+                                       elem_id="rill-thinking-budget")
+    ui.json_schema = gr.Code(label="JSON schema", language="json", visible=False, lines=6,
+                             value='{"type": "object", "properties": {"answer": {"type": "string"}},'
+                                   ' "required": ["answer"]}', elem_id="rill-json-schema")
+    ui.output_format.change(lambda choice: gr.update(visible=choice == "JSON schema"), ui.output_format,
+                            ui.json_schema, api_visibility="private", queue=False)
+    ui.settings_inputs = [ui.system_prompt, ui.temperature, ui.top_p, ui.top_k, ui.max_new_tokens,
+                          ui.repetition_penalty, ui.output_format, ui.json_schema, ui.thinking_budget]
+
+
+def _status_tab() -> SimpleNamespace:
+    """The status tab's components (inside an open `gr.Tab`)."""
+    ui = SimpleNamespace(markdown=gr.Markdown(elem_id="rill-status"))
+    with gr.Row():
+        ui.throughput = gr.LinePlot(x="time", y="tokens/s", title="Throughput (tokens/s, 5 s bins)",
+                                    height=240, y_lim=[0, None], elem_id="rill-throughput")
+        ui.ttft = gr.LinePlot(x="time", y="TTFT (s)", title="Time to first token per request",
+                              height=240, y_lim=[0, None], elem_id="rill-ttft")
+    ui.timer = gr.Timer(STATUS_REFRESH_S, active=False)
+    return ui
+
+
+def _wire_chat(ui: SimpleNamespace, handlers: PageHandlers, concurrency: int) -> None:
+    """Send, examples, retry, undo, clear and stop; an answer streams through `handlers.respond`."""
+    chatbot, private = ui.chatbot, dict(api_visibility="private", queue=False)
+    buttons = [ui.send, ui.stop, ui.textbox]
+    respond = dict(fn=handlers.respond, inputs=[chatbot] + ui.settings_inputs, outputs=[chatbot, ui.answer_stats],
+                   api_visibility="private", concurrency_limit=concurrency, concurrency_id="chat",
+                   show_progress="hidden")
+    restore = dict(fn=handlers.after_answer, inputs=[ui.answer_stats], outputs=buttons + [ui.answer_stats],
+                   **private)
+    answers = []
+    for started in (
+            gr.on([ui.textbox.submit, ui.send.click], handlers.add_user_message, [ui.textbox, chatbot],
+                  [chatbot] + buttons, **private),
+            chatbot.example_select(handlers.add_example, [chatbot], [chatbot] + buttons, **private),
+            chatbot.retry(handlers.pop_answer, [chatbot], [chatbot] + buttons, **private)):
+        answer = started.success(**respond)
+        answer.then(**restore)
+        answers.append(answer)
+    chatbot.undo(handlers.undo, [chatbot], [chatbot, ui.textbox, ui.answer_stats], **private)
+    chatbot.clear(lambda: "", None, [ui.answer_stats], **private)
+    ui.stop.click(lambda: IDLE, None, buttons, cancels=answers, **private)
+
+
+def _wire_status(chat_tab, status_tab, ui: SimpleNamespace, handlers: PageHandlers) -> None:
+    """The status tab refreshes every STATUS_REFRESH_S while it is open."""
+    outputs = [ui.markdown, ui.throughput, ui.ttft]
+    refresh = dict(api_visibility="private", show_progress="hidden", concurrency_limit=None,
+                   concurrency_id="status")
+    ui.timer.tick(handlers.refresh, None, outputs, **refresh)
+    status_tab.select(lambda: gr.Timer(active=True), None, [ui.timer], api_visibility="private",
+                      queue=False).then(handlers.refresh, None, outputs, **refresh)
+    chat_tab.select(lambda: gr.Timer(active=False), None, [ui.timer], api_visibility="private", queue=False)
 
 
 def build_demo(engine, settings=None, metrics: RequestMetrics | None = None) -> gr.Blocks:
@@ -86,188 +150,19 @@ def build_demo(engine, settings=None, metrics: RequestMetrics | None = None) -> 
     context = int(engine.max_model_len)
     default_max_new = max(1, min(default_max_new, context // 2))
     model_name = getattr(engine, "model_name", None) or getattr(settings, "model_id", None) or "model"
-
-    visitors = VisitorStreams()
-    thinks = getattr(engine, "think_tags", None) is not None  # a thinking model: its thought in its own box
-    tokenizer = getattr(engine, "tokenizer", None)
-    calls_format = tool_format(tokenizer).name if tokenizer is not None else None  # calls shown as tool messages
-
-    def respond(history, system_prompt, temperature, top_p, top_k, max_new_tokens, repetition_penalty,
-                output_format, json_schema, thinking_budget, request: gr.Request):
-        """The page's generator: answers the last user message of `history`, streaming."""
-        history = list(history or [])
-        if not history or not isinstance(history[-1], dict) or history[-1].get("role") != "user":
-            return
-        try:
-            messages = to_engine_messages(history, escaped=True)
-        except ChatError as exc:
-            raise gr.Error(str(exc)) from None
-        if not messages or messages[-1]["role"] != "user":
-            return
-        message = messages.pop()["content"]
-        chat_settings = ChatSettings(system_prompt or "", temperature, top_p, top_k, max_new_tokens,
-                                     repetition_penalty, output_format or "Text", json_schema or "", thinks,
-                                     thinking_budget or None)
-        fmt = calls_format if chat_settings.output_format == "Text" else None  # JSON mode: the JSON as it is
-        try:
-            for text, stats in stream_answer(engine, metrics, "gradio", messages, message, chat_settings,
-                                             warn=gr.Warning, watch=visitors.watcher(request)):
-                yield history + answer_messages(text, stats, fmt), stats.markdown()
-        except ChatError as exc:
-            raise gr.Error(str(exc)) from None
-
-    def chat(message: str, history: list[dict] | None = None, system_prompt: str = DEFAULTS.system_prompt,
-             temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
-             top_k: int = DEFAULTS.top_k, max_new_tokens: int = default_max_new,
-             repetition_penalty: float = DEFAULTS.repetition_penalty) -> str:
-        """Streams the assistant's answer to `message` (the text so far on each update).
-
-        history: earlier messages, [{"role": "user" | "assistant", "content": "..."}] (oldest first).
-        system_prompt: empty = the model's default. temperature: 0 = greedy. top_k: 0 = off.
-        Conversations longer than the context lose their oldest turns (a warning says so).
-        """
-        chat_settings = ChatSettings(system_prompt or "", temperature, top_p, top_k, max_new_tokens,
-                                     repetition_penalty)
-        try:
-            messages = to_engine_messages(history, escaped=False)
-            for text, _stats in stream_answer(engine, metrics, "gradio", messages, message, chat_settings,
-                                              warn=gr.Warning):
-                yield text
-        except ChatError as exc:
-            raise gr.Error(str(exc)) from None
+    handlers = PageHandlers(engine, metrics, default_max_new)
 
     with gr.Blocks(title=f"rill · {model_name}", fill_height=False) as demo:
         gr.Markdown(_header(engine, model_name), elem_id="rill-header")
         with gr.Tabs():
             with gr.Tab("Chat", id="chat") as chat_tab:
-                chatbot = gr.Chatbot(
-                    label=model_name, elem_id="rill-chatbot", height=520, layout="bubble",
-                    buttons=["copy", "copy_all"], feedback_options=None,
-                    placeholder=f"**{model_name}** is ready. Ask anything, or pick an example.",
-                    examples=[{"text": text} for text in EXAMPLES],
-                    sanitize_html=True, render_markdown=True,
-                )
-                with gr.Row(equal_height=True):
-                    textbox = gr.Textbox(show_label=False, placeholder="Type a message and press Enter",
-                                         scale=8, lines=1, max_lines=8, autofocus=True, elem_id="rill-input",
-                                         submit_btn=False)
-                    send = gr.Button("Send", variant="primary", scale=1, min_width=80, elem_id="rill-send")
-                    stop = gr.Button("Stop", variant="stop", scale=1, min_width=80, visible=False,
-                                     elem_id="rill-stop")
-                answer_stats = gr.Markdown("", elem_id="rill-answer-stats")
-                with gr.Accordion("System prompt and sampling", open=False, elem_id="rill-settings"):
-                    system_prompt = gr.Textbox(label="System prompt", value=DEFAULTS.system_prompt, lines=2,
-                                               placeholder="Empty = the model's default system prompt")
-                    with gr.Row():
-                        temperature = gr.Slider(0.0, 2.0, value=DEFAULTS.temperature, step=0.05,
-                                                label="Temperature", info="0 = greedy (deterministic)",
-                                                elem_id="rill-temperature")
-                        top_p = gr.Slider(0.05, 1.0, value=DEFAULTS.top_p, step=0.05, label="Top-p",
-                                          info="nucleus: keep the smallest set with this probability mass")
-                    with gr.Row():
-                        top_k = gr.Slider(0, 200, value=DEFAULTS.top_k, step=1, label="Top-k",
-                                          info="keep the k most likely tokens; 0 = off")
-                        max_new_tokens = gr.Slider(1, max(1, min(context, 4096)), value=default_max_new, step=1,
-                                                   label="Max new tokens", info=f"context: {context} tokens",
-                                                   elem_id="rill-max-new-tokens")
-                        repetition_penalty = gr.Slider(1.0, 2.0, value=DEFAULTS.repetition_penalty, step=0.05,
-                                                       label="Repetition penalty", info="1 = off",
-                                                       elem_id="rill-repetition-penalty")
-                    with gr.Row():
-                        output_format = gr.Radio(list(OUTPUT_FORMATS), value="Text", label="JSON mode / schema",
-                                                 info="constrain the answer to JSON, or to a JSON schema",
-                                                 elem_id="rill-output-format")
-                        thinking_budget = gr.Slider(0, max(1, min(context, 4096)), value=0, step=1,
-                                                    label="Thinking budget", visible=thinks,
-                                                    info="tokens of thought before the answer; 0 = no limit",
-                                                    elem_id="rill-thinking-budget")
-                    json_schema = gr.Code(label="JSON schema", language="json", visible=False, lines=6,
-                                          value='{"type": "object", "properties": {"answer": {"type": "string"}},'
-                                                ' "required": ["answer"]}', elem_id="rill-json-schema")
-                    output_format.change(lambda choice: gr.update(visible=choice == "JSON schema"), output_format,
-                                         json_schema, api_visibility="private", queue=False)
+                chat_ui = _chat_tab(model_name, context, default_max_new, handlers.thinks)
             with gr.Tab("Status", id="status") as status_tab:
-                status_md = gr.Markdown(elem_id="rill-status")
-                with gr.Row():
-                    throughput_plot = gr.LinePlot(x="time", y="tokens/s", title="Throughput (tokens/s, 5 s bins)",
-                                                  height=240, y_lim=[0, None], elem_id="rill-throughput")
-                    ttft_plot = gr.LinePlot(x="time", y="TTFT (s)", title="Time to first token per request",
-                                            height=240, y_lim=[0, None], elem_id="rill-ttft")
-                timer = gr.Timer(STATUS_REFRESH_S, active=False)
-
-        settings_inputs = [system_prompt, temperature, top_p, top_k, max_new_tokens, repetition_penalty,
-                           output_format, json_schema, thinking_budget]
-        # (send, stop, textbox) while an answer streams and after
-        generating = (gr.update(visible=False), gr.update(visible=True), gr.update(interactive=False))
-        idle = (gr.update(visible=True), gr.update(visible=False), gr.update(interactive=True))
-
-        def add_user_message(message, history):
-            if not message or not message.strip():
-                raise gr.Error("The message is empty: type something to send.")
-            history = list(history or []) + [{"role": "user", "content": escape_html(message)}]
-            return (history,) + generating[:2] + (gr.update(value="", interactive=False),)
-
-        def add_example(history, event: gr.SelectData):
-            text = event.value.get("text", "") if isinstance(event.value, dict) else str(event.value)
-            return (list(history or []) + [{"role": "user", "content": escape_html(text)}],) + generating
-
-        def pop_answer(history):
-            """Retry: drop everything after the last user message."""
-            history = list(history or [])
-            while history and history[-1].get("role") != "user":
-                history.pop()
-            return (history,) + generating
-
-        def undo(history):
-            """Undo: remove the last user message and its answer; its text goes back to the input."""
-            history = list(history or [])
-            while history and history[-1].get("role") != "user":
-                history.pop()
-            message = ""
-            if history:
-                message = to_engine_messages([history.pop()], escaped=True)
-                message = message[0]["content"] if message else ""
-            return history, message, ""
-
-        buttons = [send, stop, textbox]
-        respond_kwargs = dict(fn=respond, inputs=[chatbot] + settings_inputs, outputs=[chatbot, answer_stats],
-                              api_visibility="private", concurrency_limit=concurrency, concurrency_id="chat",
-                              show_progress="hidden")
-        def after_answer(stats_text):
-            """Send is back; an answer cut by Stop says so (its generator never yielded the end)."""
-            return idle + ((stats_text or "").replace("Streaming:", "Stopped:", 1),)
-
-        restore = dict(fn=after_answer, inputs=[answer_stats], outputs=buttons + [answer_stats],
-                       api_visibility="private", queue=False)
-
-        submitted = gr.on([textbox.submit, send.click], add_user_message, [textbox, chatbot],
-                          [chatbot] + buttons, api_visibility="private", queue=False)
-        submit_answer = submitted.success(**respond_kwargs)
-        submit_answer.then(**restore)
-        example_answer = chatbot.example_select(add_example, [chatbot], [chatbot] + buttons,
-                                                api_visibility="private", queue=False).success(**respond_kwargs)
-        example_answer.then(**restore)
-        retry_answer = chatbot.retry(pop_answer, [chatbot], [chatbot] + buttons, api_visibility="private",
-                                     queue=False).success(**respond_kwargs)
-        retry_answer.then(**restore)
-        chatbot.undo(undo, [chatbot], [chatbot, textbox, answer_stats], api_visibility="private", queue=False)
-        chatbot.clear(lambda: "", None, [answer_stats], api_visibility="private", queue=False)
-        stop.click(lambda: idle, None, buttons, api_visibility="private", queue=False,
-                   cancels=[submit_answer, example_answer, retry_answer])
-
-        def refresh():
-            return status.snapshot(engine, metrics)
-
-        timer.tick(refresh, None, [status_md, throughput_plot, ttft_plot], api_visibility="private",
-                   show_progress="hidden", concurrency_limit=None, concurrency_id="status")
-        status_tab.select(lambda: gr.Timer(active=True), None, [timer], api_visibility="private",
-                          queue=False).then(refresh, None, [status_md, throughput_plot, ttft_plot],
-                                            api_visibility="private", show_progress="hidden",
-                                            concurrency_limit=None, concurrency_id="status")
-        chat_tab.select(lambda: gr.Timer(active=False), None, [timer], api_visibility="private", queue=False)
-
-        gr.api(chat, api_name="chat", concurrency_limit=concurrency, concurrency_id="chat")
-        demo.unload(visitors.abort_session)  # a closed tab stops generating what nobody will read
+                status_ui = _status_tab()
+        _wire_chat(chat_ui, handlers, concurrency)
+        _wire_status(chat_tab, status_tab, status_ui, handlers)
+        gr.api(handlers.api_chat(), api_name="chat", concurrency_limit=concurrency, concurrency_id="chat")
+        demo.unload(handlers.visitors.abort_session)  # a closed tab stops generating what nobody will read
 
     demo.max_threads = max(40, concurrency + 16)  # each streaming answer holds a worker thread
     demo.queue(max_size=concurrency + max_queue, default_concurrency_limit=concurrency)

@@ -1,0 +1,157 @@
+"""What the page's events do, apart from its layout (ui/page.py wires them to components):
+answering (the page's generator and the `/chat` API for gradio_client), the chat buttons' small
+history edits, and the answers each browser session streams (a closed tab aborts them)."""
+
+import threading
+
+import gradio as gr
+
+from frontend.telemetry import RequestMetrics
+from frontend.tools import tool_format
+from ui import status
+from ui.chat import ChatSettings, answer_messages, stream_answer
+from ui.history import ChatError, to_engine_messages
+from ui.markup import escape_html
+
+DEFAULTS = ChatSettings()
+# (send, stop, textbox) while an answer streams and after
+GENERATING = (gr.update(visible=False), gr.update(visible=True), gr.update(interactive=False))
+IDLE = (gr.update(visible=True), gr.update(visible=False), gr.update(interactive=True))
+
+
+class VisitorStreams:
+    """The engine requests each browser session is streaming, so a closed tab aborts its answers."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._by_session: dict[str, set] = {}  # session hash -> streamers in flight
+
+    def watcher(self, request: gr.Request | None):
+        session = getattr(request, "session_hash", None)
+        if session is None:
+            return None
+
+        def watch(streamer):
+            with self._lock:
+                self._by_session.setdefault(session, set()).add(streamer)
+
+            def unwatch():
+                with self._lock:
+                    streams = self._by_session.get(session)
+                    if streams is not None:
+                        streams.discard(streamer)
+                        if not streams:
+                            del self._by_session[session]
+            return unwatch
+
+        return watch
+
+    def abort_session(self, request: gr.Request) -> None:
+        """Aborts every answer the session still streams (its tab was closed)."""
+        session = getattr(request, "session_hash", None)
+        with self._lock:
+            streams = self._by_session.pop(session, set())
+        for streamer in streams:
+            streamer.abort()
+
+
+class PageHandlers:
+    """The page's event handlers for one engine; the page's requests are recorded under "gradio"."""
+
+    def __init__(self, engine, metrics: RequestMetrics, default_max_new_tokens: int):
+        self.engine, self.metrics = engine, metrics
+        self.default_max_new_tokens = default_max_new_tokens
+        self.visitors = VisitorStreams()
+        self.thinks = getattr(engine, "think_tags", None) is not None  # a thinking model: its thought in its own box
+        tokenizer = getattr(engine, "tokenizer", None)
+        self.calls_format = tool_format(tokenizer).name if tokenizer is not None else None  # calls as tool messages
+
+    def respond(self, history, system_prompt, temperature, top_p, top_k, max_new_tokens, repetition_penalty,
+                output_format, json_schema, thinking_budget, request: gr.Request):
+        """The page's generator: answers the last user message of `history`, streaming."""
+        history = list(history or [])
+        if not history or not isinstance(history[-1], dict) or history[-1].get("role") != "user":
+            return
+        try:
+            messages = to_engine_messages(history, escaped=True)
+        except ChatError as exc:
+            raise gr.Error(str(exc)) from None
+        if not messages or messages[-1]["role"] != "user":
+            return
+        message = messages.pop()["content"]
+        chat_settings = ChatSettings(system_prompt or "", temperature, top_p, top_k, max_new_tokens,
+                                     repetition_penalty, output_format or "Text", json_schema or "", self.thinks,
+                                     thinking_budget or None)
+        fmt = self.calls_format if chat_settings.output_format == "Text" else None  # JSON mode: the JSON as it is
+        try:
+            for text, stats in stream_answer(self.engine, self.metrics, "gradio", messages, message, chat_settings,
+                                             warn=gr.Warning, watch=self.visitors.watcher(request)):
+                yield history + answer_messages(text, stats, fmt), stats.markdown()
+        except ChatError as exc:
+            raise gr.Error(str(exc)) from None
+
+    def api_chat(self):
+        """The `/chat` API function (its signature and docstring are what gradio_client shows)."""
+        engine, metrics = self.engine, self.metrics
+
+        def chat(message: str, history: list[dict] | None = None, system_prompt: str = DEFAULTS.system_prompt,
+                 temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
+                 top_k: int = DEFAULTS.top_k, max_new_tokens: int = self.default_max_new_tokens,
+                 repetition_penalty: float = DEFAULTS.repetition_penalty) -> str:
+            """Streams the assistant's answer to `message` (the text so far on each update).
+
+            history: earlier messages, [{"role": "user" | "assistant", "content": "..."}] (oldest first).
+            system_prompt: empty = the model's default. temperature: 0 = greedy. top_k: 0 = off.
+            Conversations longer than the context lose their oldest turns (a warning says so).
+            """
+            chat_settings = ChatSettings(system_prompt or "", temperature, top_p, top_k, max_new_tokens,
+                                         repetition_penalty)
+            try:
+                messages = to_engine_messages(history, escaped=False)
+                for text, _stats in stream_answer(engine, metrics, "gradio", messages, message, chat_settings,
+                                                  warn=gr.Warning):
+                    yield text
+            except ChatError as exc:
+                raise gr.Error(str(exc)) from None
+
+        return chat
+
+    @staticmethod
+    def add_user_message(message, history):
+        if not message or not message.strip():
+            raise gr.Error("The message is empty: type something to send.")
+        history = list(history or []) + [{"role": "user", "content": escape_html(message)}]
+        return (history,) + GENERATING[:2] + (gr.update(value="", interactive=False),)
+
+    @staticmethod
+    def add_example(history, event: gr.SelectData):
+        text = event.value.get("text", "") if isinstance(event.value, dict) else str(event.value)
+        return (list(history or []) + [{"role": "user", "content": escape_html(text)}],) + GENERATING
+
+    @staticmethod
+    def pop_answer(history):
+        """Retry: drop everything after the last user message."""
+        history = list(history or [])
+        while history and history[-1].get("role") != "user":
+            history.pop()
+        return (history,) + GENERATING
+
+    @staticmethod
+    def undo(history):
+        """Undo: remove the last user message and its answer; its text goes back to the input."""
+        history = list(history or [])
+        while history and history[-1].get("role") != "user":
+            history.pop()
+        message = ""
+        if history:
+            message = to_engine_messages([history.pop()], escaped=True)
+            message = message[0]["content"] if message else ""
+        return history, message, ""
+
+    @staticmethod
+    def after_answer(stats_text):
+        """Send is back; an answer cut by Stop says so (its generator never yielded the end)."""
+        return IDLE + ((stats_text or "").replace("Streaming:", "Stopped:", 1),)
+
+    def refresh(self):
+        return status.snapshot(self.engine, self.metrics)
