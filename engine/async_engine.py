@@ -39,8 +39,8 @@ from engine.request import (
     SamplingParams,
     new_request_id,
 )
-from engine.streamers import RequestAsyncTextStreamer, RequestTextStreamer, _one_sample
-from engine.streams import RequestStream, _deliver, _Sink
+from engine.streamers import RequestAsyncTextStreamer, RequestTextStreamer, check_one_sample
+from engine.streams import RequestStream, deliver_batch, OutputSink
 
 log = logging.getLogger("rill.engine")
 
@@ -73,7 +73,7 @@ class AsyncEngine:
         self._commands: deque = deque()  # callables run by the engine thread before its next step
         self._wakeup = threading.Event()
         self._lock = threading.Lock()
-        self._sinks: dict[str, _Sink] = {}  # request_id -> where its outputs go
+        self._sinks: dict[str, OutputSink] = {}  # request_id -> where its outputs go
         self._num_admitted = 0  # sequences added and not finished (running + waiting + pending)
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -194,12 +194,12 @@ class AsyncEngine:
 
     def text_streamer(self, prompt_token_ids: list[int], params: SamplingParams,
                       request_id: str | None = None, timeout: float | None = None) -> RequestTextStreamer:
-        _one_sample(params)
+        check_one_sample(params)
         return self._admit(prompt_token_ids, params, request_id, lambda rid: RequestTextStreamer(self, rid, timeout))
 
     def async_text_streamer(self, prompt_token_ids: list[int], params: SamplingParams,
                             request_id: str | None = None, timeout: float | None = None) -> RequestAsyncTextStreamer:
-        _one_sample(params)
+        check_one_sample(params)
         return self._admit(prompt_token_ids, params, request_id,
                            lambda rid: RequestAsyncTextStreamer(self, rid, timeout))
 
@@ -262,7 +262,7 @@ class AsyncEngine:
                         del self._sinks[out.request_id]
         for loop, batch in by_loop.items():
             try:
-                loop.call_soon_threadsafe(_deliver, batch)
+                loop.call_soon_threadsafe(deliver_batch, batch)
             except RuntimeError:  # that event loop is closed: its requests have nobody to read them
                 for stream, out in batch:
                     if not out.finished:

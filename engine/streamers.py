@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from transformers import AsyncTextIteratorStreamer, TextIteratorStreamer
 
 from engine.request import FinishReason, InvalidRequest, RequestOutput, SamplingParams
-from engine.streams import _Sink
+from engine.streams import OutputSink
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
@@ -18,12 +18,13 @@ class ReasoningPiece(str):
     streamer yields it like any text; `isinstance(piece, ReasoningPiece)` tells it from the answer."""
 
 
-def _one_sample(params: SamplingParams) -> None:
+def check_one_sample(params: SamplingParams) -> None:
+    """A text streamer carries one sample: InvalidRequest (400) for n > 1."""
     if params.n != 1:
         raise InvalidRequest(f"A text streamer carries one sample: `n` must be 1. Given: {params.n}", "n")
 
 
-class _TextSinkMixin(_Sink):
+class _TextSinkMixin(OutputSink):
     """What both text streamers record besides the text: how the request ended, and its size."""
 
     def _init_sink(self, engine: "AsyncEngine", request_id: str):

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
 
 
-class _Sink:
+class OutputSink:
     """Where the engine thread puts one request's outputs."""
 
     unfinished: set[int]  # indices of the samples still running (the engine thread removes them)
@@ -27,11 +27,11 @@ class _Sink:
         raise NotImplementedError
 
 
-class RequestStream(_Sink):
+class RequestStream(OutputSink):
     """The deltas of one request (all `n` samples), in order; iterate with `async for` or `iter_sync()`.
 
     Made inside an event loop, it is fed on that loop: the engine thread hands each step's
-    outputs for one loop over in one `call_soon_threadsafe` (`_deliver`), not one per request.
+    outputs for one loop over in one `call_soon_threadsafe` (`deliver_batch`), not one per request.
     """
 
     def __init__(self, engine: "AsyncEngine", request_id: str, n: int):
@@ -112,6 +112,7 @@ class RequestStream(_Sink):
         return self.engine.abort(self.request_id)
 
 
-def _deliver(batch: list[tuple[RequestStream, RequestOutput]]) -> None:
+def deliver_batch(batch: list[tuple[RequestStream, RequestOutput]]) -> None:
+    """Hands a batch of outputs to their streams (on the streams' event loop: one callback per batch)."""
     for stream, out in batch:
         stream._put(out)

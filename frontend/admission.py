@@ -71,7 +71,12 @@ _MAX_SESSION_CHARS = 256
 def admission(request, route: str) -> dict:
     """The keyword arguments every route passes to `Generation` (timeout, metrics, test hook, session)."""
     state = request.app.state
-    return dict(timeout=state.settings.request_timeout, on_admit=fault_hook(request),
+    on_admit = None
+    if state.settings.test_hooks:
+        from testing.hooks import fault_hook  # never imported without --test-hooks
+
+        on_admit = fault_hook(request)
+    return dict(timeout=state.settings.request_timeout, on_admit=on_admit,
                 metrics=getattr(state, "metrics", None), route=route, session=session_from(request))
 
 
@@ -84,15 +89,6 @@ def session_from(request) -> str | None:
         raise ApiError(400, f"`{SESSION_HEADER}` may have at most {_MAX_SESSION_CHARS} characters. "
                             f"Given: {len(value)} characters.", param=SESSION_HEADER)
     return value
-
-
-def fault_hook(request):
-    """With --test-hooks, a request sent with `x-rill-inject-fault: 1` fails inside the engine
-    (engine.inject_fault): the test suite's way to prove one failure stays one failure."""
-    state = request.app.state
-    if not state.settings.test_hooks or request.headers.get("x-rill-inject-fault") != "1":
-        return None
-    return state.engine.inject_fault
 
 
 RETRY_AFTER_S = 1  # a 429's Retry-After: slots free as requests finish (many per second under load)

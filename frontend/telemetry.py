@@ -19,7 +19,6 @@ one log line per finished request:
       async for out in metrics.track("chat", engine.generate(ids, params), request_id=rid):
           ...
 
-  (`track_sync` does the same for `stream.iter_sync()` in a thread);
 - or drive a tracker by hand: `t = metrics.start("v1_chat", num_prompt_tokens=n, request_id=rid)`,
   `t.tokens(k)` when k new tokens arrive, `t.finish("stop")` once at the end;
 - or record a request that already ended in one call: `metrics.observe(route, arrival_time=...,
@@ -39,15 +38,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import threading
 import time
-from collections import deque
-from collections.abc import AsyncIterator, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 
 from prometheus_client import (CollectorRegistry, Counter, Histogram, disable_created_metrics,
                                generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from frontend.recent import RecentActivity, RecentWindow
 
 disable_created_metrics()  # no `*_created` series: a scrape shows only what the README lists
 
@@ -149,18 +147,6 @@ def _family(name: str, value: float):
     return GaugeMetricFamily(name, text, value=value)
 
 
-@dataclass(slots=True)
-class RecentActivity:
-    """What the status panel shows about the last minutes (from finished and streaming requests)."""
-
-    tokens_per_s: float  # generated tokens per second over the window (all routes)
-    tokens: int  # generated tokens in the window
-    requests_finished: int  # requests finished in the window
-    mean_ttft_s: float | None  # mean time to first token of requests started in the window
-    throughput: list[tuple[float, float]] = field(default_factory=list)  # (unix time, tokens/s) per bin
-    ttft: list[tuple[float, float]] = field(default_factory=list)  # (unix time of first token, seconds)
-
-
 class RequestTracker:
     """One request's timings as it streams. Made by `RequestMetrics.start`; `finish` it once."""
 
@@ -200,7 +186,7 @@ class RequestTracker:
         if self.first_token_time is None:
             self.first_token_time = first_token_time if first_token_time is not None else now
             metrics._ttft.observe(max(0.0, self.first_token_time - self.arrival_time))
-            metrics._note_first_token(self.first_token_time - self.arrival_time)
+            metrics.window.note_first_token(self.first_token_time - self.arrival_time)
             gaps = count - 1  # tokens after the first in this same delta came with no gap we saw
             if gaps > 0:
                 per_token = max(0.0, now - self.first_token_time) / gaps
@@ -213,7 +199,7 @@ class RequestTracker:
         self.last_token_time = now
         self.num_output_tokens += count
         metrics._generation_tokens.labels(self.route).inc(count)
-        metrics._note_tokens(count)
+        metrics.window.note_tokens(count)
 
     def finish(self, finish_reason, *, num_output_tokens: int | None = None, num_prompt_tokens: int | None = None,
                queue_time: float | None = None, now: float | None = None, error: str | None = None) -> None:
@@ -240,7 +226,7 @@ class RequestTracker:
         metrics._prompt_len.observe(self.num_prompt_tokens)
         metrics._output_len.observe(self.num_output_tokens)
         metrics._finished.labels(self.route, reason).inc()
-        metrics._note_finished()
+        metrics.window.note_finished()
         ttft = None if self.first_token_time is None else self.first_token_time - self.arrival_time
         extra = {"error": error} if error else {}
         log_request(request_id=self.request_id, route=self.route, prompt_tokens=self.num_prompt_tokens,
@@ -285,10 +271,7 @@ class RequestMetrics:
                                      buckets=TOKEN_COUNT_BUCKETS, registry=reg)
         if engine is not None:
             reg.register(_EngineCollector(engine))
-        self._lock = threading.Lock()
-        self._token_bins: deque[list] = deque()  # [unix second, tokens generated in that second]
-        self._first_tokens: deque[tuple[float, float]] = deque()  # (unix time, ttft seconds)
-        self._finishes: deque[float] = deque()  # unix time of each finish
+        self.window = RecentWindow(recent_window_s)  # the status panel's last minutes
 
     # --- recording -------------------------------------------------------------------------------
 
@@ -338,81 +321,10 @@ class RequestMetrics:
             if aclose is not None:
                 await aclose()  # engine.generate aborts the request when closed early
 
-    def track_sync(self, route: str, deltas: Iterable, *, request_id: str | None = None,
-                   num_prompt_tokens: int | None = None, arrival_time: float | None = None) -> Iterator:
-        """`track` for a blocking iterator (e.g. `RequestStream.iter_sync()` in a worker thread)."""
-        tracker = self.start(route, num_prompt_tokens=num_prompt_tokens, request_id=request_id,
-                             arrival_time=arrival_time)
-        state = _DeltaState()
-        try:
-            for out in deltas:
-                state.see(tracker, out)
-                yield out
-        except BaseException as exc:
-            state.fail(exc)
-            raise
-        finally:
-            state.close(tracker)
-            close = getattr(deltas, "close", None)
-            if close is not None:
-                close()
-
-    # --- the recent window (status panel) --------------------------------------------------------
-
-    def _prune(self, now: float) -> None:
-        horizon = now - self.recent_window_s
-        while self._token_bins and self._token_bins[0][0] < horizon:
-            self._token_bins.popleft()
-        while self._first_tokens and self._first_tokens[0][0] < horizon:
-            self._first_tokens.popleft()
-        while self._finishes and self._finishes[0] < horizon:
-            self._finishes.popleft()
-
-    def _note_tokens(self, count: int) -> None:
-        now = time.time()
-        second = int(now)
-        with self._lock:
-            if self._token_bins and self._token_bins[-1][0] == second:
-                self._token_bins[-1][1] += count
-            else:
-                self._token_bins.append([second, count])
-            self._prune(now)
-
-    def _note_first_token(self, ttft: float) -> None:
-        with self._lock:
-            self._first_tokens.append((time.time(), max(0.0, ttft)))
-
-    def _note_finished(self) -> None:
-        with self._lock:
-            self._finishes.append(time.time())
-
     def recent(self, window_s: float = 60.0, bin_s: float = 5.0, history_s: float = 300.0,
                now: float | None = None) -> RecentActivity:
         """Tokens/s over the last `window_s`; throughput per `bin_s` and TTFTs over `history_s`."""
-        now = time.time() if now is None else now
-        with self._lock:
-            self._prune(now)
-            bins = [tuple(b) for b in self._token_bins]
-            first_tokens = list(self._first_tokens)
-            finishes = list(self._finishes)
-        tokens = sum(count for second, count in bins if second > now - window_s)
-        window_ttfts = [ttft for at, ttft in first_tokens if at > now - window_s]
-        last_full_bin = (now // bin_s) * bin_s  # the bin now is in is still filling: not plotted
-        num_bins = max(1, int(history_s // bin_s))
-        per_bin = {}
-        for second, count in bins:
-            start = (second // bin_s) * bin_s
-            per_bin[start] = per_bin.get(start, 0) + count
-        throughput = [(start, per_bin.get(start, 0) / bin_s)
-                      for start in (last_full_bin - bin_s * k for k in range(num_bins, 0, -1))]
-        return RecentActivity(
-            tokens_per_s=tokens / window_s,
-            tokens=tokens,
-            requests_finished=sum(1 for at in finishes if at > now - window_s),
-            mean_ttft_s=(sum(window_ttfts) / len(window_ttfts)) if window_ttfts else None,
-            throughput=throughput,
-            ttft=[(at, ttft) for at, ttft in first_tokens if at > now - history_s],
-        )
+        return self.window.recent(window_s, bin_s, history_s, now)
 
     # --- exposition ------------------------------------------------------------------------------
 

@@ -11,7 +11,6 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 
 from server import chat, openai_api
-from frontend.backends import delay_steps
 from server.errors import ApiError, install_error_handlers
 from server.middleware import ApiGuard
 from server.resume import ResumeRegistry
@@ -100,7 +99,9 @@ def create_app(engine, settings: Settings) -> FastAPI:
         return {"ready": True}
 
     if settings.test_hooks:
-        _install_test_hooks(app, engine)
+        from testing.hooks import install_test_routes  # never imported without --test-hooks
+
+        install_test_routes(app, engine)
 
     try:  # another module owns the metrics; the app works without it
         from server.metrics import install_metrics
@@ -119,55 +120,6 @@ def create_app(engine, settings: Settings) -> FastAPI:
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["x-request-id", "x-resume-token"])
     return app
-
-
-class EngineKilled(RuntimeError):
-    """Raised inside the engine thread by the test hook that kills the engine loop."""
-
-
-class InjectedFailure(RuntimeError):
-    """Raised by the test hook that proves a route's unexpected failure tells the client nothing."""
-
-
-def _install_test_hooks(app: FastAPI, engine) -> None:
-    """--test-hooks only (without the flag these routes do not exist; with an API key they need it,
-    like every route): `POST /_test/kill-engine` makes the engine loop die at its next step, so the
-    suite can check /health's 503 and the error events of in-flight streams (an engine in this
-    process only); `POST /_test/slow-steps` makes every step sleep first (for timeouts; also the
-    replicas of --backend ray); `POST /_test/raise`
-    fails inside a route with an exception whose text names a file, so the suite can check that
-    a 500's body carries none of it."""
-
-    @app.post("/_test/raise", include_in_schema=False)
-    async def raise_inside():
-        raise InjectedFailure("secret detail from /srv/rill/server/app.py line 1")
-
-    local = getattr(engine, "core", None) is not None
-    if not local and not hasattr(engine, "delay_steps"):
-        return  # --backend openai: nothing of the engine runs here
-
-    @app.post("/_test/slow-steps", include_in_schema=False)
-    async def slow_steps(seconds: float = 0.0):
-        """Every engine step sleeps `seconds` first (0 undoes it): a request outlives a short
-        timeout however fast the machine. With --backend ray, on every replica (answered once
-        each has applied it)."""
-        if local:
-            delay_steps(engine.core, seconds)
-        else:
-            await asyncio.to_thread(engine.delay_steps, seconds)
-        return {"step_delay_s": max(seconds, 0.0)}
-
-    if not local:
-        return
-
-    @app.post("/_test/kill-engine", include_in_schema=False)
-    async def kill_engine():
-        def die():
-            raise EngineKilled("killed by the test hook /_test/kill-engine")
-
-        engine.core.step = die
-        engine.core.has_work = lambda: True
-        return {"killed": True}
 
 
 __all__ = ["create_app", "ApiError"]

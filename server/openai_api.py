@@ -158,6 +158,12 @@ async def get_model(model_id: str, request: Request):
     return _model_card(request.app.state)
 
 
+def _route_start(request: Request, body, x_request_id: str | None):
+    """What every generating route checks first: the model asked for, and the client's request id."""
+    check_model(request.app.state, body.model)
+    return request.app.state.engine, request_id_from(x_request_id)
+
+
 def _model_card(state) -> dict:
     engine = state.engine
     return {"id": engine.model_name, "object": "model", "created": state.started_at, "owned_by": "rill",
@@ -166,10 +172,7 @@ def _model_card(state) -> dict:
 
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, x_request_id: str | None = Header(None)):
-    state = request.app.state
-    engine = state.engine
-    check_model(state, body.model)
-    request_id = request_id_from(x_request_id)
+    engine, request_id = _route_start(request, body, x_request_id)
     tools = body.tool_request()
     fmt = tool_format(engine.tokenizer) if tools is not None else None
     messages = [m.template_message(_ROLE_MAP.get(m.role, m.role)) for m in body.messages]
@@ -193,10 +196,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, x_requ
 
 @router.post("/completions")
 async def completions(body: CompletionRequest, request: Request, x_request_id: str | None = Header(None)):
-    state = request.app.state
-    engine = state.engine
-    check_model(state, body.model)
-    request_id = request_id_from(x_request_id)
+    engine, request_id = _route_start(request, body, x_request_id)
     raw_prompts = body.prompts()  # at most MAX_PROMPTS (schemas.py)
     for p in raw_prompts:
         if isinstance(p, str):

@@ -13,7 +13,6 @@ resume, metrics, API keys, 429, timeouts, disconnect abort) are the same code on
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Iterator, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # no import at run time: the local backend must not pay for (or need) the others
@@ -90,21 +89,6 @@ def create_engine(settings) -> "EngineClient":
 
         return OpenAIEngine.from_settings(settings)
     raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}. Given: {settings.backend!r}")
-
-
-def delay_steps(core, seconds: float) -> None:
-    """Test hook (--test-hooks): every step of the engine core sleeps `seconds` first, 0 undoes it,
-    so a request outlives what a test does beside it however fast the machine."""
-    step = getattr(core, "_step_before_test_delay", core.step)
-    core._step_before_test_delay = step
-    if seconds > 0:
-        def slowed():
-            time.sleep(seconds)
-            return step()
-
-        core.step = slowed
-    else:
-        core.step = step
 
 
 class BackendError(RuntimeError):

@@ -149,7 +149,7 @@ class EngineReplica:
         """Test hook: sleep `delay` s before each step, as the board says, and post that it is done
         (the front's /_test/slow-steps answers once every replica has)."""
         if delay != self.step_delay_s:
-            from frontend.backends import delay_steps
+            from testing.hooks import delay_steps
 
             delay_steps(self.engine.core, delay)
             self.step_delay_s = delay

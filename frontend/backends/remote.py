@@ -28,8 +28,8 @@ from engine.async_engine import EngineNotRunning
 from engine.chat_template import encode_chat
 from engine.core import EngineStats
 from engine.request import FinishReason, InvalidRequest, QueueFull, RequestOutput, SamplingParams, new_request_id
-from engine.streams import RequestStream, _deliver
-from engine.streamers import RequestTextStreamer, _one_sample
+from engine.streams import RequestStream, deliver_batch
+from engine.streamers import RequestTextStreamer, check_one_sample
 
 log = logging.getLogger("rill.backend")
 
@@ -157,7 +157,7 @@ class RemoteEngine:
                       timeout: float | None = None, session: str | None = None) -> RequestTextStreamer:
         """For a thread (the page's generator): returns once the remote took the request, or raises
         its refusal (InvalidRequest, QueueFull, RuntimeError) like the local engine does."""
-        _one_sample(params)
+        check_one_sample(params)
         streamer = self._admit(prompt_token_ids, params, request_id,
                                lambda rid: RequestTextStreamer(self, rid, timeout), (), session)
         try:
@@ -299,7 +299,7 @@ class RemoteEngine:
         loop = getattr(sink, "_loop", None) if isinstance(sink, RequestStream) else None
         try:
             if loop is not None:
-                loop.call_soon_threadsafe(_deliver, [(sink, out) for out in outputs])
+                loop.call_soon_threadsafe(deliver_batch, [(sink, out) for out in outputs])
             else:
                 for out in outputs:
                     sink._on_output(out)

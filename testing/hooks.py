@@ -1,0 +1,83 @@
+"""The hooks --test-hooks installs, so the suite can prove what a client sees when things go wrong:
+a request that fails inside the engine (`x-rill-inject-fault: 1`), steps slowed so a request
+outlives what a test does beside it, an engine loop that dies, a route that raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from fastapi import FastAPI
+
+
+def fault_hook(request):
+    """With --test-hooks, a request sent with `x-rill-inject-fault: 1` fails inside the engine
+    (engine.inject_fault): the test suite's way to prove one failure stays one failure."""
+    if request.headers.get("x-rill-inject-fault") != "1":
+        return None
+    return request.app.state.engine.inject_fault
+
+
+def delay_steps(core, seconds: float) -> None:
+    """Test hook (--test-hooks): every step of the engine core sleeps `seconds` first, 0 undoes it,
+    so a request outlives what a test does beside it however fast the machine."""
+    step = getattr(core, "_step_before_test_delay", core.step)
+    core._step_before_test_delay = step
+    if seconds > 0:
+        def slowed():
+            time.sleep(seconds)
+            return step()
+
+        core.step = slowed
+    else:
+        core.step = step
+
+
+class EngineKilled(RuntimeError):
+    """Raised inside the engine thread by the test hook that kills the engine loop."""
+
+
+class InjectedFailure(RuntimeError):
+    """Raised by the test hook that proves a route's unexpected failure tells the client nothing."""
+
+
+def install_test_routes(app: FastAPI, engine) -> None:
+    """--test-hooks only (without the flag these routes do not exist; with an API key they need it,
+    like every route): `POST /_test/kill-engine` makes the engine loop die at its next step, so the
+    suite can check /health's 503 and the error events of in-flight streams (an engine in this
+    process only); `POST /_test/slow-steps` makes every step sleep first (for timeouts; also the
+    replicas of --backend ray); `POST /_test/raise`
+    fails inside a route with an exception whose text names a file, so the suite can check that
+    a 500's body carries none of it."""
+
+    @app.post("/_test/raise", include_in_schema=False)
+    async def raise_inside():
+        raise InjectedFailure("secret detail from /srv/rill/server/app.py line 1")
+
+    local = getattr(engine, "core", None) is not None
+    if not local and not hasattr(engine, "delay_steps"):
+        return  # --backend openai: nothing of the engine runs here
+
+    @app.post("/_test/slow-steps", include_in_schema=False)
+    async def slow_steps(seconds: float = 0.0):
+        """Every engine step sleeps `seconds` first (0 undoes it): a request outlives a short
+        timeout however fast the machine. With --backend ray, on every replica (answered once
+        each has applied it)."""
+        if local:
+            delay_steps(engine.core, seconds)
+        else:
+            await asyncio.to_thread(engine.delay_steps, seconds)
+        return {"step_delay_s": max(seconds, 0.0)}
+
+    if not local:
+        return
+
+    @app.post("/_test/kill-engine", include_in_schema=False)
+    async def kill_engine():
+        def die():
+            raise EngineKilled("killed by the test hook /_test/kill-engine")
+
+        engine.core.step = die
+        engine.core.has_work = lambda: True
+        return {"killed": True}
