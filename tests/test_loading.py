@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine import loading
-from engine.loading import LoadedModel, ModelLoadError, load_model
+from engine.model.loading import LoadedModel, ModelLoadError, load_model
 from tests.tiny_models import ARCHS, CONTEXT, EOS
 
 ROOT = Path(__file__).resolve().parent.parent
