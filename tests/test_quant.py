@@ -295,7 +295,7 @@ def test_fused_projections_equal_their_parts(kernel):
 
 def _greedy_both_ways(llm, prompts, monkeypatch, max_tokens=16):
     """(tokens with the head screened, tokens with the whole head) of the same greedy batch."""
-    from engine import native
+    from engine.runner import native
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     screened = [r.token_ids for r in llm.generate(prompts, params)]
@@ -309,7 +309,7 @@ def test_a_screened_q8_0_head_gives_the_whole_heads_argmax_and_the_first_of_ties
     """Greedy rows of a Q8_0 head take their argmax from int8 logits and a bound, then the float32
     panels of the few candidates (csrc/decode_layer.c, screened_argmax). Here every odd output's
     weights are the even one's before it: each pair ties exactly, and the first must win."""
-    from engine import native
+    from engine.runner import native
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model("llama"), dtype=torch.float32)
     with torch.no_grad():
