@@ -476,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = parse_settings(argv)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 <pid>: every thread's stack on stderr
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from engine.loading import ModelLoadError
+    from engine.model.loading import ModelLoadError
     from frontend.backends import BackendError, create_engine
 
     try:

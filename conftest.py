@@ -17,9 +17,9 @@ pytest_plugins = ["tests.tiny_models", "tests.servers"]
 
 @pytest.fixture
 def portable_kernels(monkeypatch):
-    """engine.cpu, its C kernels built from then on as for a CPU without AVX2 (`-march=x86-64`: GCC's
+    """engine.kernels, its C kernels built from then on as for a CPU without AVX2 (`-march=x86-64`: GCC's
     generic vectors) instead of for this one; a new cache folder gets the portable build."""
-    import engine.cpu as cpu
+    import engine.kernels as cpu
 
-    monkeypatch.setattr(cpu, "_CFLAGS", [f if f != "-march=native" else "-march=x86-64" for f in cpu._CFLAGS])
+    monkeypatch.setattr(cpu.build, "CFLAGS", [f if f != "-march=native" else "-march=x86-64" for f in cpu.build.CFLAGS])
     return cpu

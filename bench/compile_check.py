@@ -35,7 +35,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from engine import LLM, SamplingParams
-    from engine.loading import converted_gguf_dir, embedded_gguf_path
+    from engine.model.loading import converted_gguf_dir, embedded_gguf_path
 
     llm = LLM(None)  # converts the GGUF once if needed
     folder = converted_gguf_dir(embedded_gguf_path())

@@ -42,7 +42,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=0, help="read only this many tokens of the text (0: all)")
     args = parser.parse_args()
-    from engine.loading import load_model
+    from engine.model.loading import load_model
 
     reference = load_model(None, quantize="none")
     ids = reference.tokenizer(TEXT.read_text(), return_tensors="pt").input_ids

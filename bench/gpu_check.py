@@ -65,7 +65,7 @@ def random_model(shape: str, tokenizer_dir: Path, out: Path) -> Path:
 
 def bf16_agreement(root: Path) -> list[dict]:
     from engine import LLM, EngineConfig, SamplingParams
-    from engine.loading import load_model
+    from engine.model.loading import load_model
     from tests.test_engine_parity import MAX_TOKENS, make_prompts, reference_outputs
     from tests.tiny_models import build_tiny_model, build_tokenizer
 
@@ -97,7 +97,7 @@ def empty_cache() -> None:
 
 def sweep(path: Path, batches: list[int], tokens: int, kernel: bool) -> list[dict]:
     from engine import LLM, EngineConfig, SamplingParams
-    from engine.loading import load_model
+    from engine.model.loading import load_model
 
     loaded = load_model(str(path), device=DEVICE, dtype="bfloat16")
     vocab = len(loaded.tokenizer)
@@ -128,7 +128,7 @@ def attention_timing() -> list[dict]:
     """The decode attention alone, one layer's call on contexts of 4,000 positions (bfloat16, blocks
     of 16 scattered over the cache): each (sequence, KV head) whole in one program against its
     positions split into the shares the kernel chooses. Microseconds a call, mean of 50."""
-    from engine.gpu import paged_decode_kernel
+    from engine.kernels.gpu import paged_decode_kernel
 
     kernel = paged_decode_kernel(torch.device("cuda"))
     rows_out = []
@@ -169,7 +169,7 @@ def attention_timing() -> list[dict]:
 
 def long_context_memory(path: Path, sequences: int, prompt_tokens: int, kernel: bool) -> dict:
     from engine import LLM, EngineConfig, SamplingParams
-    from engine.loading import load_model
+    from engine.model.loading import load_model
 
     loaded = load_model(str(path), device="cuda", dtype="bfloat16")
     vocab = len(loaded.tokenizer)
@@ -208,7 +208,7 @@ def main(argv=None) -> int:
     parser.add_argument("--sections", default="bf16_agreement,sweep,attention,memory", help="which parts to run")
     args = parser.parse_args(argv)
     if args.save_tokenizer:
-        from engine.loading import load_model
+        from engine.model.loading import load_model
 
         load_model(None).tokenizer.save_pretrained(args.save_tokenizer)
         print(f"gpu_check: SmolLM2's tokenizer written to {args.save_tokenizer}")

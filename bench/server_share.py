@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def _engine_alone(levels: list[int], app_args: list[str]) -> list[dict]:
     """One process: load as app.py would (its weight flags), then each level through AsyncEngine."""
     from engine import AsyncEngine, SamplingParams
-    from engine.loading import load_model
+    from engine.model.loading import load_model
     from bench.run import make_prompts
 
     kwargs = {}
@@ -82,7 +82,7 @@ def _free_port() -> int:
 
 
 def _over_http(levels: list[int], app_args: list[str]) -> list[dict]:
-    from engine.loading import converted_gguf_dir, embedded_gguf_path
+    from engine.model.loading import converted_gguf_dir, embedded_gguf_path
 
     port = _free_port()
     server = subprocess.Popen([sys.executable, "app.py", "--port", str(port), "--log-level", "warning", *app_args],

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from engine import AsyncEngine, EngineConfig, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
-from engine.loading import load_model
+from engine.model.loading import load_model
 from engine.request import MAX_N, MAX_STOP_LENGTH, MAX_STOP_STRINGS
 
 PROMPT = "Once upon a time, in a land far away, there lived"

@@ -22,7 +22,7 @@ import time
 
 from engine import LLM, SamplingParams
 from engine.grammar import allowed_tokens
-from engine.loading import load_model
+from engine.model.loading import load_model
 from engine.request import Constraint
 
 SCHEMA = {"type": "array", "minItems": 200, "items": {"type": "object", "properties": {

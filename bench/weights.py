@@ -31,7 +31,7 @@ PYTHON = sys.executable
 
 def tokenizer_folder() -> str:
     """The converted embedded model's folder (it holds the tokenizer the load client counts with)."""
-    code = ("from engine.loading import load_model; import sys; "
+    code = ("from engine.model.loading import load_model; import sys; "
             "m = load_model(None, quantize='none'); print(m.tokenizer.name_or_path)")
     return subprocess.run([PYTHON, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()[-1]
 

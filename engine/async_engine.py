@@ -30,7 +30,7 @@ from typing import AsyncIterator
 from engine.chat_template import encode_chat
 from engine.config import EngineConfig
 from engine.core import EngineCore, EngineStats
-from engine.cpu import in_passing_thread
+from engine.host import in_passing_thread
 from engine.request import (
     FinishReason,
     InvalidRequest,
@@ -64,7 +64,7 @@ class AsyncEngine:
         self.config = config or EngineConfig()
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
-        # built in a passing thread, like load_model's work (engine/cpu.py, in_passing_thread)
+        # built in a passing thread, like load_model's work (engine/host.py, in_passing_thread)
         self.core = in_passing_thread(EngineCore, loaded.model, loaded.tokenizer, self.config, loaded.context_length)
         self.max_model_len = self.core.max_model_len
         self.attention_path = self.core.attention_path

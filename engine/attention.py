@@ -85,7 +85,7 @@ class StepMetadata:
     decode_slots: torch.Tensor | None  # [num_decodes, max_context] slots (0-padded)
     decode_context_lens: torch.Tensor | None  # [num_decodes]
     prefills: list[PrefillChunk] = field(default_factory=list)
-    decode_kernel: object | None = None  # cpu.DecodeAttentionKernel (float32 CPU) or gpu.PagedDecodeKernel (CUDA)
+    decode_kernel: object | None = None  # kernels.decode_attention.DecodeAttentionKernel (float32 CPU) or kernels.gpu.PagedDecodeKernel (CUDA)
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, width] int32, for a kernel that reads blocks
     decode_max_context: int = 0  # the longest of decode_context_lens
     _masks: dict = field(default_factory=dict)  # (kind, key, window) -> bool mask, built once per step

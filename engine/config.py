@@ -1,8 +1,11 @@
-"""Engine tunables: one frozen dataclass, validated at construction with clear errors."""
+"""Engine tunables: one frozen dataclass, validated at construction with clear errors; and where
+rill keeps what it builds once per machine (`rill_cache_dir`)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,3 +45,10 @@ class EngineConfig:
         need(self.max_restarts >= 0, "max_restarts must be >= 0", self.max_restarts)
         need(self.stall_timeout_s >= 0, "stall_timeout_s must be >= 0 (0: never)", self.stall_timeout_s)
         need(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2", self.max_model_len)
+
+
+def rill_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where converted GGUF models and built kernels live: `cache_dir`, else `$RILL_CACHE`, else `~/.cache/rill`."""
+    if cache_dir:
+        return Path(cache_dir).expanduser()
+    return Path(os.environ.get("RILL_CACHE") or Path.home() / ".cache" / "rill").expanduser()

@@ -1,8 +1,9 @@
 """The synchronous engine step: schedule -> run -> sample -> update. No threads, no asyncio.
 
     plan = self.scheduler.schedule()
-    logits = self.runner.run(plan)
-    outputs = self._update(plan, self.sampler.sample(logits, sampling_seqs))
+    step = self.runner.run(plan)  # a StepOutput: the sampling rows' logits (and argmax)
+    tokens = self.sampler.sample(step, sampling_seqs)
+    outputs = [self.output.on_token(seq, token) ...]  # stop, reasoning, grammar, detokenize (engine/output.py)
 """
 
 from __future__ import annotations
@@ -12,17 +13,15 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 
-import torch
 
 from engine.attention import PagedKVCache
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer, replacement_is_final
-from engine.gpu import paged_decode_kernel
-from engine.grammar import GrammarCompiler, GrammarState
+from engine.grammar import GrammarCompiler
 from engine.kv_cache import BlockAllocator
-from engine.loading import rill_cache_dir
+from engine.model.memory import num_kv_blocks
+from engine.model.setup import setup_model
+from engine.output import OutputProcessor
 from engine.request import (
     FinishReason,
     InvalidRequest,
@@ -31,11 +30,9 @@ from engine.request import (
     SamplingParams,
     Sequence,
 )
-from engine.cpu import decode_attention_kernel, keep_freed_memory, linear_kernel, pack_linears
-from engine.quant import FusedProjections, QuantLinear
-from engine.reasoning import ReasoningState, think_tags
-from engine.runner import FallbackRunner, PagedRunner, kv_geometry, supports_paged_attention
-from engine.sampler import Sampler, logit_rows
+from engine.runner.paged import kv_geometry
+from engine.runner.step_output import StepOutput
+from engine.sampler import Sampler
 from engine.scheduler import ScheduledChunk, Scheduler
 
 log = logging.getLogger("rill.engine")
@@ -66,77 +63,6 @@ def model_context_length(config) -> int:
         if isinstance(value, int) and value > 0:
             return value
     return 2048
-
-
-MEMINFO_PATH = Path("/proc/meminfo")  # the host's memory
-CGROUP_ROOT = Path("/sys/fs/cgroup")  # the container's limit: v2 files at the root, v1 under memory/
-_NO_LIMIT = 1 << 60  # cgroup v1 says "no limit" with a page-rounded 2**63
-
-
-def _read_number(path: Path) -> int | None:
-    """The integer in a one-line file; None if absent or unreadable; _NO_LIMIT for "max"."""
-    try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    if text == "max":
-        return _NO_LIMIT
-    try:
-        return int(text)
-    except ValueError:
-        return None
-
-
-def _stat_value(path: Path, key: str) -> int:
-    try:
-        for line in path.read_text().splitlines():
-            name, _, value = line.partition(" ")
-            if name == key:
-                return int(value)
-    except (OSError, ValueError):
-        pass
-    return 0
-
-
-def container_free_memory(cgroup_root: Path = CGROUP_ROOT) -> int | None:
-    """Bytes the container's memory limit still allows: the limit less the working set (usage
-    less reclaimable page cache), from cgroup v2 (`memory.max`) or v1 (`memory.limit_in_bytes`).
-    None when there is no limit."""
-    for folder, limit_file, usage_file, inactive_key in (
-            ("", "memory.max", "memory.current", "inactive_file"),
-            ("memory", "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")):
-        base = cgroup_root / folder
-        limit = _read_number(base / limit_file)
-        if limit is None:
-            continue
-        if limit >= _NO_LIMIT:
-            return None
-        usage = _read_number(base / usage_file) or 0
-        working_set = max(0, usage - _stat_value(base / "memory.stat", inactive_key))
-        return max(0, limit - working_set)
-    return None
-
-
-def host_free_memory(meminfo_path: Path = MEMINFO_PATH) -> int | None:
-    try:
-        with open(meminfo_path) as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return None
-
-
-def free_memory_bytes(device: torch.device, meminfo_path: Path | None = None, cgroup_root: Path | None = None) -> int:
-    """Memory a KV cache on `device` may take: the GPU's free memory, or on CPU the smaller of the
-    host's available memory and what the container's limit leaves (a Space is a container with a
-    limit far below its host's memory); 4 GiB when neither is known."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    known = [m for m in (host_free_memory(meminfo_path or MEMINFO_PATH),
-                         container_free_memory(cgroup_root or CGROUP_ROOT)) if m is not None]
-    return min(known) if known else 4 << 30
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
@@ -172,38 +98,13 @@ class EngineCore:
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         num_layers, num_kv_heads, head_dim = kv_geometry(model.config)
         per_block = PagedKVCache.bytes_per_block(num_layers, config.block_size, num_kv_heads, head_dim, model.dtype)
-        self.num_kv_blocks = self._num_blocks(per_block, model.device)
+        # sized before the model's linears are packed, from what the device has free now
+        self.num_kv_blocks = num_kv_blocks(config, self.max_model_len, per_block, model.device)
         self.kv_cache_bytes = self.num_kv_blocks * per_block
-        num_packed, self.linears = 0, "torch"
-        on_cpu = model.device.type == "cpu"
-        if on_cpu:
-            keep_freed_memory()
-            if config.packed_linears:
-                kernel = None
-                if config.linear_kernel and model.dtype == torch.float32:
-                    kernel = linear_kernel(rill_cache_dir())
-                num_packed, kind = pack_linears(model, kernel)
-                self.linears = kind or "torch"
-            kinds = sorted({m.kind for m in model.modules() if isinstance(m, (QuantLinear, FusedProjections))})
-            if kinds:  # weights kept as blocks (engine/quant.py): the rest, if any, as above
-                self.linears = f"{'/'.join(kinds)} blocks (C kernel)" + (f", the rest on the {self.linears}"
-                                                                         if num_packed else "")
-        if supports_paged_attention(model):
-            kernel = None
-            if on_cpu and config.decode_kernel and model.dtype == torch.float32:
-                kernel = decode_attention_kernel(rill_cache_dir())
-            elif model.device.type == "cuda" and config.decode_kernel:
-                kernel = paged_decode_kernel(model.device)
-            native = self._native_decoder(model) if on_cpu and kernel is not None and config.native_decode else None
-            self.runner = PagedRunner(model, self.num_kv_blocks, config.block_size, decode_kernel=kernel, native=native,
-                                      native_prefill_tokens=config.native_prefill_tokens)
-            self.decode_attention = ("C (the native decode step)" if native is not None else
-                                     "Triton (the paged cache in place)" if self.runner.kernel_reads_blocks else
-                                     "C kernel" if kernel is not None else "torch (gathered per step)")
-            log.info("engine: decode attention %s", f"in the kernel {kernel.path}" if kernel else "on the torch path")
-        else:
-            self.runner = FallbackRunner(model)
-            self.decode_attention = "transformers' own (the fallback path)"
+        setup = setup_model(model, config, self.num_kv_blocks)
+        self.runner = setup.runner
+        self.linears = setup.linears  # a label: where the linears run (read from the model's modules)
+        self.decode_attention = setup.decode_attention  # a label: where decode attention runs
         self.attention_path = self.runner.path
         # the fallback path keeps its own cache per sequence: nothing there to share
         self.allocator = BlockAllocator(self.num_kv_blocks, config.block_size,
@@ -211,12 +112,11 @@ class EngineCore:
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens)
         # constrained output (kept across rebuilds: the compiled grammars stay valid) and think tags
         self.grammars = grammars or GrammarCompiler(tokenizer, self.logits_width, self.eos_token_ids)
-        self.think_tags = think_tags(tokenizer)
+        self.output = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len, self.grammars)
+        self.think_tags = self.output.think_tags
         self.sampler = Sampler(self.eos_token_ids, config.seed, self.grammars)
         self.seqs: dict[str, Sequence] = {}  # seq_id -> live sequence
         self.by_request: dict[str, list[Sequence]] = {}  # request_id -> its live sequences
-        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self.replacement_is_final = replacement_is_final(tokenizer)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.num_steps = 0
@@ -224,35 +124,7 @@ class EngineCore:
         log.info("engine: %s attention path, %d KV blocks of %d tokens (%.1f MiB), max_model_len %d, "
                  "linears on %s", self.attention_path, self.num_kv_blocks, config.block_size,
                  self.kv_cache_bytes / 2**20, self.max_model_len,
-                 f"the {self.linears} ({num_packed} repacked)" if num_packed else self.linears)
-
-    @staticmethod
-    def _native_decoder(model):
-        """csrc/decode_layer.c for decode steps when it takes this model (engine/native.py), else None."""
-        from engine.cpu import _library
-        from engine.native import NativeDecoder, why_not_native
-
-        reason = why_not_native(model)
-        if reason is None:
-            try:
-                decoder = NativeDecoder(model, _library(rill_cache_dir())[0])
-                log.info("engine: decode steps in C (csrc/decode_layer.c), one call per step")
-                return decoder
-            except Exception as exc:  # an old library without the symbol, ...
-                reason = str(exc)
-        log.info("engine: decode steps through transformers' modules (%s)", reason)
-        return None
-
-    def _num_blocks(self, per_block: int, device: torch.device) -> int:
-        cfg = self.config
-        if cfg.num_kv_blocks:
-            return cfg.num_kv_blocks
-        if cfg.kv_cache_memory:
-            budget = cfg.kv_cache_memory if cfg.kv_cache_memory > 1 else cfg.kv_cache_memory * free_memory_bytes(device)
-            return max(2, int(budget // per_block))
-        # Enough for every running sequence at full context, capped at a quarter of free memory.
-        wanted = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
-        return max(2, min(wanted, int(free_memory_bytes(device) * 0.25 // per_block)))
+                 f"the {self.linears} ({setup.num_packed} repacked)" if setup.num_packed else self.linears)
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -292,38 +164,6 @@ class EngineCore:
         head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
         return int(getattr(head, "out_features", 0) or getattr(self.model.config, "vocab_size", 0) or self.vocab_size)
 
-    def _new_detokenizer(self, params: SamplingParams, stop=None) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self.tokenizer, params.stop if stop is None else stop,
-                                      params.skip_special_tokens, self.replacement_is_final)
-
-    def _guide(self, seq: Sequence, detok: IncrementalDetokenizer, prior_output_ids) -> None:
-        """The sequence's grammar and reasoning states, replayed over output it already had."""
-        params = seq.params
-        if params.reasoning and self.think_tags is not None:
-            seq.reasoning = ReasoningState(self.think_tags, seq.token_ids[:seq.num_prompt_tokens],
-                                           params.max_reasoning_tokens, self._new_detokenizer(params, ()))
-        if params.constraint is not None:
-            seq.grammar = GrammarState(self.grammars.matcher(params.constraint),
-                                       active=seq.reasoning is None or not seq.reasoning.thinking)
-        answer = []
-        for token_id in prior_output_ids:
-            kind = seq.reasoning.on_token(token_id) if seq.reasoning is not None else "answer"
-            if kind == "thought":
-                seq.reasoning.detokenizer.add(token_id)
-            elif kind == "start" and seq.grammar is not None:
-                seq.grammar.active = False
-            elif kind == "end":
-                seq.reasoning.detokenizer.flush()  # the thought's end showed what it held
-                if seq.grammar is not None:
-                    seq.grammar.active = True
-            elif kind == "answer":
-                answer.append(token_id)
-                if seq.grammar is not None and seq.grammar.active:
-                    seq.grammar.accept(token_id)
-        detok.prime(answer)
-        if seq.reasoning is not None:
-            seq.reasoning.answer_text(detok.text[:detok.emitted])  # the answer's leading space went then
-
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prior_output_ids: list[int] = ()) -> list[Sequence]:
         """Queue a request. `prior_output_ids` continues one whose output so far is known (a
@@ -337,12 +177,10 @@ class EngineCore:
             seq = Sequence(seq_id=f"{request_id}#{index}", request_id=request_id, index=index,
                            token_ids=list(prompt_token_ids) + list(prior_output_ids),
                            num_prompt_tokens=len(prompt_token_ids), params=params)
-            detok = self._new_detokenizer(params)
-            self._guide(seq, detok, list(prior_output_ids))
-            made.append((seq, detok))
+            made.append((seq, self.output.prepare(seq, list(prior_output_ids))))
         for seq, detok in made:
             self.seqs[seq.seq_id] = seq
-            self.detokenizers[seq.seq_id] = detok
+            self.output.add(seq, detok)
             self.scheduler.add(seq)
         self.by_request[request_id] = seqs = [seq for seq, _ in made]
         return seqs
@@ -378,7 +216,7 @@ class EngineCore:
             return []
         self.num_steps += 1
         outputs: list[RequestOutput] = []
-        logits, plan = self._forward(plan, outputs)
+        step, plan = self._forward(plan, outputs)
         if plan:
             self.num_failed_steps = 0
         else:
@@ -397,7 +235,7 @@ class EngineCore:
                 sampling.append(chunk)
         if sampling:
             now = time.monotonic()
-            for seq, token_id, logprob in self._sample(logits, plan, sampling, outputs):
+            for seq, token_id, logprob in self._sample(step, plan, sampling, outputs):
                 try:
                     outputs.append(self._append_token(seq, token_id, logprob, now))
                 except Exception as exc:  # e.g. a tokenizer error: this request fails alone
@@ -414,13 +252,13 @@ class EngineCore:
                             "the other requests were not affected. The server log has the details.", [])
 
     def _forward(self, plan: list[ScheduledChunk], outputs: list[RequestOutput]):
-        """(logits [sampling chunks of the kept plan, vocab], the kept plan). When the batch's
+        """(StepOutput of the sampling chunks of the kept plan, the kept plan). When the batch's
         forward raises, each chunk runs alone: the ones that still raise fail, the rest go on.
         A failed forward leaves nothing a later one depends on (the paged cache's slots are
         written again; the fallback runner rolls its caches back), so the retry computes the
         same K/V and logits as an answer computed alone."""
         try:
-            return self.runner.run(plan), plan
+            return StepOutput.of(self.runner.run(plan)), plan
         except Exception as exc:
             if len(plan) == 1:
                 outputs.append(self._fail(plan[0].seq, "running the model on", exc))
@@ -430,14 +268,14 @@ class EngineCore:
         kept, rows = [], []
         for chunk in plan:
             try:
-                logits = self.runner.run([chunk])
+                step = StepOutput.of(self.runner.run([chunk]))
             except Exception as exc:
                 outputs.append(self._fail(chunk.seq, "running the model on", exc))
                 continue
             kept.append(chunk)
             if chunk.samples:
-                rows.append(logits)
-        return (torch.cat(rows) if rows else None), kept
+                rows.append(step)
+        return (StepOutput.cat(rows) if rows else None), kept
 
     def _advance(self, chunk: ScheduledChunk) -> None:
         """After the forward: the chunk's tokens are computed; name the blocks they filled."""
@@ -452,25 +290,25 @@ class EngineCore:
         seq.num_cached_blocks = self.allocator.cache_full_blocks(
             seq.token_ids, seq.block_hashes, seq.block_table, seq.num_computed_tokens, seq.num_cached_blocks)
 
-    def _sample(self, logits: torch.Tensor, plan: list[ScheduledChunk], sampling: list[ScheduledChunk],
+    def _sample(self, step: StepOutput, plan: list[ScheduledChunk], sampling: list[ScheduledChunk],
                 outputs: list[RequestOutput]) -> list[tuple[Sequence, int, object]]:
         """(seq, token id, logprob) of each sampling chunk still alive; a row whose logits are not
         finite fails. When the batched sampling raises, each row samples alone."""
-        # logits has one row per sampling chunk of `plan`; keep those whose chunk was not failed since
+        # step has one row per sampling chunk of `plan`; keep those whose chunk was not failed since
         sampling_rows = {id(c): row for row, c in enumerate(c for c in plan if c.samples)}
         index = [sampling_rows[id(c)] for c in sampling]
-        if len(index) != logits.shape[0]:
-            logits = logit_rows(logits, index)
+        if len(index) != len(step.logits):
+            step = step.rows(index)
         seqs = [c.seq for c in sampling]
         try:
-            results = [(self.sampler.sample(logits, seqs), range(len(seqs)))]
+            results = [(self.sampler.sample(step, seqs), range(len(seqs)))]
         except Exception as exc:
             log.warning("sampling %d sequences failed (%s: %s); sampling them one at a time",
                         len(seqs), type(exc).__name__, exc)
             results = []
             for row, seq in enumerate(seqs):
                 try:
-                    results.append((self.sampler.sample(logit_rows(logits, slice(row, row + 1)), [seq]), [row]))
+                    results.append((self.sampler.sample(step.rows(slice(row, row + 1)), [seq]), [row]))
                 except Exception as exc:
                     outputs.append(self._fail(seq, "sampling the next token of", exc))
         sampled = []
@@ -486,48 +324,18 @@ class EngineCore:
         return sampled
 
     def _append_token(self, seq: Sequence, token_id: int, logprob, now: float) -> RequestOutput:
-        params = seq.params
         seq.token_ids.append(token_id)
         self.generation_tokens_total += 1
         if seq.first_token_time is None:
             seq.first_token_time = now
         logprobs = [logprob] if logprob is not None else None
-        num_out = seq.num_output_tokens
-        grammar, reasoning = seq.grammar, seq.reasoning
-        constrained = grammar is not None and grammar.active
-        reason = None
-        text = thought = ""
-        if ((token_id in self.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids) \
-                and (num_out >= params.min_tokens or constrained):
-            reason = FinishReason.STOP  # the EOS / stop token is kept in token_ids, not in the text
-        else:
-            kind = reasoning.on_token(token_id) if reasoning is not None else "answer"
-            if kind == "thought":
-                thought = reasoning.detokenizer.add(token_id)
-            elif kind == "start" and grammar is not None:
-                grammar.active = False  # the model opened a thought: free text until it ends
-            elif kind == "end":
-                thought = reasoning.detokenizer.flush()
-                if grammar is not None:
-                    grammar.active = True  # the constraint applies to the answer, after the thought
-            elif kind == "answer":
-                if constrained and not grammar.accept(token_id):
-                    return self._finish(seq, FinishReason.ERROR, f"The constraint rejected token {token_id}: "
-                                        f"{grammar.error}", [token_id], logprobs=logprobs)
-                detok = self.detokenizers[seq.seq_id]
-                text = detok.add(token_id)
-                if reasoning is not None:
-                    text = reasoning.answer_text(text)
-                if detok.stopped or (constrained and grammar.complete):
-                    reason = FinishReason.STOP  # a stop string, or the grammar is complete
-        if reason is None and (num_out >= params.max_tokens or len(seq.token_ids) >= self.max_model_len):
-            reason = FinishReason.LENGTH
-        if reason is not None:
-            return self._finish(seq, reason, None, [token_id], text, logprobs, thought)
-        return RequestOutput(seq.request_id, seq.index, [token_id], text, logprobs=logprobs,
-                             num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=num_out,
+        out = self.output.on_token(seq, token_id)
+        if out.finish_reason is not None:
+            return self._finish(seq, out.finish_reason, out.error, [token_id], out.text, logprobs, out.thought)
+        return RequestOutput(seq.request_id, seq.index, [token_id], out.text, logprobs=logprobs,
+                             num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
                              first_token_time=seq.first_token_time, arrival_time=seq.arrival_time,
-                             scheduled_time=seq.scheduled_time, reasoning=thought)
+                             scheduled_time=seq.scheduled_time, reasoning=out.thought)
 
     def _finish(self, seq: Sequence, reason: FinishReason, error: str | None, token_ids: list[int],
                 text: str = "", logprobs=None, thought: str = "") -> RequestOutput:
@@ -535,15 +343,7 @@ class EngineCore:
             self.scheduler.finish(seq)
         self.runner.free(seq.seq_id)
         self.sampler.forget(seq.seq_id)
-        detok = self.detokenizers.pop(seq.seq_id, None)
-        # An error or an abort shows nothing that was held back: a resumed stream's continuation
-        # holds it again and releases it in context (`IncrementalDetokenizer.prime`).
-        if detok is not None and reason not in (FinishReason.ERROR, FinishReason.ABORT):
-            text += detok.flush()
-            if seq.reasoning is not None:
-                text = seq.reasoning.answer_text(text)
-                if seq.reasoning.thinking:  # ended inside the thought: what it held back is thought
-                    thought += seq.reasoning.detokenizer.flush()
+        text, thought = self.output.finish(seq, reason, text, thought)
         seq.finish_reason = reason
         seq.error = error
         self.seqs.pop(seq.seq_id, None)

@@ -48,9 +48,6 @@ class BlockAllocator:
         """How many more blocks a sequence holding `block_table` needs to store `num_tokens`."""
         return max(0, -(-num_tokens // self.block_size) - len(block_table))
 
-    def can_allocate(self, block_table: list[int], num_tokens: int) -> bool:
-        return self.blocks_needed(block_table, num_tokens) <= self.num_free
-
     def allocate(self, block_table: list[int], num_tokens: int) -> bool:
         """Grow `block_table` in place to hold `num_tokens`; False (and no change) if short of blocks."""
         needed = self.blocks_needed(block_table, num_tokens)

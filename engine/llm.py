@@ -13,7 +13,7 @@ class LLM:
 
     def __init__(self, model, config: EngineConfig | None = None, **load_kwargs):
         if isinstance(model, (str, bytes)) or model is None or hasattr(model, "__fspath__"):
-            from engine.loading import load_model
+            from engine.model.loading import load_model
             model = load_model(model, **load_kwargs)
         self.loaded = model
         self.tokenizer = model.tokenizer

@@ -306,7 +306,7 @@ class Sequence:
     """
 
     seq_id: str  # unique inside the engine: "<request_id>#<index>"
-    request_id: str  # the client's request id (shared by the n samples)
+    request_id: str  # the engine's id of the admission (fresh per add_request; shared by its n samples), not the client's
     index: int  # which of the request's n samples
     token_ids: list[int]  # prompt + output so far
     num_prompt_tokens: int

@@ -19,10 +19,13 @@ import torch
 
 from engine.grammar import allowed_tokens
 from engine.request import Sequence, TokenLogprob
+from engine.runner.step_output import StepOutput
 
 
 @dataclass(slots=True)
 class SampleResult:
+    """The tokens a step drew, one per row."""
+
     token_ids: list[int]  # one per row
     logprobs: list[TokenLogprob | None]  # one per row; None where not asked
     bad_rows: list[int]  # rows whose logits were not finite (the request fails)
@@ -46,17 +49,9 @@ def _end_spent_thoughts(token_ids: list[int], seqs) -> list[int]:
     return token_ids
 
 
-def logit_rows(logits: torch.Tensor, index) -> torch.Tensor:
-    """logits[index] with what the native step attached to its rows (their argmax, screened or not)."""
-    rows = logits[index]
-    best = getattr(logits, "rill_argmax", None)
-    if best is not None:
-        rows.rill_argmax = best[index]
-        rows.rill_screened = getattr(logits, "rill_screened", False)
-    return rows
-
-
 class Sampler:
+    """Draws each row's next token with its own parameters, the batch in one pass."""
+
     def __init__(self, eos_token_ids: list[int], seed: int = 0, grammars=None):
         self.eos_token_ids = eos_token_ids
         self.grammars = grammars  # engine.grammar.GrammarCompiler: fills the constrained rows' bitmasks
@@ -74,20 +69,20 @@ class Sampler:
         return gen
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
-        """logits: [rows, vocab] float32, one row per sequence in `seqs`."""
-        best = getattr(logits, "rill_argmax", None)
+    def sample(self, step: StepOutput | torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+        """step: a runner's StepOutput, or bare logits [rows, vocab] float32; one row per sequence in `seqs`."""
+        step = StepOutput.of(step)
+        best = step.argmax
         if best is not None and best.numel() and int(best.min()) >= 0 and all(argmax_is_enough(s) for s in seqs):
             # the step found each row's argmax (the native step, a GPU's) and no row reads more of its
             # logits: nothing to copy from the device or to pass over
             return SampleResult(_end_spent_thoughts(best.tolist(), seqs), [None] * len(seqs), [])
-        logits = logits.cpu()
+        logits = step.logits.cpu()
         rows, vocab = logits.shape
         params = [s.params for s in seqs]
-        # each row's argmax from the native step (engine/native.py), if it has them and all are finite
-        best = getattr(logits, "rill_argmax", None)
+        # each row's argmax from the step (engine/runner/native.py), if it has them and all are finite
         best = None if best is None else best.tolist()
-        if getattr(logits, "rill_screened", False) and not all(argmax_is_enough(s) for s in seqs):
+        if step.screened and not all(argmax_is_enough(s) for s in seqs):
             raise RuntimeError("the step computed only the argmax of rows whose sampling reads their logits")
         if best is not None and min(best) < 0:
             best = None

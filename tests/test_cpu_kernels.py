@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import PagedKVCache, StepMetadata, paged_attention
-from engine.cpu import PackedLinear, PanelLinear, decode_attention_kernel, linear_kernel, pack_linears
+from engine.kernels import decode_attention_kernel, linear_kernel
+from engine.model.linears import PackedLinear, PanelLinear, pack_linears
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +183,7 @@ def test_float32_linears_run_on_the_kernel_others_on_onednn(linear):
 
 def test_without_a_compiler_the_engine_says_so_and_uses_torch(tmp_path, monkeypatch, caplog, tiny_model):
     from engine import LLM, EngineConfig, SamplingParams
-    from engine.loading import load_model
+    from engine.model.loading import load_model
 
     monkeypatch.setenv("CC", "/bin/false")  # a compiler that fails: as good as none
     monkeypatch.setenv("RILL_CACHE", str(tmp_path))
@@ -200,7 +201,7 @@ def test_without_a_compiler_the_engine_says_so_and_uses_torch(tmp_path, monkeypa
 _POOL_PROBE = """
 import os, sys, time, torch
 from engine import AsyncEngine
-from engine.loading import load_model
+from engine.model.loading import load_model
 
 def threads():
     return len(os.listdir("/proc/self/task"))
@@ -236,11 +237,11 @@ def test_loading_and_building_an_engine_leave_the_callers_thread_without_an_open
 def test_the_kernels_build_and_agree_without_avx2(tmp_path, portable_kernels, caplog):
     """A CPU without AVX2 gets the kernels' portable paths (GCC's generic vectors), built from the
     same sources: they compile and pass the start-up checks that every build passes."""
-    from engine.quant import quant_kernel
+    from engine.kernels import quant_kernel
 
     cpu = portable_kernels
     with caplog.at_level("WARNING", logger="rill.engine"):
         found = (cpu.linear_kernel(tmp_path), cpu.decode_attention_kernel(tmp_path), quant_kernel(tmp_path))
     assert all(k is not None for k in found), caplog.text
-    library, _ = cpu._library(tmp_path)
+    library, _ = cpu.compiled_library(tmp_path)
     assert library.rill_qlinear_vector_bits() == 0

@@ -12,8 +12,8 @@ import torch
 
 from engine import LLM, AsyncEngine, EngineConfig, FinishReason, SamplingParams
 from engine.async_engine import EngineNotRunning
-from engine.core import container_free_memory, free_memory_bytes
-from engine.loading import load_model
+from engine.model.memory import container_free_memory, free_memory_bytes
+from engine.model.loading import load_model
 
 PROMPTS = [f"Request {i}: tell me about the sea" for i in range(4)]
 PARAMS = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
@@ -338,7 +338,7 @@ def test_a_forward_failing_now_and_then_does_not_count_as_broken(llama, alone):
 def test_a_rebuilt_engine_keeps_its_kv_pool_size_and_linears(llama, monkeypatch):
     """The old pool's memory is still held when the new core is sized (the allocator keeps it):
     sized from free memory again, each restart would shrink the pool."""
-    from engine import core
+    from engine.model import memory as core
 
     free = iter([1 << 30, 256 << 20, 64 << 20])  # what free memory reads at each sizing
     monkeypatch.setattr(core, "free_memory_bytes", lambda device, *args: next(free))
@@ -423,7 +423,7 @@ def test_cgroup_v2_and_v1_limits_less_the_working_set(tmp_path):
 
 
 def test_the_default_kv_pool_fits_the_container_limit_not_the_host(llama, tmp_path, monkeypatch):
-    from engine import core
+    from engine.model import memory as core
 
     write(tmp_path / "meminfo", "MemAvailable: 268435456 kB\n")  # a big host: 256 GiB available
     write(tmp_path / "cg" / "memory.max", str(64 << 20))  # a container of 64 MiB

@@ -12,7 +12,7 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 from engine import LLM, AsyncEngine, EngineConfig, FinishReason, SamplingParams
 from engine.attention import PagedKVCache
 from engine.detokenizer import IncrementalDetokenizer, replacement_is_final
-from engine.loading import load_model
+from engine.model.loading import load_model
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, EngineConfig, SamplingParams
-from engine.loading import load_model
+from engine.model.loading import load_model
 
 PROMPT_LENGTHS = [1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 120, 150, 200, 233, 270, 300]
 MAX_TOKENS = 24
@@ -104,7 +104,7 @@ def test_the_kernels_portable_paths_equal_generate(tiny_model, tmp_path, monkeyp
     assert llm.core.runner.decode_kernel is not None
     kernel = llm.core.runner.decode_kernel
     assert tmp_path in kernel.path.parents  # built here with those flags, not found in the usual cache
-    assert cpu._library(tmp_path)[0].rill_qlinear_vector_bits() == 0  # generic vectors, not this CPU's
+    assert cpu.compiled_library(tmp_path)[0].rill_qlinear_vector_bits() == 0  # generic vectors, not this CPU's
     assert engine_outputs(llm, prompts) == refs
 
 
@@ -124,7 +124,7 @@ def test_the_native_steps_rotary_table_holds_what_the_model_computes(tiny_model,
 
 
 def test_the_native_decoder_takes_only_what_it_computes(tiny_model):
-    from engine.native import why_not_native
+    from engine.runner.native import why_not_native
 
     for arch in ("gemma2", "gpt2"):  # softcaps, norms around each block / LayerNorm, GELU, fused c_attn
         name = type(load_model(str(tiny_model(arch))).model).__name__

@@ -6,7 +6,7 @@ CI is; `bench/gpu_check.sh` runs them on the GPU machine, with the bfloat16 figu
 import pytest
 import torch
 from engine import LLM, EngineConfig, SamplingParams
-from engine.loading import load_model
+from engine.model.loading import load_model
 from tests.test_engine_parity import (MAX_TOKENS, PROMPT_LENGTHS, BlockTableAttention, make_prompts,
                                       reference_outputs)
 
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
 def test_the_kernel_reads_each_decodes_blocks_in_place(dtype, tol, heads, kv_heads, dim, window, softcap, splits):
     """Each decode's attention over its own blocks, whole or in shares of its positions whose
     softmax states are merged (as a step of few sequences is split to fill the GPU)."""
-    from engine.gpu import paged_decode_kernel
+    from engine.kernels.gpu import paged_decode_kernel
 
     kernel = paged_decode_kernel(torch.device("cuda"))
     assert kernel is not None, "Triton is missing: the GPU would take the torch path"

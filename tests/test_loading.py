@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import loading
-from engine.loading import LoadedModel, ModelLoadError, load_model
+from engine.model import loading
+from engine.model.loading import LoadedModel, ModelLoadError, load_model
 from tests.tiny_models import ARCHS, CONTEXT, EOS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -280,7 +280,7 @@ def test_embedded_default_converts_once_then_loads_the_cache(embedded_cache, mon
     def no_conversion(*args, **kwargs):
         raise AssertionError("converted the GGUF again instead of loading the cache")
 
-    monkeypatch.setattr(loading, "_convert_gguf", no_conversion)
+    monkeypatch.setattr(loading, "convert_gguf", no_conversion)
     second = load_model("", cache_dir=embedded_cache)
     assert second.tokenizer.chat_template == tokenizer.chat_template
     assert greedy_reply(second, FRANCE) == (text, new_ids)

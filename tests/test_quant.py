@@ -12,9 +12,10 @@ from gguf.quants import quantize as gguf_quantize
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, EngineConfig, SamplingParams
-from engine.loading import ModelLoadError, embedded_gguf_path, load_model, rill_cache_dir
-from engine.quant import (KINDS, FusedPart, FusedProjections, QuantLinear, dequantize, quant_kernel,
-                          quantize_activations, quantize_blocks, quantize_linears, unpack_raw)
+from engine.model.loading import ModelLoadError, embedded_gguf_path, load_model, rill_cache_dir
+from engine.kernels import quant_kernel
+from engine.model.quant import (KINDS, FusedPart, FusedProjections, QuantLinear, dequantize, quantize_activations,
+                                quantize_blocks, quantize_linears, unpack_raw)
 from tests.test_engine_parity import PROMPT_LENGTHS, engine_outputs, make_prompts, reference_outputs
 
 GGML = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1}
@@ -65,7 +66,7 @@ def test_q4_k_is_read_as_the_q4_1_blocks_it_is_made_of(kernel, tmp_path):
     """Q4_K (the most common 4-bit download) de-quantizes bit for bit as gguf-py (and so
     transformers) reads it, and a GGUF holding it keeps those blocks in a layer that matches."""
     import gguf as gguf_lib
-    from engine.quant import keep_gguf_blocks, unpack_q4_k
+    from engine.model.quant import keep_gguf_blocks, unpack_q4_k
 
     weight = torch.randn(40, 512, generator=torch.Generator().manual_seed(3)) * 0.05
     raw = q4_k_blocks(weight)
@@ -247,7 +248,7 @@ def test_the_embedded_model_with_int8_activations_stays_close_to_float32():
 
 def test_a_layer_whose_weight_is_not_in_the_file_stays_float(tmp_path, kernel):
     """Matching is by content: a layer changed after loading finds no tensor and keeps its weight."""
-    from engine.quant import keep_gguf_blocks
+    from engine.model.quant import keep_gguf_blocks
 
     gguf_path = embedded_gguf_path()
     if gguf_path is None:
@@ -272,7 +273,7 @@ def test_a_layer_whose_weight_is_not_in_the_file_stays_float(tmp_path, kernel):
 
 def test_fused_projections_equal_their_parts(kernel):
     """q/k/v as one call: each part returns what its own QuantLinear gives, whichever is asked first."""
-    from engine.quant import fuse_projections
+    from engine.model.quant import fuse_projections
 
     gen = torch.Generator().manual_seed(3)
     attention = torch.nn.Module()
@@ -294,7 +295,7 @@ def test_fused_projections_equal_their_parts(kernel):
 
 def _greedy_both_ways(llm, prompts, monkeypatch, max_tokens=16):
     """(tokens with the head screened, tokens with the whole head) of the same greedy batch."""
-    from engine import native
+    from engine.runner import native
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     screened = [r.token_ids for r in llm.generate(prompts, params)]
@@ -308,7 +309,7 @@ def test_a_screened_q8_0_head_gives_the_whole_heads_argmax_and_the_first_of_ties
     """Greedy rows of a Q8_0 head take their argmax from int8 logits and a bound, then the float32
     panels of the few candidates (csrc/decode_layer.c, screened_argmax). Here every odd output's
     weights are the even one's before it: each pair ties exactly, and the first must win."""
-    from engine import native
+    from engine.runner import native
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model("llama"), dtype=torch.float32)
     with torch.no_grad():

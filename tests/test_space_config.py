@@ -102,7 +102,7 @@ def test_variant_names_only_what_app_reads(name, app_source):
 
 @pytest.mark.parametrize("name", VARIANTS)
 def test_variant_values_are_accepted(name):
-    from engine.loading import DEVICE_CHOICES, DTYPE_CHOICES
+    from engine.model.loading import DEVICE_CHOICES, DTYPE_CHOICES
 
     variables = deploy.load_variant(name).variables
     assert variables.get("DTYPE", "auto") in DTYPE_CHOICES

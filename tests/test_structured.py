@@ -13,7 +13,7 @@ import torch
 
 from engine import LLM, InvalidRequest, SamplingParams
 from engine.grammar import GrammarCompiler, allowed_tokens, closed_objects
-from engine.loading import load_model
+from engine.model.loading import load_model
 from engine.request import Constraint, FinishReason, QueueFull
 from tests.tiny_models import QWEN3_VOCAB, THINK_TOKENS, TINY_VOCAB
 

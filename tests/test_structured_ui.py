@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 
 from engine.async_engine import AsyncEngine
-from engine.loading import load_model
+from engine.model.loading import load_model
 from ui.chat import AnswerStats, ChatSettings, answer_messages, stream_answer
 from ui.history import ChatError
 from ui.page import build_demo

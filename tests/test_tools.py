@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.loading import load_model
+from engine.model.loading import load_model
 from frontend.tools import (TOOL_FORMATS, GenericParser, HermesParser, Llama3Parser, ToolRequest, tool_format)
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {

@@ -20,7 +20,7 @@ def engine_config(fields: dict) -> EngineConfig:
 def load_engine(fields: dict, engine_class=AsyncEngine) -> AsyncEngine:
     """Load the model the fields name and build its engine (not started). Raises ModelLoadError,
     or ValueError for a bad engine setting."""
-    from engine.loading import load_model
+    from engine.model.loading import load_model
 
     config = engine_config(fields)
     loaded = load_model(fields["model_id"], dtype=fields["dtype"], device=fields["device"],

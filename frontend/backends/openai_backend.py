@@ -51,7 +51,7 @@ def load_tokenizer(model_id: str | None, trust_remote_code: bool = False):
     without the weights. Raises ModelLoadError."""
     from transformers import AutoTokenizer
 
-    from engine import loading
+    from engine.model import loading
 
     model_id = (model_id or "").strip()
     gguf = loading.embedded_gguf_path() if not model_id else (

@@ -1,4 +1,4 @@
-/* y = x w^T + bias, float32, for CPUs (built by engine/cpu.py): the nn.Linear layers of a float32
+/* y = x w^T + bias, float32, for CPUs (built by engine/kernels/build.py): the nn.Linear layers of a float32
  * model on the CPU run here (EngineConfig packed_linears and linear_kernel, the defaults).
  *
  * The weight is rearranged once, at load, into panels of 16 output features: panel p holds
@@ -20,6 +20,7 @@
  * bias [ceil(out / 16) * 16] (zero-padded) or NULL; y [rows, out] contiguous.
  */
 #include <stdint.h>
+#include "rill_kernels.h"
 #include "vec8.h"
 
 /* MR rows of x (a constant once inlined) times one panel; `cols` of its 16 outputs are real */

@@ -1,7 +1,8 @@
-/* The decoder layers of the Llama family for a decode step, in C (built by engine/cpu.py with the
- * kernels it calls): no Python between the layers' operations. engine/native.py calls
- * rill_decode_step once per step of decodes and short prompt chunks (all layers, then the final
- * norm and the output head of the rows that sample); longer chunks keep transformers' modules.
+/* The decoder layers of the Llama family for a decode step, in C (built by engine/kernels/build.py
+ * with the kernels it calls, declared in rill_kernels.h): no Python between the layers' operations.
+ * engine/runner/native.py calls rill_decode_step once per step of decodes and short prompt chunks
+ * (all layers, then the final norm and the output head of the rows that sample); longer chunks keep
+ * transformers' modules.
  *
  * For x [rows, hidden] (one row per token; row r attends dec_slots[r, :lens[r]], which holds its
  * own position: all K/V rows are written before attention), in place:
@@ -20,31 +21,11 @@
 #include <stdlib.h>
 #include <string.h>
 #include "blocks.h"
+#include "rill_kernels.h"
 #include "vec8.h"
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
-
-void rill_linear(const float *x, int64_t x_row, const float *panels, const float *bias, float *y,
-                 int64_t rows, int64_t out, int64_t in, int threads);
-int rill_qlinear(const float *x, int64_t x_row, const uint8_t *panels, const float *bias, float *y,
-                 int64_t rows, int64_t out, int64_t in, int threads, int kind);
-int rill_qlinear_i8(const float *x, int64_t x_row, const uint8_t *panels, const float *bias, float *y,
-                    int64_t rows, int64_t out, int64_t in, int threads, int kind);
-void rill_decode_attention(const float *q, int64_t q_tok, int64_t q_head, const int64_t *index,
-                           const float *k, const float *v, const int64_t *slots, int64_t max_ctx,
-                           const int64_t *lens, float *out, int num_seqs, int heads, int kv_heads,
-                           int head_dim, float scale, int64_t window, float softcap, int threads);
-
-/* a linear as the kernels hold it: kind -1 float32 panels (csrc/linear.c), 0-2 blocks (qlinear.c),
- * 3-5 the same kinds of blocks with int8 activations (qlinear_i8.c);
- * out is the padded width the kernel writes (a multiple of 16 for fused groups) */
-typedef struct {
-    const void *panels;
-    const float *bias;
-    int64_t out, in;
-    int64_t kind;
-} rill_lin;
 
 /* 0, or -2 when a kernel could not allocate its buffers */
 static int linear(const rill_lin *lin, const float *x, int64_t x_row, float *y, int64_t rows, int threads) {
@@ -210,7 +191,7 @@ static int64_t row_argmax(const float *v, int64_t n) {
  * of output o differs from the float32 one by at most |w_o . (x - x')| + the float32 roundings of
  * both sums <= |w_o| (|x - x'| + g |x|) (Cauchy-Schwarz; g: a float32 rounding, 2^-24, for each of
  * the in + in / 32 terms of the two sums, with room; |w_o| in wnorm, from
- * engine/native.py; |x - x'| from the same rounding, done here). An output whose int8 logit + that
+ * engine/runner/native.py; |x - x'| from the same rounding, done here). An output whose int8 logit + that
  * bound falls below some output's int8 logit - its bound cannot be the largest. The float32
  * panels of the others are computed (each output bit for bit what the whole call gives: the same
  * rows, the same tiles), and each row's first largest is taken among them. Returns 0, 1 (a value
@@ -303,7 +284,7 @@ static int screened_argmax(const float *x, int64_t n, const rill_lin *head, cons
             memcpy(panels + i * bytes, (const uint8_t *)head->panels + p * bytes, (size_t)bytes);
             which[i++] = p;
         }
-        const rill_lin picked = {panels, NULL, count * 16, in, head->kind}; /* engine/native.py: no bias */
+        const rill_lin picked = {panels, NULL, count * 16, in, head->kind}; /* engine/runner/native.py: no bias */
         *computed = count;
         if (linear(&picked, x, in, exact, n, threads)) status = -2;
         for (int64_t r = 0; r < n && !status; r++) { /* the first of the largest, in the order of the outputs */
@@ -320,16 +301,6 @@ static int screened_argmax(const float *x, int64_t n, const rill_lin *head, cons
     free(k), free(mark), free(panels), free(exact), free(which);
     return status;
 }
-
-/* one layer's weights and cache, as engine/native.py describes them once per model */
-typedef struct {
-    const float *norm1, *norm2;
-    const rill_lin *qkv, *o, *gate_up, *down;
-    const float *q_norm, *k_norm;  /* Qwen3's, else NULL */
-    float *k_cache, *v_cache;
-    int64_t n_qkv, q_off, k_off, v_off, n_gu, up_off, window;
-    float eps, scale;
-} rill_layer;
 
 /* Every layer over x [rows, hidden] in place (the arguments as decode_layer's), then, when head is
  * not NULL: the rows keep[0..n_keep) (ascending; NULL: all rows) gathered to the front of x,

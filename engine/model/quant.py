@@ -1,8 +1,8 @@
 """Block-quantized linears on the CPU: GGUF's Q8_0, Q4_0 and Q4_1 kept as blocks, computed in C.
 
-A GGUF model's quantized weights stay quantized in memory: `attach_gguf_blocks` replaces each
+A GGUF model's quantized weights stay quantized in memory: `keep_gguf_blocks` replaces each
 `nn.Linear` whose weight came from a Q8_0/Q4_0/Q4_1 tensor with a `QuantLinear` holding that
-tensor's blocks (rearranged once into panels of 16 outputs, csrc/qlinear.c). A safetensors model
+tensor's blocks (rearranged once into panels of 16 outputs, engine/kernels/qlinear.py). A safetensors model
 can be quantized at load the same way (`quantize_linears`, `--quantize q8_0|q4_0`).
 
 Activations stay float32, so a step computes the same products as the float32 model whose
@@ -14,7 +14,6 @@ de-quantized here, must equal the float32 weight that transformers loaded from t
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 from pathlib import Path
@@ -23,11 +22,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.cpu import _checked_kernel, call_panel_kernel
+from engine.kernels.linear import padded_bias
+from engine.kernels.qlinear import KINDS, QuantKernel
 
 log = logging.getLogger("rill.engine")
 
-KINDS = {"q8_0": 0, "q4_0": 1, "q4_1": 2}  # the kernel's `kind` argument
 _RAW_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}  # ggml's block of 32 weights
 _PANEL_BLOCK_BYTES = {"q8_0": 32 * 16 + 64, "q4_0": 32 * 8 + 64, "q4_1": 32 * 8 + 128}
 
@@ -134,29 +133,6 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(blocks * inverse).clamp(-127, 127) * d).reshape(x.shape)
 
 
-class QuantKernel:
-    """`rill_qlinear` (float32 activations) and `rill_qlinear_i8` (int8) from the compiled library."""
-
-    def __init__(self, library: ctypes.CDLL, path: Path):
-        self.path = path
-        self._fns = library.rill_qlinear, library.rill_qlinear_i8
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        for fn in self._fns:
-            fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int, ctypes.c_int]
-            fn.restype = ctypes.c_int
-        self.threads = torch.get_num_threads()
-        library.rill_qlinear_vector_bits.restype = ctypes.c_int
-        bits = library.rill_qlinear_vector_bits()  # fixed when the library was built for this CPU
-        self.isa = {512: "AVX-512", 256: "AVX2"}.get(bits, "generic vectors")
-
-    def __call__(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int,
-                 kind: str, int8: bool = False) -> torch.Tensor:
-        y, status = call_panel_kernel(self._fns[int8], self.threads, x, panels, bias, out_features, KINDS[kind])
-        if status != 0:
-            raise MemoryError(f"the quantized C linear could not allocate its buffers for {x.shape[0]} rows")
-        return y
-
-
 class QuantLinear(nn.Module):
     """`nn.Linear` for inference on CPU with its weight kept as Q8_0/Q4_0/Q4_1 blocks; `int8`: its
     input rounded to int8 per block of 32 (faster, lossy) instead of float32."""
@@ -168,10 +144,7 @@ class QuantLinear(nn.Module):
         self.kind, self.kernel, self.int8 = kind, kernel, int8
         self.source = kind  # the file's type of block (Q4_K is held as Q4_1 blocks)
         self.panels = panels_of_blocks(q, d, m, kind, int8)
-        self.bias = None
-        if bias is not None:
-            self.bias = torch.zeros(self.panels.shape[0] * 16, dtype=torch.float32)
-            self.bias[:self.out_features] = bias.detach().float()
+        self.bias = padded_bias(bias, self.panels.shape[0], self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -366,29 +339,3 @@ def keep_gguf_blocks(model: nn.Module, gguf_path: str | Path, kernel: QuantKerne
             setattr(parent, name, blocks)
             replaced += 1
     return replaced, freed
-
-
-def _quant_agrees(kernel: QuantKernel) -> bool:
-    """The kernels against F.linear on the de-quantized weight, for each kind: 1 to 13 rows (the
-    row-by-row path and the tiles of 6 with every partial one), a partial panel, bias or none;
-    the int8-activation kernel against F.linear of the rounded activations (`quantize_activations`)."""
-    gen = torch.Generator().manual_seed(0)
-    weight, bias = torch.randn(21, 64, generator=gen), torch.randn(21, generator=gen)
-    wide = torch.randn(13, 70, generator=gen)
-    for kind in KINDS:
-        q, d, m = quantize_blocks(weight, kind)
-        reference = dequantize(q, d, m, kind)
-        for b, int8 in ((bias, False), (None, False), (bias, True), (None, True)):
-            layer = QuantLinear(q, d, m, kind, b, kernel, int8)
-            for rows in range(1, 14):
-                x = wide[:rows, :64].contiguous()
-                expected = torch.nn.functional.linear(quantize_activations(x) if int8 else x, reference, b)
-                if not torch.allclose(layer(x), expected, atol=1e-4, rtol=1e-4):
-                    return False
-    return True
-
-
-def quant_kernel(cache_dir: Path) -> QuantKernel | None:
-    """The compiled block-quantized linear, or None (with the reason logged) when it cannot be used here."""
-    return _checked_kernel(QuantKernel, _quant_agrees, cache_dir, "quantized linears", "F.linear",
-                           "float32 weights")

@@ -9,22 +9,19 @@ tried and what to do; `app.py` prints it and exits with code 2.
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import hashlib
 import importlib.metadata
 import importlib.util
-import json
 import logging
 import os
 import re
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from engine.config import rill_cache_dir
+from engine.model.gguf import convert_gguf, converted_gguf_dir
 
 logger = logging.getLogger("rill.loading")
 
@@ -35,7 +32,6 @@ EMBEDDED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_CHOICES = ("auto", *DTYPES)
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
-CACHE_FORMAT = 1  # bump when the layout of a converted folder changes
 # config attributes that hold the longest sequence a model was trained for, most common first
 _CONTEXT_ATTRS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length",
                   "n_ctx", "max_seq_len", "model_max_length")
@@ -58,13 +54,6 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     weights: str = "float"  # how the linears' weights are held: "float", or e.g. "q4_1 blocks (GGUF)"
-
-
-def rill_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
-    """Where converted GGUF models and built kernels live: `cache_dir`, else `$RILL_CACHE`, else `~/.cache/rill`."""
-    if cache_dir:
-        return Path(cache_dir).expanduser()
-    return Path(os.environ.get("RILL_CACHE") or Path.home() / ".cache" / "rill").expanduser()
 
 
 def embedded_gguf_path() -> Path | None:
@@ -212,119 +201,17 @@ def _load_hub(model_id: str, **kwargs) -> tuple:
     return _load_pretrained(model_id, what="hub model", **kwargs)
 
 
-GGUF_KEY_BYTES = 16 << 20  # the converted folder is named by a digest of this much of the file's head and tail
-
-
-def _gguf_cache_key(gguf: Path) -> str:
-    """The converted folder's name: the file's name, size and a digest of its first and last 16 MiB
-    (its header, metadata and tensors at both ends), not its mtime: a reinstalled copy of the same
-    file (a fresh venv, a new clone) finds its conversion instead of adding another."""
-    size = gguf.stat().st_size
-    digest = hashlib.sha256(str(size).encode())
-    with open(gguf, "rb") as f:
-        digest.update(f.read(GGUF_KEY_BYTES))
-        if size > GGUF_KEY_BYTES:
-            f.seek(max(GGUF_KEY_BYTES, size - GGUF_KEY_BYTES))
-            digest.update(f.read())
-    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", gguf.stem)
-    return f"{stem}-{size}-{digest.hexdigest()[:16]}-v{CACHE_FORMAT}"
-
-
-@contextlib.contextmanager
-def _parse_gguf_once():
-    """Within one conversion, parse the GGUF once and build gguf's tensor-name map once per shape.
-
-    transformers parses the file three times (tokenizer, config, weights) and rebuilds the
-    name map for every module of the model: together about two thirds of a conversion. Both are
-    pure functions of their arguments; the patch lasts only while converting (at startup).
-    """
-    try:
-        import gguf as gguf_lib
-    except ImportError:  # transformers raises its own clear error below
-        yield
-        return
-    original_reader, original_name_map = gguf_lib.GGUFReader, gguf_lib.get_tensor_name_map
-    readers: dict[tuple[str, str], object] = {}
-
-    def shared_reader(path, mode="r"):
-        key = (os.path.realpath(os.fspath(path)), mode)
-        if key not in readers:
-            readers[key] = original_reader(path, mode)
-        return readers[key]
-
-    gguf_lib.GGUFReader = shared_reader
-    gguf_lib.get_tensor_name_map = functools.lru_cache(maxsize=None)(original_name_map)
-    try:
-        yield
-    finally:
-        gguf_lib.GGUFReader, gguf_lib.get_tensor_name_map = original_reader, original_name_map
-        readers.clear()
-
-
-def _write_converted(gguf: Path, folder: Path, steps) -> None:
-    """De-quantize `gguf` and save model + tokenizer into `folder` (3 of the 4 progress steps)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    with _parse_gguf_once():
-        steps.set_postfix_str("reading tokenizer")
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        steps.update()
-        steps.set_postfix_str("de-quantizing weights")
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-        steps.update()
-    # the de-quantized weights are plain tensors: drop the GGUF marker so that they can be saved
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    steps.set_postfix_str("saving")
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    steps.update()
-
-
-def _convert_gguf(gguf: Path, target: Path) -> None:
-    """De-quantize `gguf` once into `target` (safetensors fp32 + tokenizer), written atomically."""
-    from tqdm.auto import tqdm
-
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
-    started = time.monotonic()
-    logger.info("converting %s once into %s (later starts load the converted copy)", gguf, target)
-    steps = tqdm(total=4, desc=f"rill: converting {gguf.name} (one time)", unit="step")
-    try:
-        _write_converted(gguf, tmp, steps)
-        (tmp / "rill-source.json").write_text(json.dumps({
-            "gguf": str(gguf), "size": gguf.stat().st_size, "mtime": gguf.stat().st_mtime,
-            "format": CACHE_FORMAT, "seconds": round(time.monotonic() - started, 1)}, indent=1))
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "config.json").is_file():  # not a concurrent conversion that won: a real error
-                raise
-            logger.info("another process converted %s first; using its copy", gguf.name)
-        steps.update()
-    except Exception as error:
-        raise ModelLoadError(f"could not convert the GGUF file {str(gguf)!r} into {str(target.parent)!r}: "
-                             f"{_first_line(error)}; check that the file is a complete GGUF of a supported "
-                             f"architecture and that the cache folder is writable (RILL_CACHE)") from error
-    finally:
-        steps.close()
-        shutil.rmtree(tmp, ignore_errors=True)
-    logger.info("converted %s in %.1f s", gguf.name, time.monotonic() - started)
-
-
-def converted_gguf_dir(gguf: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Path:
-    """The cache folder a GGUF converts into (keyed by file name, size and a digest of its ends)."""
-    gguf = Path(gguf).expanduser().resolve()
-    return rill_cache_dir(cache_dir) / "gguf" / _gguf_cache_key(gguf)
-
-
 def _load_gguf(gguf: Path, *, cache_dir, **kwargs) -> tuple:
     target = converted_gguf_dir(gguf, cache_dir)
     if (target / "config.json").is_file():
         logger.info("loading %s from its converted copy %s", gguf.name, target)
     else:
-        _convert_gguf(gguf, target)
+        try:
+            convert_gguf(gguf, target)
+        except Exception as error:
+            raise ModelLoadError(f"could not convert the GGUF file {str(gguf)!r} into {str(target.parent)!r}: "
+                                 f"{_first_line(error)}; check that the file is a complete GGUF of a supported "
+                                 f"architecture and that the cache folder is writable (RILL_CACHE)") from error
     model, tokenizer = _load_pretrained(str(target), what="converted GGUF folder", **kwargs)
     return model, tokenizer, target
 
@@ -352,10 +239,10 @@ def load_model(model_id: str | os.PathLike | None, *, dtype: str | torch.dtype =
     divergence is in BENCHMARKS.md). Raises ModelLoadError.
 
     The work runs in a thread that ends with it, so that the caller's thread (a server's main
-    thread, which lives on beside the engine's) owns no OpenMP pool (engine/cpu.py,
+    thread, which lives on beside the engine's) owns no OpenMP pool (engine/host.py,
     `in_passing_thread`).
     """
-    from engine.cpu import in_passing_thread
+    from engine.host import in_passing_thread
 
     return in_passing_thread(_load_model, model_id, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
                              cache_dir=cache_dir, attn_implementation=attn_implementation, quantize=quantize,
@@ -432,7 +319,8 @@ def _quantize(model, quantize: str, gguf: Path | None, device: torch.device, dty
             raise ModelLoadError(f"quantize={quantize} runs on the CPU in float32 (its C kernel); this model loads "
                                  f"on {device.type} in {str(dtype).removeprefix('torch.')}: use quantize=none")
         return "float"
-    from engine.quant import QuantLinear, fuse_projections, keep_gguf_blocks, quant_kernel, quantize_linears
+    from engine.kernels.qlinear import quant_kernel
+    from engine.model.quant import QuantLinear, fuse_projections, keep_gguf_blocks, quantize_linears
 
     kernel = quant_kernel(rill_cache_dir(cache_dir))
     if kernel is None:  # the reason is logged

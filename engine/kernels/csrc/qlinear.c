@@ -1,4 +1,4 @@
-/* y = x w^T + bias for block-quantized weights and float32 activations (built by engine/cpu.py).
+/* y = x w^T + bias for block-quantized weights and float32 activations (built by engine/kernels/build.py).
  *
  * The weights keep their GGUF blocks of 32 inputs (Q8_0: int8 q and a scale d, w = d q; Q4_0:
  * 4-bit q, w = d (q - 8); Q4_1: 4-bit q, a scale d and a minimum m, w = d q + m), rearranged once
@@ -18,6 +18,7 @@
  * (zero-padded) or NULL; y [rows, out] contiguous.
  */
 #include <stdint.h>
+#include "rill_kernels.h"
 #include <omp.h>
 #include <stdlib.h>
 #include "blocks.h"

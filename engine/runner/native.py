@@ -24,43 +24,39 @@ import logging
 import torch
 from torch import nn
 
+from engine.kernels.decode_step import DecodeStepKernel, Layer, Lin
+from engine.kernels.qlinear import KINDS
+from engine.model.linears import PanelLinear
+from engine.model.quant import FusedPart, FusedProjections, QuantLinear, panels_of_blocks, q8_0_blocks_of_panels
+from engine.runner.step_output import StepOutput
+
 log = logging.getLogger("rill.engine")
 
 
-class _Lin(ctypes.Structure):
-    _fields_ = [("panels", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("out", ctypes.c_int64),
-                ("in_", ctypes.c_int64), ("kind", ctypes.c_int64)]
-
-
-def _lin(module) -> tuple[_Lin, int, object]:
+def _lin(module) -> tuple[Lin, int, object]:
     """The C description of a projection module: (struct, the width the kernel writes, owner kept alive)."""
-    from engine.cpu import PanelLinear
-    from engine.quant import KINDS, FusedProjections, QuantLinear
-
     if not isinstance(module, (PanelLinear, QuantLinear, FusedProjections)):
         raise TypeError(type(module).__name__)
     kind = -1 if isinstance(module, PanelLinear) else KINDS[module.kind] + (3 if module.int8 else 0)
     bias = module.bias.data_ptr() if module.bias is not None else None
     width = module.out_features  # for a fused group: its padded parts end to end
-    return _Lin(module.panels.data_ptr(), bias, width, module.in_features, kind), width, module
+    return Lin(module.panels.data_ptr(), bias, width, module.in_features, kind), width, module
 
 
 def _projections(module: nn.Module, names: tuple[str, ...]):
     """(structs, n, offsets of each part in the output row) for q/k/v or gate/up."""
-    from engine.quant import FusedPart
-
     parts = [getattr(module, name) for name in names]
     if all(isinstance(p, FusedPart) for p in parts) and len({id(p.group) for p in parts}) == 1:
         group = parts[0].group
         lin, _, holder = _lin(group)
         offsets = [sum(group.widths[:i]) for i in range(len(parts))]
-        return (_Lin * 1)(lin), 1, offsets, [holder]
+        return (Lin * 1)(lin), 1, offsets, [holder]
     lins, holders = [], []
     for part in parts:
         lin, _, holder = _lin(part)
         lins.append(lin)
         holders.append(holder)
-    return (_Lin * len(lins))(*lins), len(lins), None, holders
+    return (Lin * len(lins))(*lins), len(lins), None, holders
 
 
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # rotary scalings that depend on the position alone
@@ -100,16 +96,6 @@ def why_not_native(model) -> str | None:
     return None
 
 
-class _Layer(ctypes.Structure):  # csrc/decode_layer.c's rill_layer
-    _fields_ = [("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p), ("qkv", ctypes.POINTER(_Lin)),
-                ("o", ctypes.POINTER(_Lin)), ("gate_up", ctypes.POINTER(_Lin)), ("down", ctypes.POINTER(_Lin)),
-                ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("k_cache", ctypes.c_void_p),
-                ("v_cache", ctypes.c_void_p), ("n_qkv", ctypes.c_int64), ("q_off", ctypes.c_int64),
-                ("k_off", ctypes.c_int64), ("v_off", ctypes.c_int64), ("n_gu", ctypes.c_int64),
-                ("up_off", ctypes.c_int64), ("window", ctypes.c_int64), ("eps", ctypes.c_float),
-                ("scale", ctypes.c_float)]
-
-
 def _head(model):
     """(the final norm's weight, its epsilon, the output head's C struct and owner) when the C step can
     end with them (an RMSNorm and a head on a C kernel), else None: the model's own modules do."""
@@ -134,7 +120,6 @@ def _screen(head) -> tuple | None:
     screened_argmax there); None for any other head. (A bias would add a rounding of the whole
     logit that the bound there does not count.)"""
     import numpy as np
-    from engine.quant import KINDS, QuantLinear, panels_of_blocks, q8_0_blocks_of_panels
 
     if not isinstance(head, QuantLinear) or head.kind != "q8_0" or head.int8 or head.bias is not None:
         return None
@@ -149,7 +134,7 @@ def _screen(head) -> tuple | None:
     norms = np.zeros(head.panels.shape[0] * 16)
     norms[:out] = np.sqrt((squares * d.astype(np.float64) ** 2).sum(axis=1)) * (1 + 1e-6)
     head8 = panels_of_blocks(q, d, None, "q8_0", int8=True)
-    lin = _Lin(head8.data_ptr(), None, out, head.in_features, KINDS["q8_0"] + 3)
+    lin = Lin(head8.data_ptr(), None, out, head.in_features, KINDS["q8_0"] + 3)
     norms = torch.from_numpy(norms.astype(np.float32))
     return lin, norms, (head8, norms)
 
@@ -157,14 +142,9 @@ def _screen(head) -> tuple | None:
 class NativeDecoder:
     """The decode step of a Llama-family model on csrc/decode_layer.c: one C call per step."""
 
-    def __init__(self, model, library: ctypes.CDLL):
+    def __init__(self, model, kernel: DecodeStepKernel):
         self.model = model
-        self._fn = library.rill_decode_step
-        ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-        self._fn.argtypes = [ctypes.POINTER(_Layer), i32, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, i32, i32,
-                             i32, ptr, i32, ptr, i64, ptr, f32, ctypes.POINTER(_Lin), ptr, ptr,
-                             ctypes.POINTER(_Lin), ptr, ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int)]
-        self._fn.restype = i32
+        self._fn = kernel.fn
         config = model.config
         self.hidden = config.hidden_size
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
@@ -185,14 +165,14 @@ class NativeDecoder:
             q_off, k_off, v_off = qkv_offsets or (0, 0, 0)
             q_norm, k_norm = (None if n is None else n.weight.data_ptr()  # Qwen3's; the model keeps the weights
                               for n in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)))
-            layers.append(_Layer(
+            layers.append(Layer(
                 norm1=norms[0].data_ptr(), norm2=norms[1].data_ptr(), qkv=qkv, o=ctypes.pointer(o), gate_up=gu,
                 down=ctypes.pointer(down), q_norm=q_norm, k_norm=k_norm, n_qkv=n_qkv, q_off=q_off, k_off=k_off,
                 v_off=v_off, n_gu=n_gu, up_off=(gu_offsets or (0, 0))[1], window=_window(model, attn),
                 eps=float(layer.input_layernorm.variance_epsilon), scale=float(attn.scaling)))
             widths = sum(qkv[i].out for i in range(n_qkv)), sum(gu[i].out for i in range(n_gu))
             self.widest = max(self.widest, *widths)
-        self.layers = (_Layer * len(layers))(*layers)
+        self.layers = (Layer * len(layers))(*layers)
         self._cache = None  # the paged cache whose tensors self.layers points into
         self.head = _head(model)  # None: the model's norm and lm_head end the step
         self._screen = _screen(self.head[4]) if self.head is not None else None  # (int8 head, norms, owners)
@@ -230,16 +210,16 @@ class NativeDecoder:
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, cache, slot_mapping: torch.Tensor,
             token_slots: torch.Tensor, token_lens: torch.Tensor, keep: torch.Tensor | None = None,
-            argmax_only: bool = False) -> torch.Tensor:
+            argmax_only: bool = False) -> StepOutput:
         """input_ids, positions, slot_mapping, token_lens: [rows] int64; token_slots: [rows, width]
         int64 (row r attends token_slots[r, :token_lens[r]]: a decode token its whole context, a
         prompt token the positions up to its own); keep: [samples] int64, ascending, the rows whose
         logits are wanted (None: all). Returns float32 logits [samples, vocab]; when the C step ran
-        the head, they carry `rill_argmax` [samples] int64, each row's first largest logit (-1: a
-        logit that is not finite), which the sampler uses for greedy rows it leaves unchanged.
+        the head, with their argmax [samples] int64, each row's first largest logit (-1: a logit
+        that is not finite), which the sampler uses for greedy rows it leaves unchanged.
         argmax_only (every sampling row is plain greedy, engine/sampler.py): from SCREEN_ROWS rows
-        with a Q8_0 head, only the argmax is computed exactly and the logits are marked
-        `rill_screened`: they hold the int8 kernel's logits, not the float32 product."""
+        with a Q8_0 head, only the argmax is computed exactly and the output is `screened`: the
+        logits hold the int8 kernel's, not the float32 product."""
         model = self.model
         rows = input_ids.shape[0]
         self._bind(cache)
@@ -269,13 +249,12 @@ class NativeDecoder:
         if status != 0:
             raise RuntimeError(f"the native decode step refused its arguments (layer {self._failed.value})")
         if head is not None:
-            logits.rill_argmax = best  # each row's argmax, -1 where one is not finite (engine/sampler.py)
-            logits.rill_screened = screen is not None and self._screened.value >= 0  # then: int8 logits
-            if logits.rill_screened:
+            screened = screen is not None and self._screened.value >= 0  # then: int8 logits
+            if screened:
                 self.screened_steps += 1
                 self.screened_panels += self._screened.value
-            return logits
+            return StepOutput(logits, best, screened)  # best: -1 where a row is not finite (engine/sampler.py)
         if keep is not None:
             x = x.index_select(0, keep)
         x = model.model.norm(x)
-        return model.lm_head(x).float()
+        return StepOutput(model.lm_head(x).float())

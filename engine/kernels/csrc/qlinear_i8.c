@@ -1,7 +1,7 @@
 /* y = x w^T + bias for block-quantized weights with int8 activations, as llama.cpp computes
- * them (built by engine/cpu.py). Lossy: each block of 32 inputs of a row of x is rounded to int8
+ * them (built by engine/kernels/build.py). Lossy: each block of 32 inputs of a row of x is rounded to int8
  * with its own scale (dx = max |x| / 127), so the result differs from the float32 product by that
- * rounding; engine/quant.py measures how much (top-1 agreement and KL in BENCHMARKS.md).
+ * rounding; engine/model/quant.py measures how much (top-1 agreement and KL in BENCHMARKS.md).
  *
  * A block's dot product is then exact integer arithmetic: sum_k q_k xq_k, from which
  *   Q8_0: d dx sum(q xq)          Q4_0: d dx (sum(q xq) - 8 sum(xq))
@@ -19,6 +19,7 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include "rill_kernels.h"
 #include <stdlib.h>
 #include <string.h>
 #include "blocks.h"

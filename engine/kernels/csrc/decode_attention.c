@@ -1,4 +1,4 @@
-/* Decode attention on the paged KV cache, float32, for CPUs (built by engine/cpu.py).
+/* Decode attention on the paged KV cache, float32, for CPUs (built by engine/kernels/build.py).
  *
  * One query token per sequence; each sequence is one task (or each (sequence, KV head) pair when
  * sequences are few, and for long contexts each range of its positions, merged after): it reads
@@ -26,6 +26,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include "rill_kernels.h"
 #include <stdlib.h>
 #include <string.h>
 #include "vec8.h"
