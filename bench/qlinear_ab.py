@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CSRC = ROOT / "engine" / "csrc"
+CSRC = ROOT / "engine" / "kernels" / "csrc"
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # fused q/k/v, o, fused gate/up, down
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=gnu11"]
 KERNELS = ("qlinear.c", "qlinear_i8.c")
@@ -24,11 +24,16 @@ KERNELS = ("qlinear.c", "qlinear_i8.c")
 def build(revision: str, where: Path) -> Path:
     old = where / "old"
     old.mkdir()
-    listed = subprocess.run(["git", "ls-tree", "--name-only", f"{revision}:engine/csrc"], cwd=ROOT,
-                            capture_output=True, text=True, check=True).stdout.split()
+    folder = "engine/kernels/csrc"  # engine/csrc before the kernels had a package of their own
+    listed = subprocess.run(["git", "ls-tree", "--name-only", f"{revision}:{folder}"], cwd=ROOT,
+                            capture_output=True, text=True).stdout.split()
+    if not listed:
+        folder = "engine/csrc"
+        listed = subprocess.run(["git", "ls-tree", "--name-only", f"{revision}:{folder}"], cwd=ROOT,
+                                capture_output=True, text=True, check=True).stdout.split()
     for name in listed:
         if name in KERNELS or name.endswith(".h"):
-            text = subprocess.run(["git", "show", f"{revision}:engine/csrc/{name}"], cwd=ROOT,
+            text = subprocess.run(["git", "show", f"{revision}:{folder}/{name}"], cwd=ROOT,
                                   capture_output=True, text=True, check=True).stdout
             (old / name).write_text(text)
     objects = []
@@ -45,7 +50,7 @@ def build(revision: str, where: Path) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("revision", help="the git revision to compare with (its engine/csrc kernels)")
+    parser.add_argument("revision", help="the git revision to compare with (its engine/kernels/csrc kernels)")
     parser.add_argument("--rows", default="1,8")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--int8", action="store_true", help="the int8-activation kernel (csrc/qlinear_i8.c)")

@@ -343,7 +343,6 @@ class AsyncEngine:
             config = dataclasses.replace(self.config, num_kv_blocks=old.num_kv_blocks)
             self.core = EngineCore(self.loaded.model, self.loaded.tokenizer, config, self.loaded.context_length,
                                    grammars=old.grammars)
-            self.core.linears = old.linears  # the model's linears were repacked by the first core, not this one
         except Exception:
             log.exception("rebuilding the engine failed; it stays dead")
             return False

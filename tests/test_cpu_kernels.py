@@ -1,4 +1,4 @@
-"""The C kernels (engine/csrc): decode attention against the torch path of `paged_attention`,
+"""The C kernels (engine/kernels/csrc): decode attention against the torch path of `paged_attention`,
 the linear against `nn.Linear`."""
 
 import os
@@ -222,7 +222,7 @@ def test_loading_and_building_an_engine_leave_the_callers_thread_without_an_open
     """libgomp keeps a pool of workers for each thread that ran a parallel region. A server's main
     thread loads and builds the engine, then lives on beside the engine's thread: holding a pool, it
     would put more workers than CPUs in the process, and every worker would then sleep at once at
-    each barrier (engine/cpu.py, in_passing_thread). So after both, the first parallel region of
+    each barrier (engine/host.py, in_passing_thread). So after both, the first parallel region of
     the caller's own thread starts its workers: it had none."""
     if not os.path.isdir("/proc/self/task"):
         pytest.skip("needs /proc (Linux)")

@@ -1,4 +1,4 @@
-"""Block-quantized weights (engine/quant.py, csrc/qlinear.c): the blocks are GGUF's, the kernel
+"""Block-quantized weights (engine/model/quant.py, kernels/csrc/qlinear.c): the blocks are GGUF's, the kernel
 computes what the de-quantized float32 model computes, and greedy output equals Hugging Face
 `generate` on that de-quantized model, token for token, alone and in a busy batch."""
 
