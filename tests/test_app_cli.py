@@ -8,6 +8,7 @@ import subprocess
 import pytest
 
 import app
+from frontend import options
 from tests.servers import ROOT, clean_env, python
 
 
@@ -79,10 +80,10 @@ def test_bad_settings_exit_2_with_one_clear_line(argv, env, words, capsys):
 
 
 def test_size_parsing():
-    assert app.parse_size("512MB") == 512e6
-    assert app.parse_size("1.5GiB") == 1.5 * 2**30
-    assert app.parse_size("0.5") == 0.5
-    assert app.parse_size("1000000") == 1e6
+    assert options.parse_size("512MB") == 512e6
+    assert options.parse_size("1.5GiB") == 1.5 * 2**30
+    assert options.parse_size("0.5") == 0.5
+    assert options.parse_size("1000000") == 1e6
 
 
 def test_missing_model_exits_2_with_one_line_and_no_traceback(tmp_path):

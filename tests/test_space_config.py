@@ -37,11 +37,11 @@ def front_matter() -> dict:
 def app_source() -> str:
     if not (ROOT / "app.py").exists():
         pytest.skip("app.py is not written yet")
-    return (ROOT / "app.py").read_text()
+    return (ROOT / "app.py").read_text() + (ROOT / "frontend" / "options.py").read_text()  # its settings table
 
 
 def env_vars_app_reads(app_source: str) -> set[str]:
-    """Every quoted UPPER_CASE name in app.py (its settings table names each environment variable)."""
+    """Every quoted UPPER_CASE name in app.py and its settings table (which names each environment variable)."""
     return set(re.findall(r"""["']([A-Z][A-Z0-9_]{2,})["']""", app_source))
 
 

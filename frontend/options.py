@@ -1,0 +1,287 @@
+"""The settings of one server process from its flags and environment variables (a Space passes
+settings that way): the flag wins over the variable, the variable over the default. `OPTIONS`
+is the one table of every setting; `python app.py --help` prints it by group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from dataclasses import dataclass
+
+from frontend.settings import Settings
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    """One setting: its flag, its environment variables (first found wins), type and help."""
+
+    flag: str
+    env: tuple[str, ...]
+    dest: str
+    kind: type | str  # int, float, str, "bool", "size", "bytes", "auth", "list"
+    default: object
+    help: str
+    metavar: str | None = None
+    hidden: bool = False
+
+
+MODEL_OPTIONS = ("model_id", "dtype", "device", "quantize", "activations", "trust_remote_code")  # --help's groups
+OPTIONS: tuple[Option, ...] = (
+    # model
+    Option("--model", ("MODEL_ID",), "model_id", str, None,
+           "hub id, local folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)", "M"),
+    Option("--dtype", ("DTYPE",), "dtype", str, "auto", "auto | float32 | bfloat16 | float16", "D"),
+    Option("--device", ("DEVICE",), "device", str, "auto", "auto | cpu | cuda | cuda:N", "D"),
+    Option("--quantize", ("QUANTIZE",), "quantize", str, "auto",
+           "linear weights on the CPU: auto (a GGUF keeps its Q8_0/Q4_0/Q4_1/Q4_K blocks, others stay float) | none "
+           "(float) | q8_0 | q4_0 | q4_1 (quantize at load)", "Q"),
+    Option("--activations", ("ACTIVATIONS",), "activations", str, "float32",
+           "what quantized linears multiply their blocks with: float32 (exact: the de-quantized model's "
+           "products) | int8 (rounded per 32 inputs as llama.cpp does: faster, lossy)", "A"),
+    Option("--trust-remote-code", ("TRUST_REMOTE_CODE",), "trust_remote_code", "bool", False,
+           "run Python code shipped with a hub model (off unless asked)"),
+    # server
+    Option("--host", ("GRADIO_SERVER_NAME", "HOST"), "host", str, "127.0.0.1",
+           "address to bind (a Space sets GRADIO_SERVER_NAME=0.0.0.0)", "H"),
+    Option("--port", ("GRADIO_SERVER_PORT", "PORT"), "port", int, 7860, "port to serve on", "P"),
+    Option("--api-key", ("API_KEY",), "api_key", str, None,
+           "close every route that reaches the model: /chat and /v1 need `Authorization: Bearer KEY`, the page "
+           "and its Gradio API a login with KEY as password (set it as a Space secret)", "KEY"),
+    Option("--ui-auth", ("UI_AUTH",), "ui_auth", "auth", None,
+           "put Gradio's login on the page and its API with this user and password (with --api-key: as well as "
+           "the key)", "USER:PASS"),
+    Option("--cors-origins", ("CORS_ORIGINS",), "cors_origins", "list", (),
+           "comma-separated origins allowed to call the API from a browser (CORS is off by default)", "O1,O2"),
+    Option("--max-body-bytes", ("MAX_BODY_BYTES",), "max_body_bytes", int, 1_000_000,
+           "larger request bodies get 413", "N"),
+    Option("--request-timeout", ("REQUEST_TIMEOUT",), "request_timeout", float, 0.0,
+           "seconds a request may wait plus generate before it is stopped with an error (0 = no limit)", "S"),
+    Option("--resume-window", ("RESUME_WINDOW",), "resume_window", float, 30.0,
+           "seconds a disconnected /chat stream keeps generating and stays resumable at GET /chat/{id} "
+           "(0 = abort at once)", "S"),
+    Option("--resume-max-streams", ("RESUME_MAX_STREAMS",), "resume_max_streams", int, 1024,
+           "resumable /chat streams kept at most; past it the oldest finished one is dropped", "N"),
+    Option("--resume-max-bytes", ("RESUME_MAX_BYTES",), "resume_max_bytes", "bytes", 64 * 2**20,
+           "memory the resumable streams may hold (e.g. 64MiB); past it the oldest finished one is dropped",
+           "SIZE"),
+    Option("--shutdown-timeout", ("SHUTDOWN_TIMEOUT",), "shutdown_timeout", float, 30.0,
+           "on SIGTERM, seconds running streams get to finish before the server exits", "S"),
+    Option("--max-new-tokens", ("MAX_NEW_TOKENS",), "default_max_new_tokens", int, 512,
+           "default reply length for /chat and the page", "N"),
+    Option("--log-level", ("LOG_LEVEL",), "log_level", str, "info", "debug | info | warning | error", "L"),
+    Option("--log-format", ("LOG_FORMAT",), "log_format", str, "text",
+           "text | json: the one log line per finished request", "F"),
+    # engine
+    Option("--max-num-seqs", ("MAX_NUM_SEQS",), "max_num_seqs", int, 64, "requests generating at once (one batch)", "N"),
+    Option("--max-queue", ("MAX_QUEUE",), "max_queue", int, 256,
+           "requests waiting for a slot; beyond it /chat and /v1 answer 429 with Retry-After", "N"),
+    Option("--max-num-batched-tokens", ("MAX_NUM_BATCHED_TOKENS",), "max_num_batched_tokens", int, 512,
+           "tokens per forward pass (long prompts are prefilled in chunks)", "N"),
+    Option("--block-size", ("BLOCK_SIZE",), "block_size", int, 16, "tokens per KV cache block", "N"),
+    Option("--num-kv-blocks", ("NUM_KV_BLOCKS",), "num_kv_blocks", int, None,
+           "KV cache blocks to allocate (overrides --kv-cache-memory)", "N"),
+    Option("--kv-cache-memory", ("KV_CACHE_MEMORY",), "kv_cache_memory", "size", None,
+           "KV cache size: bytes (e.g. 2GiB, 512MB) or a fraction of free memory (e.g. 0.5)", "SIZE"),
+    Option("--max-model-len", ("MAX_MODEL_LEN",), "max_model_len", int, None,
+           "context limit in tokens (default: the model's)", "N"),
+    Option("--seed", ("SEED",), "seed", int, 0, "seed for requests that bring none", "N"),
+    Option("--max-engine-restarts", ("MAX_ENGINE_RESTARTS",), "max_engine_restarts", int, 3,
+           "times the engine is rebuilt in the process after an internal fault within 10 minutes; one more "
+           "and the process exits with status 1 for the Space or supervisor to restart it", "N"),
+    Option("--stall-timeout", ("STALL_TIMEOUT",), "stall_timeout", float, 120.0,
+           "seconds the engine may spend inside one step; longer and it counts as stuck: /health answers 503, "
+           "requests get an error instead of waiting (0: never)", "S"),
+    # backend
+    Option("--backend", ("BACKEND",), "backend", str, "local",
+           "where the engines run: local (in this process) | ray (engine replicas on Ray Serve; "
+           "pip install -r requirements-ray.txt) | openai (a remote OpenAI-compatible server: vLLM, TGI, "
+           "llama-server, another rill)", "B"),
+    Option("--replicas", ("REPLICAS",), "replicas", int, 2,
+           "--backend ray: engine replicas, each one engine with its own KV cache", "N"),
+    Option("--max-replicas", ("MAX_REPLICAS",), "max_replicas", int, 0,
+           "--backend ray: autoscale from --replicas up to N by ongoing requests (0 = a fixed number)", "N"),
+    Option("--replica-cpus", ("REPLICA_CPUS",), "replica_cpus", float, 1.0,
+           "--backend ray: CPUs (and torch threads) each replica takes", "C"),
+    Option("--ray-address", ("RAY_ADDRESS",), "ray_address", str, None,
+           "--backend ray: an existing Ray cluster (auto, or ray://host:10001); without it a local Ray instance "
+           "is started", "ADDR"),
+    Option("--backend-url", ("BACKEND_URL",), "backend_url", str, None,
+           "--backend openai: the remote's base URL, e.g. http://host:8000 (its /v1/completions serves the page, "
+           "/chat and /v1)", "URL"),
+    Option("--backend-key", ("BACKEND_KEY",), "backend_key", str, None,
+           "--backend openai: the remote's API key (sent as `Authorization: Bearer KEY`)", "KEY"),
+    Option("--test-hooks", ("RILL_TEST_HOOKS",), "test_hooks", "bool", False, "test suite only", hidden=True),
+)
+
+_BACKEND_FLAGS = ("--backend", "--replicas", "--max-replicas", "--replica-cpus", "--ray-address", "--backend-url",
+                  "--backend-key")
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "KIB": 2**10, "M": 1e6, "MB": 1e6, "MIB": 2**20,
+          "G": 1e9, "GB": 1e9, "GIB": 2**30, "T": 1e12, "TB": 1e12, "TIB": 2**40}
+
+
+def parse_size(text: str) -> float:
+    """"2GiB" -> 2147483648.0, "0.5" -> 0.5 (a fraction of free memory)."""
+    match = _SIZE.match(text)
+    if not match:
+        raise ValueError(f"expected bytes like 2GiB, 512MB, 1000000 or a fraction like 0.5, got {text!r}")
+    number, unit = float(match.group(1)), (match.group(2) or "").upper()
+    return number * _UNITS[unit]
+
+
+def parse_bytes(text: str) -> int:
+    """"64MiB" -> 67108864: a whole number of bytes (no fraction)."""
+    value = parse_size(text)
+    if value < 1 or value != int(value):
+        raise ValueError(f"expected a whole number of bytes like 64MiB or 1000000, got {text!r}")
+    return int(value)
+
+
+def parse_auth(text: str) -> tuple[str, str]:
+    user, sep, password = text.partition(":")
+    if not sep or not user or not password:
+        raise ValueError(f"expected USER:PASS, got {text!r}")
+    return user, password
+
+
+def parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected true/false (1/0, yes/no), got {text!r}")
+
+
+def _parse_int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"expected an integer, got {text!r}") from None
+
+
+def _parse_float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"expected a number, got {text!r}") from None
+
+
+def _converter(kind):
+    parse = {"size": parse_size, "bytes": parse_bytes, "auth": parse_auth, "bool": parse_bool, int: _parse_int,
+             float: _parse_float, "list": lambda t: tuple(s.strip() for s in t.split(",") if s.strip())}.get(kind)
+    if parse is None:
+        return kind
+
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as exc:  # argparse prints this message instead of "invalid convert value"
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return convert
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="app.py",
+        description="rill: serve a Transformers chat model with a Gradio page, a /chat SSE endpoint and an "
+                    "OpenAI-compatible API, all on one continuous-batching engine.",
+        epilog="Each flag can be set by the environment variable in [brackets]; the flag wins.",
+        formatter_class=lambda prog: argparse.HelpFormatter(prog, max_help_position=34, width=100))
+    groups = {"model": parser.add_argument_group("model"), "server": parser.add_argument_group("server"),
+              "engine": parser.add_argument_group("engine"),
+              "backend": parser.add_argument_group("backend (docs/scale-out.md)")}
+    for opt in OPTIONS:
+        group = groups["model" if opt.dest in MODEL_OPTIONS else
+                       "engine" if opt.flag in ("--max-num-seqs", "--max-queue", "--max-num-batched-tokens",
+                                                "--block-size", "--num-kv-blocks", "--kv-cache-memory",
+                                                "--max-model-len", "--seed") else
+                       "backend" if opt.flag in _BACKEND_FLAGS else "server"]
+        help_text = argparse.SUPPRESS if opt.hidden else (
+            f"{opt.help} [{' or '.join(opt.env)}]" + (f" (default: {opt.default})" if opt.default not in (None, (), False) else ""))
+        if opt.kind == "bool":
+            group.add_argument(opt.flag, dest=opt.dest, action=argparse.BooleanOptionalAction, default=None,
+                               help=help_text)
+        else:
+            group.add_argument(opt.flag, dest=opt.dest, type=_converter(opt.kind), default=None,
+                               metavar=opt.metavar, help=help_text)
+    return parser
+
+
+def parse_settings(argv: list[str] | None = None, environ: dict[str, str] | None = None) -> Settings:
+    """Flags over environment variables over defaults. Exits 2 with one line on a bad value."""
+    environ = os.environ if environ is None else environ
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    values = {}
+    for opt in OPTIONS:
+        value = getattr(args, opt.dest)
+        if value is None:
+            for name in opt.env:
+                raw = environ.get(name)
+                if raw is not None and raw.strip() != "":
+                    try:
+                        value = _converter(opt.kind)(raw.strip())
+                    except (ValueError, argparse.ArgumentTypeError) as exc:
+                        parser.error(f"environment variable {name}: {exc}")
+                    break
+        values[opt.dest] = opt.default if value is None else value
+    try:
+        settings = Settings(**values)
+    except TypeError as exc:  # pragma: no cover - Settings and OPTIONS out of step
+        parser.error(str(exc))
+    for name, low in (("port", 0), ("max_num_seqs", 1), ("max_queue", 0), ("max_body_bytes", 1),
+                      ("default_max_new_tokens", 1), ("block_size", 1), ("max_num_batched_tokens", 1),
+                      ("resume_max_streams", 1), ("resume_max_bytes", 1),
+                      ("max_engine_restarts", 0)):
+        if getattr(settings, name) < low:
+            parser.error(f"--{name.replace('_', '-')} must be >= {low}. Given: {getattr(settings, name)}")
+    if settings.log_format not in ("text", "json"):
+        parser.error(f"--log-format must be text or json. Given: {settings.log_format!r}")
+    if settings.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
+        parser.error(f"--log-level must be debug, info, warning or error. Given: {settings.log_level!r}")
+    for name in ("request_timeout", "resume_window", "shutdown_timeout"):
+        if getattr(settings, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be >= 0 seconds. Given: {getattr(settings, name)}")
+    if not 0 < settings.port < 65536:
+        parser.error(f"--port must be between 1 and 65535. Given: {settings.port}")
+    _check_backend(parser, settings)
+    return settings
+
+
+def _check_backend(parser: argparse.ArgumentParser, settings: Settings) -> None:
+    from frontend.backends import BACKENDS
+
+    if settings.backend not in BACKENDS:
+        parser.error(f"--backend must be one of {', '.join(BACKENDS)}. Given: {settings.backend!r}")
+    if settings.replicas < 1:
+        parser.error(f"--replicas must be >= 1. Given: {settings.replicas}")
+    if settings.max_replicas and settings.max_replicas < settings.replicas:
+        parser.error(f"--max-replicas must be 0 (no autoscaling) or >= --replicas ({settings.replicas}). "
+                     f"Given: {settings.max_replicas}")
+    if not settings.replica_cpus > 0:
+        parser.error(f"--replica-cpus must be > 0. Given: {settings.replica_cpus}")
+    if settings.backend == "openai":
+        url = settings.backend_url or ""
+        if not url.startswith(("http://", "https://")):
+            parser.error("--backend openai needs --backend-url, the remote's base URL starting with http:// or "
+                         f"https:// (e.g. http://127.0.0.1:8000). Given: {settings.backend_url!r}")
+
+
+def engine_config(settings: Settings):
+    from frontend.backends import iter_engine_fields
+    from frontend.backends.local import engine_config as config_of
+
+    return config_of(dict(iter_engine_fields(settings)))
+
+
+def fail(message: str) -> None:
+    print(f"app.py: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
