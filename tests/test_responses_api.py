@@ -156,7 +156,6 @@ def test_previous_response_id_continues_the_conversation_and_store_false_is_not_
     second = client.responses.create(model="", input="And another?", previous_response_id=first.id,
                                      max_output_tokens=10, temperature=0)
     alone = client.responses.create(model="", input="And another?", max_output_tokens=10, temperature=0)
-    # the second prompt holds the first turn: its question and answer
     # the second prompt holds the first turn: its question and its answer, before the same new question
     assert second.usage.input_tokens > alone.usage.input_tokens + first.usage.output_tokens
     assert second.previous_response_id == first.id
