@@ -35,7 +35,7 @@ BODY_FIELDS["/v1/messages/count_tokens"] = list(CountTokensRequest.model_fields)
 
 def _job(body: CountTokensRequest, sampling=None, max_tokens: int | None = None) -> ChatJob:
     return ChatJob(body.chat_messages(), body.tool_request(), body.constraint(), sampling, max_tokens,
-                   template_kwargs=body.template_kwargs())
+                   template_kwargs=body.template_kwargs(), format_param="output_config.format")
 
 
 def matched_stop(tokenizer, token_ids: list[int], stops: list[str]) -> str | None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
-from engine.request import Constraint, SamplingParams
+from engine.request import Constraint, InvalidRequest, SamplingParams
 from frontend.admission import (Generation, admission, check_prompt_chars, compile_constraint, off_loop,
                                 start_generation)
 from frontend.tools import ToolCall, ToolFormat, ToolRequest, tool_format
@@ -82,6 +82,7 @@ class ChatJob:
     template_kwargs: dict | None = None
     logprobs: int | None = None
     param: str = "messages"  # the field a prompt too long is blamed on
+    format_param: str = "response_format"  # the field a constraint that cannot compile is blamed on
 
 
 @dataclass
@@ -115,7 +116,12 @@ async def start_chat(request: Request, job: ChatJob, request_id: str, route: str
     constraint = fmt.constraint(job.tools, engine.tokenizer) if fmt is not None else job.constraint
     params = _params(job.sampling, max_tokens, job.logprobs, constraint,
                      reasoning=getattr(engine, "think_tags", None) is not None)
-    await compile_constraint(engine, params)
+    try:
+        await compile_constraint(engine, params)
+    except InvalidRequest as exc:
+        if exc.param != "response_format" or job.format_param == "response_format" or job.tools is not None:
+            raise
+        raise InvalidRequest(str(exc), param=job.format_param) from None
     gens = await _admit_all(request, [encoded.prompt_ids], params, request_id, route)
     return gens, encoded
 

@@ -224,7 +224,7 @@ async def create_response(body: ResponsesRequest, request: Request, x_request_id
     conversation = [*history, *input_messages(body, history)]
     instructions = [{"role": "system", "content": body.instructions}] if body.instructions else []
     job = ChatJob([*instructions, *conversation], body.tool_request(), body.constraint(), body.sampling(),
-                  body.max_output_tokens, body.template_kwargs(), param="input")
+                  body.max_output_tokens, body.template_kwargs(), param="input", format_param="text.format")
     gens, encoded = await start_chat(request, job, request_id, "v1_responses")
     gen = gens[0]
     blocks = ReplyBlocks(encoded.fmt)

@@ -196,3 +196,5 @@ def test_hostile_bodies_get_openai_400s(tiny_server, body, words):
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert error["type"] == "invalid_request_error" and words in error["message"], error["message"]
+    if "text" in body and "tools" not in body:
+        assert error["param"] == "text.format"
