@@ -10,7 +10,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 
-from server import chat, openai_api
+from server import anthropic_api, chat, openai_api, responses_api
 from server.errors import ApiError, install_error_handlers
 from server.middleware import ApiGuard
 from server.resume import ResumeRegistry
@@ -78,6 +78,8 @@ def create_app(engine, settings: Settings) -> FastAPI:
     install_error_handlers(app)
     app.include_router(chat.router)
     app.include_router(openai_api.router)
+    app.include_router(responses_api.router)
+    app.include_router(anthropic_api.router)
 
     @app.get("/health", summary="200 while the engine runs, 503 once it died")
     async def health():

@@ -1,6 +1,7 @@
 """Errors a client can act on, in each route family's shape.
 
-`/v1/...` answers OpenAI's `{"error": {"message", "type", "param", "code"}}`; every other route
+`/v1/messages...` answers Anthropic's `{"type": "error", "error": {"type", "message"}}`, the rest of
+`/v1/...` OpenAI's `{"error": {"message", "type", "param", "code"}}`; every other route
 answers `{"error": "<message>"}`. Messages say what was wrong, what is allowed, what was given.
 An unexpected failure says only that it happened and a reference to find it in the log: no
 exception text, no traceback, no path ever reaches a client.
@@ -32,12 +33,31 @@ _OPENAI_TYPES = {
 }
 
 
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+
+
 def is_openai_path(path: str) -> bool:
     return path == "/v1" or path.startswith("/v1/")
 
 
+def is_anthropic_path(path: str) -> bool:
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
 def error_body(path: str, status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     """The JSON body of an error for a request to `path`."""
+    if is_anthropic_path(path):
+        kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": message}}
     if is_openai_path(path):
         kind = _OPENAI_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
         return {"error": {"message": message, "type": kind, "param": param, "code": code}}
@@ -120,6 +140,10 @@ def route_label(path: str) -> str:
         return "v1_chat"
     if path.startswith("/v1/completions"):
         return "v1_completions"
+    if path.startswith("/v1/responses"):
+        return "v1_responses"
+    if is_anthropic_path(path):
+        return "v1_messages"
     if path.startswith("/v1"):
         return "v1_other"
     return "other"

@@ -55,7 +55,7 @@ def page_login(api_key: str | None, ui_auth: tuple[str, str] | None):
 
 
 class ApiGuard:
-    """`Authorization: Bearer <key>` on the API routes when a key is set (401), and `--max-body-bytes`
+    """`Authorization: Bearer <key>` (or `x-api-key: <key>`) on the API routes when a key is set (401), and `--max-body-bytes`
     on every request body, the page's Gradio API included (413)."""
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int, test_hooks: bool = False):
@@ -72,9 +72,13 @@ class ApiGuard:
         if self.api_key is not None and is_api_path(path, self.test_hooks):  # the page's routes: Gradio's login
             given = headers.get(b"authorization", b"")
             scheme, _, token = given.partition(b" ")
+            if b"x-api-key" in headers:  # Anthropic's clients send the key this way
+                given, scheme, token = headers[b"x-api-key"], b"bearer", headers[b"x-api-key"]
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
-                what = "no `Authorization` header was sent" if not given else "the key given is not the server's key"
-                message = f"This server needs an API key: send `Authorization: Bearer <key>` ({what})."
+                what = ("no `Authorization` or `x-api-key` header was sent" if not given
+                        else "the key given is not the server's key")
+                message = (f"This server needs an API key: send `Authorization: Bearer <key>` or `x-api-key: <key>` "
+                           f"({what}).")
                 return await _send_json(send, path, 401, message, code="invalid_api_key", app=scope.get("app"),
                                         headers=[(b"www-authenticate", b"Bearer")])
         if scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):

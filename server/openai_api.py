@@ -17,14 +17,13 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse
 
-from engine.request import RequestOutput, SamplingParams
-from frontend.tools import tool_format
+from engine.request import RequestOutput
 from server.chat import run_while_connected
 from server.errors import ApiError, error_body, internal_error_message
-from frontend.admission import (Generation, RequestFailed, admission, compile_constraint, check_prompt_chars, off_loop, request_id_from,
-                               start_generation)
+from frontend.admission import Generation, RequestFailed, check_prompt_chars, compile_constraint, off_loop, request_id_from
+from server.chat_path import ChatJob, _admit_all, _default_max_tokens, _params, start_chat
 from server.openai_choices import ChatChoices, CompletionChoices, TokenText
-from server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from server.schemas import ChatCompletionRequest, CompletionRequest
 from server.sse import event_stream_response
 
 router = APIRouter(prefix="/v1")
@@ -47,40 +46,6 @@ def check_model(state, model: str | None) -> None:
         raise ApiError(404, f"The model `{model}` does not exist on this server. It serves "
                             f"`{state.engine.model_name}` (see GET /v1/models).", param="model",
                        code="model_not_found")
-
-
-def _params(body: SamplingFields, max_tokens: int, logprobs: int | None, constraint=None,
-            reasoning: bool = False) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=max_tokens,
-        min_tokens=min(body.min_tokens, max_tokens),
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=0 if body.top_k in (None, -1) else body.top_k,
-        min_p=body.min_p,
-        repetition_penalty=body.repetition_penalty,
-        presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty,
-        seed=body.seed,
-        stop=tuple(body.stop_list()),
-        stop_token_ids=tuple(body.stop_token_ids or ()),
-        ignore_eos=body.ignore_eos,
-        logprobs=logprobs,
-        n=body.n,
-        constraint=constraint,
-        reasoning=reasoning,
-        max_reasoning_tokens=None if body.max_reasoning_tokens is None else min(body.max_reasoning_tokens, max_tokens),
-    )
-
-
-def _default_max_tokens(engine, num_prompt_tokens: int) -> int:
-    """OpenAI's default: whatever room the context (and the KV cache) leaves; at least 1, so that
-    a prompt that fills the context gets check_prompt's message."""
-    room = engine.max_model_len
-    core = getattr(engine, "core", None)
-    if core is not None and hasattr(core, "num_kv_blocks"):
-        room = min(room, core.num_kv_blocks * engine.config.block_size)
-    return max(1, room - num_prompt_tokens)
 
 
 async def _merged(gens: list[Generation]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -117,21 +82,6 @@ async def _merged(gens: list[Generation]) -> AsyncIterator[tuple[int, RequestOut
         for gen in gens:
             if not gen.finished:
                 gen.abort()
-
-
-async def _admit_all(request: Request, prompts: list[list[int]], params: SamplingParams, request_id: str,
-                     route: str) -> list[Generation]:
-    state = request.app.state
-    gens: list[Generation] = []
-    try:
-        for i, ids in enumerate(prompts):
-            rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-            gens.append(await start_generation(state.engine, ids, params, rid, **admission(request, route)))
-    except BaseException:
-        for gen in gens:
-            gen.abort()
-        raise
-    return gens
 
 
 def _error_chunk(path: str, exc: Exception) -> dict:
@@ -173,24 +123,12 @@ def _model_card(state) -> dict:
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, x_request_id: str | None = Header(None)):
     engine, request_id = _route_start(request, body, x_request_id)
-    tools = body.tool_request()
-    fmt = tool_format(engine.tokenizer) if tools is not None else None
-    messages = [m.template_message(_ROLE_MAP.get(m.role, m.role)) for m in body.messages]
-    if fmt is not None or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
-        messages = (fmt or tool_format(engine.tokenizer)).messages(messages, tools)
-    template_tools = [dict(t) for t in tools.tools] if fmt is not None and fmt.passes_tools else None
-    check_prompt_chars(engine, sum(len(m.get("content") or "") + len(json.dumps(m.get("tool_calls") or ""))
-                                   for m in messages) + len(json.dumps(template_tools or "")), "messages")
-    prompt_ids = await off_loop(lambda: engine.encode_chat(messages, True, template_tools,
-                                                           **(body.chat_template_kwargs or {})))
-    max_tokens = body.max_completion_tokens or body.max_tokens or _default_max_tokens(engine, len(prompt_ids))
     top_n = body.top_logprobs or 0
-    constraint = fmt.constraint(tools, engine.tokenizer) if fmt is not None else body.constraint()
-    params = _params(body, max_tokens, top_n if body.logprobs else None, constraint,
-                     reasoning=getattr(engine, "think_tags", None) is not None)
-    await compile_constraint(engine, params)
-    gens = await _admit_all(request, [prompt_ids], params, request_id, "v1_chat")
-    choices = ChatChoices(body.n, fmt, TokenText(engine.tokenizer), top_n, bool(body.logprobs))
+    job = ChatJob([m.template_message(_ROLE_MAP.get(m.role, m.role)) for m in body.messages], body.tool_request(),
+                  body.constraint(), body, body.max_completion_tokens or body.max_tokens, body.chat_template_kwargs,
+                  logprobs=top_n if body.logprobs else None)
+    gens, encoded = await start_chat(request, job, request_id, "v1_chat")
+    choices = ChatChoices(body.n, encoded.fmt, TokenText(engine.tokenizer), top_n, bool(body.logprobs))
     return await _answer(request, gens, body, choices, f"chatcmpl-{request_id}", request_id)
 
 

@@ -279,6 +279,21 @@ class SamplingFields(_ConstraintFields):
         return _stop_list(self.stop)
 
 
+def check_tool_choice(names: list[str], choice, named: str | None, format_given: bool, *, required: str = "required",
+                      format_field: str = "response_format") -> None:
+    """The tool rules of every API (/v1/chat/completions, /v1/responses, /v1/messages), each in its own
+    words (`required`: its name of a forced call; `format_field`: its structured-output field)."""
+    if len(set(names)) != len(names):
+        raise ValueError(f"`tools` must have distinct function names. Given: {names}")
+    if choice == required and not names:
+        raise ValueError(f'`tool_choice` "{required}" needs `tools`')
+    if named is not None and named not in names:
+        raise ValueError(f"`tool_choice` names the function `{named}`, which is not in `tools`. Given tools: {names}")
+    if names and choice != "none" and format_given:
+        raise ValueError(f"`{format_field}` cannot be combined with `tools` here (unless `tool_choice` is "
+                         '"none"): the tools decide the format of the reply')
+
+
 class ChatCompletionRequest(SamplingFields):
     """`POST /v1/chat/completions`."""
 
@@ -299,19 +314,10 @@ class ChatCompletionRequest(SamplingFields):
 
     @model_validator(mode="after")
     def _check_tools(self):
-        names = [t.function.name for t in self.tools or ()]
-        if len(set(names)) != len(names):
-            raise ValueError(f"`tools` must have distinct function names. Given: {names}")
         choice = self.tool_choice
-        if choice == "required" and not names:
-            raise ValueError('`tool_choice` "required" needs `tools`')
-        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-            raise ValueError(f"`tool_choice` names the function `{choice.function.name}`, which is not in "
-                             f"`tools`. Given tools: {names}")
-        if self.tool_request() is not None and self.response_format is not None \
-                and self.response_format.type != "text":
-            raise ValueError("`response_format` cannot be combined with `tools` here (unless `tool_choice` is "
-                             '"none"): the tools decide the format of the reply')
+        check_tool_choice([t.function.name for t in self.tools or ()], choice,
+                          choice.function.name if isinstance(choice, NamedToolChoice) else None,
+                          self.response_format is not None and self.response_format.type != "text")
         return self
 
     def tool_request(self) -> ToolRequest | None:
