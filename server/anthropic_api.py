@@ -19,11 +19,10 @@ from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse
 
 from engine.request import FinishReason
-from frontend.admission import RequestFailed, request_id_from
+from frontend.admission import RequestFailed
 from server.chat import run_while_connected
-from server.chat_path import Block, ChatJob, ReplyBlocks, encode_job, start_chat
+from server.chat_path import Block, ChatJob, ReplyBlocks, check_model, encode_job, route_start, start_chat
 from server.errors import BODY_FIELDS, error_body, internal_error_message
-from server.openai_api import check_model
 from server.anthropic_schemas import CountTokensRequest, MessagesRequest
 from server.sse import event_stream_response
 
@@ -116,10 +115,7 @@ class MessageBuilder:
 
 @router.post("/messages")
 async def create_message(body: MessagesRequest, request: Request, x_request_id: str | None = Header(None)):
-    state = request.app.state
-    engine = state.engine
-    check_model(state, body.model)
-    request_id = request_id_from(x_request_id)
+    engine, request_id = route_start(request, body, x_request_id)
     gens, encoded = await start_chat(request, _job(body, body.sampling(), body.max_tokens), request_id, "v1_messages")
     gen = gens[0]
     blocks = ReplyBlocks(encoded.fmt)

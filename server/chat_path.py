@@ -14,14 +14,15 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from engine.request import Constraint, InvalidRequest, SamplingParams
-from frontend.admission import (Generation, admission, check_prompt_chars, compile_constraint, off_loop,
+from frontend.errors import ApiError
+from frontend.admission import (Generation, admission, check_prompt_chars, compile_constraint, off_loop, request_id_from,
                                 start_generation)
 from frontend.tools import ToolCall, ToolFormat, ToolRequest, tool_format
 from server.openai_choices import Reply
 from server.schemas import SamplingFields
 
 
-def _params(body: SamplingFields, max_tokens: int, logprobs: int | None, constraint=None,
+def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None, constraint=None,
             reasoning: bool = False) -> SamplingParams:
     return SamplingParams(
         max_tokens=max_tokens,
@@ -45,7 +46,7 @@ def _params(body: SamplingFields, max_tokens: int, logprobs: int | None, constra
     )
 
 
-def _default_max_tokens(engine, num_prompt_tokens: int) -> int:
+def default_max_tokens(engine, num_prompt_tokens: int) -> int:
     """OpenAI's default: whatever room the context (and the KV cache) leaves; at least 1, so that
     a prompt that fills the context gets check_prompt's message."""
     room = engine.max_model_len
@@ -55,7 +56,7 @@ def _default_max_tokens(engine, num_prompt_tokens: int) -> int:
     return max(1, room - num_prompt_tokens)
 
 
-async def _admit_all(request: Request, prompts: list[list[int]], params: SamplingParams, request_id: str,
+async def admit_all(request: Request, prompts: list[list[int]], params: SamplingParams, request_id: str,
                      route: str) -> list[Generation]:
     state = request.app.state
     gens: list[Generation] = []
@@ -112,9 +113,9 @@ async def start_chat(request: Request, job: ChatJob, request_id: str, route: str
     engine = request.app.state.engine
     encoded = await encode_job(engine, job)
     fmt = encoded.fmt
-    max_tokens = job.max_tokens or _default_max_tokens(engine, len(encoded.prompt_ids))
+    max_tokens = job.max_tokens or default_max_tokens(engine, len(encoded.prompt_ids))
     constraint = fmt.constraint(job.tools, engine.tokenizer) if fmt is not None else job.constraint
-    params = _params(job.sampling, max_tokens, job.logprobs, constraint,
+    params = sampling_params(job.sampling, max_tokens, job.logprobs, constraint,
                      reasoning=getattr(engine, "think_tags", None) is not None)
     try:
         await compile_constraint(engine, params)
@@ -122,7 +123,7 @@ async def start_chat(request: Request, job: ChatJob, request_id: str, route: str
         if exc.param != "response_format" or job.format_param == "response_format" or job.tools is not None:
             raise
         raise InvalidRequest(str(exc), param=job.format_param) from None
-    gens = await _admit_all(request, [encoded.prompt_ids], params, request_id, route)
+    gens = await admit_all(request, [encoded.prompt_ids], params, request_id, route)
     return gens, encoded
 
 
@@ -188,3 +189,25 @@ class ReplyBlocks:
     @property
     def has_calls(self) -> bool:
         return bool(self.reply.calls)
+
+
+def served_names(state) -> set[str]:
+    names = {state.engine.model_name}
+    if state.settings.model_id:
+        names.add(state.settings.model_id)
+    return names
+
+
+def check_model(state, model: str | None) -> None:
+    if model in (None, ""):
+        return
+    if model not in served_names(state):
+        raise ApiError(404, f"The model `{model}` does not exist on this server. It serves "
+                            f"`{state.engine.model_name}` (see GET /v1/models).", param="model",
+                       code="model_not_found")
+
+
+def route_start(request: Request, body, x_request_id: str | None):
+    """What every generating route checks first: the model asked for, and the client's request id."""
+    check_model(request.app.state, body.model)
+    return request.app.state.engine, request_id_from(x_request_id)

@@ -19,9 +19,10 @@ from fastapi.responses import JSONResponse
 
 from engine.request import RequestOutput
 from server.chat import run_while_connected
-from server.errors import ApiError, error_body, internal_error_message
-from frontend.admission import Generation, RequestFailed, check_prompt_chars, compile_constraint, off_loop, request_id_from
-from server.chat_path import ChatJob, _admit_all, _default_max_tokens, _params, start_chat
+from server.errors import error_body, internal_error_message
+from frontend.admission import Generation, RequestFailed, check_prompt_chars, compile_constraint, off_loop
+from server.chat_path import (ChatJob, admit_all, check_model, default_max_tokens, route_start, sampling_params,
+                              start_chat)
 from server.openai_choices import ChatChoices, CompletionChoices, TokenText
 from server.schemas import ChatCompletionRequest, CompletionRequest
 from server.sse import event_stream_response
@@ -30,22 +31,6 @@ router = APIRouter(prefix="/v1")
 log = logging.getLogger("rill.server")
 
 _ROLE_MAP = {"developer": "system"}
-
-
-def served_names(state) -> set[str]:
-    names = {state.engine.model_name}
-    if state.settings.model_id:
-        names.add(state.settings.model_id)
-    return names
-
-
-def check_model(state, model: str | None) -> None:
-    if model in (None, ""):
-        return
-    if model not in served_names(state):
-        raise ApiError(404, f"The model `{model}` does not exist on this server. It serves "
-                            f"`{state.engine.model_name}` (see GET /v1/models).", param="model",
-                       code="model_not_found")
 
 
 async def _merged(gens: list[Generation]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -108,12 +93,6 @@ async def get_model(model_id: str, request: Request):
     return _model_card(request.app.state)
 
 
-def _route_start(request: Request, body, x_request_id: str | None):
-    """What every generating route checks first: the model asked for, and the client's request id."""
-    check_model(request.app.state, body.model)
-    return request.app.state.engine, request_id_from(x_request_id)
-
-
 def _model_card(state) -> dict:
     engine = state.engine
     return {"id": engine.model_name, "object": "model", "created": state.started_at, "owned_by": "rill",
@@ -122,7 +101,7 @@ def _model_card(state) -> dict:
 
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, x_request_id: str | None = Header(None)):
-    engine, request_id = _route_start(request, body, x_request_id)
+    engine, request_id = route_start(request, body, x_request_id)
     top_n = body.top_logprobs or 0
     job = ChatJob([m.template_message(_ROLE_MAP.get(m.role, m.role)) for m in body.messages], body.tool_request(),
                   body.constraint(), body, body.max_completion_tokens or body.max_tokens, body.chat_template_kwargs,
@@ -134,7 +113,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, x_requ
 
 @router.post("/completions")
 async def completions(body: CompletionRequest, request: Request, x_request_id: str | None = Header(None)):
-    engine, request_id = _route_start(request, body, x_request_id)
+    engine, request_id = route_start(request, body, x_request_id)
     raw_prompts = body.prompts()  # at most MAX_PROMPTS (schemas.py)
     for p in raw_prompts:
         if isinstance(p, str):
@@ -143,10 +122,10 @@ async def completions(body: CompletionRequest, request: Request, x_request_id: s
     if body.max_tokens is not None:
         max_tokens = body.max_tokens
     else:
-        max_tokens = _default_max_tokens(engine, max(len(p) for p in prompts))
-    params = _params(body, max_tokens, body.logprobs, body.constraint())
+        max_tokens = default_max_tokens(engine, max(len(p) for p in prompts))
+    params = sampling_params(body, max_tokens, body.logprobs, body.constraint())
     await compile_constraint(engine, params)
-    gens = await _admit_all(request, prompts, params, request_id, "v1_completions")
+    gens = await admit_all(request, prompts, params, request_id, "v1_completions")
     choices = CompletionChoices(body.n * len(gens), TokenText(engine.tokenizer), body.logprobs)
     return await _answer(request, gens, body, choices, f"cmpl-{request_id}", request_id)
 

@@ -25,11 +25,10 @@ from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse
 
 from engine.request import FinishReason
-from frontend.admission import RequestFailed, request_id_from
+from frontend.admission import RequestFailed
 from server.chat import run_while_connected
-from server.chat_path import Block, ChatJob, ReplyBlocks, start_chat
+from server.chat_path import Block, ChatJob, ReplyBlocks, route_start, start_chat
 from server.errors import BODY_FIELDS, ApiError, internal_error_message
-from server.openai_api import check_model
 from server.responses_schemas import FunctionCallItem, FunctionCallOutputItem, MessageItem, ResponsesRequest
 from server.sse import event_stream_response
 
@@ -214,10 +213,7 @@ class ResponseBuilder:
 
 @router.post("/responses")
 async def create_response(body: ResponsesRequest, request: Request, x_request_id: str | None = Header(None)):
-    state = request.app.state
-    engine = state.engine
-    check_model(state, body.model)
-    request_id = request_id_from(x_request_id)
+    engine, request_id = route_start(request, body, x_request_id)
     store = _store(request)
     history = store.get(body.previous_response_id, "previous_response_id").history \
         if body.previous_response_id else []
