@@ -28,6 +28,11 @@ class QueueFull(RuntimeError):
 MAX_STOP_STRINGS = 16  # stop strings per request
 MAX_STOP_LENGTH = 256  # characters per stop string
 MAX_N = 16  # samples per request
+MAX_STOP_TOKEN_IDS = 1024  # ids in one request's stop_token_ids (vLLM's users send a few; a whole small vocabulary fits)
+
+
+def stop_token_ids_message(given: int) -> str:
+    return f"`stop_token_ids` may hold at most {MAX_STOP_TOKEN_IDS} token ids; {given} given"
 MAX_SEED = 2**63 - 1  # seeds are 64-bit signed integers (a sample's generator gets seed + index)
 MIN_SEED = -(2**63)
 MAX_TEMPERATURE = 100.0
@@ -159,6 +164,8 @@ class SamplingParams:
     constraint: Constraint | None = None  # the answer must match it (engine/grammar.py); it decides the end
     reasoning: bool = False  # split the model's thought (between its think tags) into RequestOutput.reasoning
     max_reasoning_tokens: int | None = None  # with reasoning: past this many thought tokens the end tag is forced
+    # stop_token_ids as a set, made once: each new token is looked up in it (engine/core.py)
+    stop_token_set: frozenset[int] = field(default=frozenset(), init=False, repr=False, compare=False)
 
     def __post_init__(self):
         stop, stop_ids = self.stop, self.stop_token_ids
@@ -190,8 +197,11 @@ class SamplingParams:
         for s in self.stop:
             _check(len(s) <= MAX_STOP_LENGTH, "stop", f"strings of at most {MAX_STOP_LENGTH} characters each "
                    f"(one is {len(s)} characters)", s)
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequest(stop_token_ids_message(len(self.stop_token_ids)), "stop_token_ids")
         _check(all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in self.stop_token_ids),
                "stop_token_ids", "non-negative integer token ids", list(self.stop_token_ids))
+        object.__setattr__(self, "stop_token_set", frozenset(self.stop_token_ids))
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", "true or false", self.ignore_eos)
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
                "logprobs", "null or an integer between 0 and 20", self.logprobs)
