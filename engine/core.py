@@ -497,7 +497,7 @@ class EngineCore:
         constrained = grammar is not None and grammar.active
         reason = None
         text = thought = ""
-        if ((token_id in self.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_set) \
+        if ((token_id in self.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids) \
                 and (num_out >= params.min_tokens or constrained):
             reason = FinishReason.STOP  # the EOS / stop token is kept in token_ids, not in the text
         else:

@@ -135,6 +135,22 @@ class Constraint:
 
 
 
+class TokenIds(tuple):
+    """`stop_token_ids`: the ids as given (a tuple), with `in` a set lookup made once per request
+    (engine/core.py looks up every new token: a scan of a long tuple each time slowed every stream)."""
+
+    def __new__(cls, ids=()):
+        self = super().__new__(cls, ids)
+        self.set = frozenset(self)
+        return self
+
+    def __contains__(self, token_id) -> bool:
+        return token_id in self.set
+
+    def __reduce__(self):
+        return TokenIds, (tuple(self),)
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to sample one request. Frozen and validated at construction: every field is checked
@@ -164,8 +180,6 @@ class SamplingParams:
     constraint: Constraint | None = None  # the answer must match it (engine/grammar.py); it decides the end
     reasoning: bool = False  # split the model's thought (between its think tags) into RequestOutput.reasoning
     max_reasoning_tokens: int | None = None  # with reasoning: past this many thought tokens the end tag is forced
-    # stop_token_ids as a set, made once: each new token is looked up in it (engine/core.py)
-    stop_token_set: frozenset[int] = field(default=frozenset(), init=False, repr=False, compare=False)
 
     def __post_init__(self):
         stop, stop_ids = self.stop, self.stop_token_ids
@@ -201,7 +215,7 @@ class SamplingParams:
             raise InvalidRequest(stop_token_ids_message(len(self.stop_token_ids)), "stop_token_ids")
         _check(all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in self.stop_token_ids),
                "stop_token_ids", "non-negative integer token ids", list(self.stop_token_ids))
-        object.__setattr__(self, "stop_token_set", frozenset(self.stop_token_ids))
+        object.__setattr__(self, "stop_token_ids", TokenIds(self.stop_token_ids))
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", "true or false", self.ignore_eos)
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
                "logprobs", "null or an integer between 0 and 20", self.logprobs)

@@ -73,7 +73,7 @@ class Sampler:
         under min_tokens: later steps cost the same whatever the length of stop_token_ids."""
         banned = self.seq_banned.get(seq.seq_id)
         if banned is None:
-            ids = {t for t in (*self.eos_token_ids, *seq.params.stop_token_set) if t < vocab}
+            ids = {t for t in (*self.eos_token_ids, *seq.params.stop_token_ids) if t < vocab}
             banned = self.seq_banned[seq.seq_id] = torch.tensor(sorted(ids), dtype=torch.long)
         return banned
 
