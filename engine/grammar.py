@@ -58,7 +58,9 @@ def closed_objects(schema):
 
 def grammar_text(constraint: Constraint) -> str:
     """The llguidance grammar of a constraint (not yet checked). JSON is written compact (no
-    optional whitespace: a model cannot pad it without end); a strict schema closes its objects."""
+    optional whitespace: a model cannot pad it without end). A schema's objects are closed, strict
+    or not (as xgrammar's strict mode in vLLM and SGLang): a small model otherwise invents keys until
+    max_tokens; a schema that states `additionalProperties: true` keeps them open."""
     import json
 
     import llguidance
@@ -67,9 +69,7 @@ def grammar_text(constraint: Constraint) -> str:
     if constraint.kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=options)
     if constraint.kind == "json_schema":
-        schema = json.loads(constraint.value)
-        if constraint.strict:
-            schema = closed_objects(schema)
+        schema = closed_objects(json.loads(constraint.value))  # unstated additionalProperties: false
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
     if constraint.kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(constraint.value)

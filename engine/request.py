@@ -28,6 +28,11 @@ class QueueFull(RuntimeError):
 MAX_STOP_STRINGS = 16  # stop strings per request
 MAX_STOP_LENGTH = 256  # characters per stop string
 MAX_N = 16  # samples per request
+MAX_STOP_TOKEN_IDS = 1024  # ids in one request's stop_token_ids (vLLM's users send a few; a whole small vocabulary fits)
+
+
+def stop_token_ids_message(given: int) -> str:
+    return f"`stop_token_ids` may hold at most {MAX_STOP_TOKEN_IDS} token ids; {given} given"
 MAX_SEED = 2**63 - 1  # seeds are 64-bit signed integers (a sample's generator gets seed + index)
 MIN_SEED = -(2**63)
 MAX_TEMPERATURE = 100.0
@@ -130,6 +135,22 @@ class Constraint:
 
 
 
+class TokenIds(tuple):
+    """`stop_token_ids`: the ids as given (a tuple), with `in` a set lookup made once per request
+    (engine/core.py looks up every new token: a scan of a long tuple each time slowed every stream)."""
+
+    def __new__(cls, ids=()):
+        self = super().__new__(cls, ids)
+        self.set = frozenset(self)
+        return self
+
+    def __contains__(self, token_id) -> bool:
+        return token_id in self.set
+
+    def __reduce__(self):
+        return TokenIds, (tuple(self),)
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to sample one request. Frozen and validated at construction: every field is checked
@@ -190,8 +211,11 @@ class SamplingParams:
         for s in self.stop:
             _check(len(s) <= MAX_STOP_LENGTH, "stop", f"strings of at most {MAX_STOP_LENGTH} characters each "
                    f"(one is {len(s)} characters)", s)
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequest(stop_token_ids_message(len(self.stop_token_ids)), "stop_token_ids")
         _check(all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in self.stop_token_ids),
                "stop_token_ids", "non-negative integer token ids", list(self.stop_token_ids))
+        object.__setattr__(self, "stop_token_ids", TokenIds(self.stop_token_ids))
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", "true or false", self.ignore_eos)
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
                "logprobs", "null or an integer between 0 and 20", self.logprobs)

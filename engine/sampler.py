@@ -57,9 +57,20 @@ class Sampler:
         self.grammars = grammars  # engine.grammar.GrammarCompiler: fills the constrained rows' bitmasks
         self.generator = torch.Generator().manual_seed(seed)  # shared by unseeded rows
         self.seq_generators: dict[str, torch.Generator] = {}  # seq_id -> its own generator
+        self.seq_banned: dict[str, torch.Tensor] = {}  # seq_id -> [k] ids hidden until min_tokens, made once
 
     def forget(self, seq_id: str) -> None:
         self.seq_generators.pop(seq_id, None)
+        self.seq_banned.pop(seq_id, None)
+
+    def _banned(self, seq: Sequence, vocab: int) -> torch.Tensor:
+        """EOS and the stop token ids below `vocab`, as one tensor built on the sequence's first step
+        under min_tokens: later steps cost the same whatever the length of stop_token_ids."""
+        banned = self.seq_banned.get(seq.seq_id)
+        if banned is None:
+            ids = {t for t in (*self.eos_token_ids, *seq.params.stop_token_ids) if t < vocab}
+            banned = self.seq_banned[seq.seq_id] = torch.tensor(sorted(ids), dtype=torch.long)
+        return banned
 
     def _generator(self, seq: Sequence) -> torch.Generator:
         gen = self.seq_generators.get(seq.seq_id)
@@ -103,8 +114,8 @@ class Sampler:
         # min_tokens: hide EOS and stop ids until enough tokens exist (a grammar decides its own end)
         for i, (s, p) in enumerate(zip(seqs, params)):
             if s.num_output_tokens < p.min_tokens and not (s.grammar is not None and s.grammar.active):
-                banned = [t for t in (*self.eos_token_ids, *p.stop_token_ids) if t < vocab]
-                if banned:
+                banned = self._banned(s, vocab)
+                if banned.numel():
                     logits = logits.clone() if logits is raw else logits
                     logits[i, banned] = float("-inf")
 

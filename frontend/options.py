@@ -231,6 +231,7 @@ def parse_settings(argv: list[str] | None = None, environ: dict[str, str] | None
                         parser.error(f"environment variable {name}: {exc}")
                     break
         values[opt.dest] = opt.default if value is None else value
+    _check_api_key(parser, args.api_key, environ.get("API_KEY"))
     try:
         settings = Settings(**values)
     except TypeError as exc:  # pragma: no cover - Settings and OPTIONS out of step
@@ -252,6 +253,14 @@ def parse_settings(argv: list[str] | None = None, environ: dict[str, str] | None
         parser.error(f"--port must be between 1 and 65535. Given: {settings.port}")
     _check_backend(parser, settings)
     return settings
+
+
+def _check_api_key(parser: argparse.ArgumentParser, flag: str | None, env: str | None) -> None:
+    """A key of only whitespace would mean no key (every route open): refuse to start instead."""
+    name, given = ("--api-key", flag) if flag is not None else ("API_KEY", env)
+    if given is not None and not given.strip() and (flag is not None or given != ""):
+        parser.error(f"{name} is only whitespace, which would leave every route open without a key; give a real "
+                     f"key, or leave {name} unset to serve without one. Given: {given!r}")
 
 
 def _check_backend(parser: argparse.ArgumentParser, settings: Settings) -> None:

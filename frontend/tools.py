@@ -22,6 +22,7 @@ import json
 import secrets
 from dataclasses import dataclass
 
+from engine.grammar import closed_objects
 from engine.request import Constraint
 
 
@@ -65,8 +66,14 @@ class ToolRequest:
         return self.choice != "auto"
 
 
-def _parameters(function: dict) -> dict:
+def _declared_parameters(function: dict) -> dict:
     return function.get("parameters") or {"type": "object", "properties": {}}
+
+
+def _parameters(function: dict) -> dict:
+    """The arguments' schema for the constraint: its objects closed where it does not say (only the
+    declared keys, engine/grammar.closed_objects); the prompt shows the schema as declared."""
+    return closed_objects(_declared_parameters(function))
 
 
 def _call_schema(function: dict, arguments_key: str = "arguments") -> dict:
@@ -286,8 +293,8 @@ class GenericParser(_Parser):
     def _whole(self, body: str):
         try:
             data = json.loads(body)
-        except ValueError:
-            return self._content(body)
+        except ValueError:  # the reply is constrained to whole JSON: this is a call cut short (max_tokens,
+            return []       # a stop string), reported by its finish reason; half a call is not an answer
         if isinstance(data, dict) and isinstance(data.get("response"), str):
             return self._content(data["response"])
         raw_calls = data.get("tool_calls") if isinstance(data, dict) else None
@@ -394,7 +401,7 @@ class GenericFormat(ToolFormat):
 
     def _system_text(self, request: ToolRequest) -> str:
         tools = "\n".join(json.dumps({"name": f["name"], "description": f.get("description", ""),
-                                      "parameters": _parameters(f)}, ensure_ascii=False)
+                                      "parameters": _declared_parameters(f)}, ensure_ascii=False)
                           for f in request.functions)
         key = self._call_key(request)
         call = '{"name": <tool name>, "arguments": <arguments object>}'

@@ -10,7 +10,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from engine.request import MAX_N, MAX_STOP_LENGTH, MAX_STOP_STRINGS, Constraint
+from engine.chat_template import TAKEN_TEMPLATE_NAMES, taken_names_message
+from engine.request import (MAX_N, MAX_STOP_LENGTH, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, Constraint,
+                            stop_token_ids_message)
 from frontend.tools import ToolRequest
 
 Role = Literal["system", "user", "assistant"]
@@ -18,9 +20,6 @@ MAX_STOP = MAX_STOP_STRINGS
 MAX_PROMPTS = 64  # prompts in one `/v1/completions` list
 MAX_TOOLS = 128  # functions in one request's `tools`
 MAX_TEMPLATE_KWARGS = 16  # entries of `chat_template_kwargs`
-RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "tokenize",
-                                     "continue_final_message", "return_dict", "chat_template", "bos_token",
-                                     "eos_token", "raise_exception", "tools_in_user_message"})
 
 
 class JsonSchemaFormat(BaseModel):
@@ -60,9 +59,9 @@ def _template_kwargs(value: dict | None) -> dict | None:
         return None
     if len(value) > MAX_TEMPLATE_KWARGS:
         raise ValueError(f"at most {MAX_TEMPLATE_KWARGS} entries are allowed. Given: {len(value)}")
-    taken = sorted(set(value) & RESERVED_TEMPLATE_NAMES)
+    taken = sorted(set(value) & TAKEN_TEMPLATE_NAMES)
     if taken:
-        raise ValueError(f"these names are set by the server and cannot be passed: {', '.join(taken)}")
+        raise ValueError(taken_names_message(taken))
     return value
 
 
@@ -273,6 +272,13 @@ class SamplingFields(_ConstraintFields):
     @classmethod
     def _check_stop(cls, value):
         _stop_list(value)
+        return value
+
+    @field_validator("stop_token_ids", mode="before")
+    @classmethod
+    def _check_stop_token_ids(cls, value):
+        if isinstance(value, list) and len(value) > MAX_STOP_TOKEN_IDS:  # before 100,000 ids are validated
+            raise ValueError(stop_token_ids_message(len(value)).split("` ", 1)[1])
         return value
 
     def stop_list(self) -> list[str]:

@@ -100,3 +100,19 @@ def test_folder_without_config_exits_2(tmp_path):
     result = run_app("--model", str(tmp_path), "--port", "7999")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "config" in result.stderr
+
+
+@pytest.mark.parametrize("args, env, name", [
+    ((), {"API_KEY": "   "}, "API_KEY"),
+    ((), {"API_KEY": "\t\n"}, "API_KEY"),
+    (("--api-key", " "), {}, "--api-key"),
+    (("--api-key", ""), {}, "--api-key"),
+])
+def test_an_api_key_of_only_whitespace_refuses_to_start(args, env, name, tmp_path):
+    """It meant no key at all (every route open) without a word; now the process exits 2 saying why."""
+    result = run_app(*args, "--model", str(tmp_path / "never-loaded"), "--port", "7999", env=env, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("app.py: error:")]
+    assert len(errors) == 1 and name in errors[0] and "whitespace" in errors[0], result.stderr
+    assert "every route" in errors[0]

@@ -27,12 +27,37 @@ def remote(tiny_llama_path):
 
 @pytest.fixture(scope="module")
 def front(tiny_llama_path, remote):
-    with run_server("--model", str(tiny_llama_path), "--backend", "openai", "--backend-url", remote.url,
+    # credentials in the URL (the remote, without a key, ignores them): they never show (redacted)
+    with run_server("--model", str(tiny_llama_path), "--backend", "openai", "--backend-url", secret_url(remote),
                     "--resume-window", "5", "--api-key", "front-key") as server:
         yield server
 
 
 KEY = {"Authorization": "Bearer front-key"}
+SECRET = "hunter2-secret"
+
+
+def secret_url(remote) -> str:
+    return remote.url.replace("http://", f"http://admin:{SECRET}@")
+
+
+def shown_url(remote) -> str:
+    """The remote's URL as the front shows it: the credentials replaced."""
+    return remote.url.replace("http://", "http://***@")
+
+
+def test_health_shows_the_backend_url_without_its_credentials(front, remote):
+    response = httpx.get(f"{front.url}/health", timeout=10)
+    assert response.status_code == 200
+    assert SECRET not in response.text and "admin" not in response.text
+    assert response.json()["backend_url"] == shown_url(remote)
+
+
+def test_the_redaction_covers_userinfo_and_query_keys():
+    from frontend.backends.openai_backend import redact_url
+    assert redact_url("https://u:p@host:8000/v1?api_key=abc&x=1") == "https://***@host:8000/v1?api_key=***&x=***"
+    assert redact_url("http://host:8000") == "http://host:8000"
+    assert redact_url("http://token@host/") == "http://***@host/"
 
 
 def chat_events(url: str, body: dict, headers=None) -> list:
@@ -122,11 +147,14 @@ def test_a_stopped_remote_is_a_503_and_a_page_message_never_a_hang(front, remote
 
     refused = httpx.post(f"{front.url}/chat", json={"prompt": "hi", "max_new_tokens": 4}, headers=KEY, timeout=30)
     assert refused.status_code == 503
-    assert f"The model server behind this app ({remote.url}) is not reachable" in refused.json()["error"]
+    assert f"The model server behind this app ({shown_url(remote)}) is not reachable" in refused.json()["error"]
+    assert SECRET not in refused.text and SECRET not in json.dumps(events[-2].data)
     deadline = time.monotonic() + 10
-    while httpx.get(f"{front.url}/health", timeout=10).status_code != 503:  # the probe notices within a second
+    while (health := httpx.get(f"{front.url}/health", timeout=10)).status_code != 503:  # noticed within a second
         assert time.monotonic() < deadline
         time.sleep(0.2)
+    assert SECRET not in health.text and shown_url(remote) in health.text
+    assert SECRET not in front.log()  # nor in the log the operator shares
     client = Client(front.url + "/", auth=("user", "front-key"), verbose=False)
     with pytest.raises(Exception, match="not reachable"):
         client.predict("Hello!", [], "", 0.0, 1.0, 0, 5, 1.0, api_name="/chat")

@@ -305,3 +305,23 @@ def test_app_exits_2_with_one_clear_line(model, fragment):
     assert "Traceback" not in output, output
     lines = [line for line in output.splitlines() if model in line and fragment in line]
     assert len(lines) == 1, output
+
+
+def test_a_conversion_killed_midway_leaves_nothing_after_the_next_start(tmp_path):
+    """kill -9 during a conversion left its temporary folder (half a model) in the cache for good;
+    the next conversion removes a temporary folder whose process is gone, not one still writing."""
+    import subprocess
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a process id no longer running
+    folder = tmp_path / "cache" / "gguf"
+    stale = folder / f".SmolLM2-key.{gone.pid}.k2j4x.tmp"
+    (stale / "sub").mkdir(parents=True)
+    (stale / "model.safetensors").write_bytes(b"\0" * 1024)  # half written
+    alive = folder / f".other-key.{os.getpid()}.a1b2c.tmp"  # a conversion running now
+    alive.mkdir()
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"this is not a gguf file")
+    with pytest.raises(ModelLoadError):
+        load_model(broken, cache_dir=tmp_path / "cache")
+    assert not stale.exists() and alive.is_dir()
+    assert sorted(p.name for p in folder.iterdir()) == [alive.name]

@@ -168,7 +168,7 @@ def test_thinking_is_split_on_v1_and_chat(qwen3_server):
     assert [e.event for e in events].index("reasoning") < [e.event for e in events].index("message")
     reserved = httpx.post(f"{qwen3_server.url}/v1/chat/completions", timeout=30, json={
         "messages": _user("hi"), "chat_template_kwargs": {"messages": []}})
-    assert reserved.status_code == 400 and "cannot be passed: messages" in reserved.text
+    assert reserved.status_code == 400 and "`chat_template_kwargs.messages` cannot be passed" in reserved.text
 
 
 def test_schema_applies_after_the_thought(qwen3_server):

@@ -193,3 +193,45 @@ def test_openai_sdk_parse_with_strict_tools(client):
                                         max_tokens=120, temperature=0.8, seed=1) as stream:
         final = stream.get_final_completion()
     assert isinstance(final.choices[0].message.tool_calls[0].function.parsed_arguments, WeatherQuery)
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city"]}}}
+
+
+def test_a_required_call_takes_only_the_declared_keys_and_streams_as_it_answers(embedded_server):
+    """Undeclared keys are closed by default (as xgrammar's strict mode in vLLM and SGLang): the
+    model filled `arguments` with invented keys (unit_map, unit_map_map, ...) until max_tokens, and
+    the answer came back with no tool_calls and the raw call in `content`."""
+    client = openai.OpenAI(base_url=f"{embedded_server.url}/v1", api_key="none", max_retries=0, timeout=120)
+    ask = dict(model="", messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+               tools=[WEATHER_TOOL], tool_choice="required", max_tokens=100, temperature=0)
+    whole = client.chat.completions.create(**ask)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content, choice
+    (call,) = choice.message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and set(arguments) <= {"city", "unit"} and "city" in arguments
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    streamed = "".join(d.tool_calls[0].function.arguments or "" for d in deltas if d.tool_calls)
+    assert json.loads(streamed) == arguments
+    assert "".join(d.content or "" for d in deltas) == ""
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+
+
+def test_a_call_cut_by_the_length_limit_is_reported_as_such_never_as_content(embedded_server):
+    """A call cut by max_tokens: finish_reason "length", no tool_calls, and no half call in content
+    (its raw JSON used to come back as the answer's text), streamed and whole alike."""
+    client = openai.OpenAI(base_url=f"{embedded_server.url}/v1", api_key="none", max_retries=0, timeout=120)
+    ask = dict(model="", messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+               tools=[WEATHER_TOOL], tool_choice="required", max_tokens=6, temperature=0)
+    choice = client.chat.completions.create(**ask).choices[0]
+    assert choice.finish_reason == "length" and not choice.message.content and not choice.message.tool_calls, choice
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.content or "" for d in deltas) == "" and not any(d.tool_calls for d in deltas)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]

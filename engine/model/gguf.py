@@ -102,7 +102,7 @@ def convert_gguf(gguf: Path, target: Path) -> None:
     from tqdm.auto import tqdm
 
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.{os.getpid()}.", suffix=".tmp", dir=target.parent))
     started = time.monotonic()
     logger.info("converting %s once into %s (later starts load the converted copy)", gguf, target)
     steps = tqdm(total=4, desc=f"rill: converting {gguf.name} (one time)", unit="step")
@@ -128,3 +128,31 @@ def converted_gguf_dir(gguf: str | os.PathLike, cache_dir: str | os.PathLike | N
     """The cache folder a GGUF converts into (keyed by file name, size and a digest of its ends)."""
     gguf = Path(gguf).expanduser().resolve()
     return rill_cache_dir(cache_dir) / "gguf" / _gguf_cache_key(gguf)
+
+
+STALE_TMP_S = 3600.0  # a temporary folder without a process id (an older rill's) is stale after this long
+
+
+def remove_stale_conversions(folder: Path) -> None:
+    """Remove the temporary folders of conversions that died midway (kill -9, a crash): those whose
+    process (the id in the name, `.<key>.<pid>.<random>.tmp`) is gone; one still writing is kept."""
+    if not folder.is_dir():
+        return
+    for tmp in folder.glob(".*.tmp"):
+        parts = tmp.name.split(".")  # ["", key parts..., pid, random, "tmp"]
+        pid = int(parts[-3]) if len(parts) >= 5 and parts[-3].isdigit() else None
+        try:
+            if pid is not None:
+                try:
+                    os.kill(pid, 0)
+                    continue  # still running (or another user's process: not ours to judge)
+                except ProcessLookupError:
+                    pass
+                except PermissionError:
+                    continue
+            elif time.time() - tmp.stat().st_mtime < STALE_TMP_S:
+                continue
+        except OSError:
+            continue
+        logger.info("removing %s, left by a conversion that did not finish", tmp)
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from engine.config import rill_cache_dir
-from engine.model.gguf import convert_gguf, converted_gguf_dir
+from engine.model.gguf import convert_gguf, converted_gguf_dir, remove_stale_conversions
 
 logger = logging.getLogger("rill.loading")
 
@@ -203,6 +203,7 @@ def _load_hub(model_id: str, **kwargs) -> tuple:
 
 def _load_gguf(gguf: Path, *, cache_dir, **kwargs) -> tuple:
     target = converted_gguf_dir(gguf, cache_dir)
+    remove_stale_conversions(target.parent)
     if (target / "config.json").is_file():
         logger.info("loading %s from its converted copy %s", gguf.name, target)
     else:

@@ -28,6 +28,7 @@ import asyncio
 import json
 import logging
 import time
+import urllib.parse
 from pathlib import Path
 
 import httpx
@@ -104,6 +105,28 @@ def request_body(model: str, prompt_token_ids: list[int], params: SamplingParams
     return body
 
 
+def redact_url(url: str) -> str:
+    """`url` as it may be shown (/health, error text, the log): credentials before the host and every
+    query value replaced by `***`, the query's names and the rest kept."""
+    parts = urllib.parse.urlsplit(url)
+    netloc = parts.netloc
+    if "@" in netloc:
+        netloc = "***@" + netloc.rsplit("@", 1)[1]
+    query = "&".join(f"{name}=***" for name, _ in urllib.parse.parse_qsl(parts.query, keep_blank_values=True))
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, query, ""))
+
+
+def split_credentials(url: str) -> tuple[str, httpx.BasicAuth | None]:
+    """`url` without the user:password before its host, and those as httpx's basic auth: the URL
+    httpx logs for each request then carries no credentials."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.username is None:
+        return url, None
+    host = parts.netloc.rsplit("@", 1)[1]
+    auth = httpx.BasicAuth(urllib.parse.unquote(parts.username), urllib.parse.unquote(parts.password or ""))
+    return urllib.parse.urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment)), auth
+
+
 class OpenAIEngine(RemoteEngine):
     """The engine client over a remote OpenAI-compatible server."""
 
@@ -111,12 +134,13 @@ class OpenAIEngine(RemoteEngine):
     continuable = False
 
     def __init__(self, url: str, key: str | None, remote_model: str, max_model_len: int, tokenizer, name: str):
-        self.url = url
+        self.shown_url = redact_url(url)  # what /health, errors and the log say: no credentials
+        self.url, self._auth = split_credentials(url)
         self.remote_model = remote_model
         self._headers = {"Authorization": f"Bearer {key}"} if key else {}
         self._up = True
         self._down_reason = ""
-        self.attention_path = f"remote ({url})"
+        self.attention_path = f"remote ({self.shown_url})"
         super().__init__(model_name=name, max_model_len=max_model_len, tokenizer=tokenizer)
         self._client: httpx.AsyncClient | None = None
         asyncio.run_coroutine_threadsafe(self._make_client(), self.loop).result()
@@ -125,25 +149,27 @@ class OpenAIEngine(RemoteEngine):
     @classmethod
     def from_settings(cls, settings) -> "OpenAIEngine":
         url = settings.backend_url.rstrip("/").removesuffix("/v1")
+        shown = redact_url(url)
+        bare, auth = split_credentials(url)
         headers = {"Authorization": f"Bearer {settings.backend_key}"} if settings.backend_key else {}
         tokenizer = load_tokenizer(settings.model_id, settings.trust_remote_code)
         deadline = time.monotonic() + START_WAIT_S
         while True:
             try:
-                response = httpx.get(f"{url}/v1/models", headers=headers, timeout=CONNECT_TIMEOUT_S)
+                response = httpx.get(f"{bare}/v1/models", headers=headers, auth=auth, timeout=CONNECT_TIMEOUT_S)
                 break
             except httpx.HTTPError as exc:
                 if time.monotonic() > deadline:
-                    raise BackendError(f"the model server at {url} did not answer GET /v1/models within "
+                    raise BackendError(f"the model server at {shown} did not answer GET /v1/models within "
                                        f"{START_WAIT_S:g} s ({type(exc).__name__}); start it first, or check "
                                        "--backend-url") from exc
                 time.sleep(0.5)
         if response.status_code != 200:
-            raise BackendError(f"the model server at {url} answered GET /v1/models with {response.status_code}: "
+            raise BackendError(f"the model server at {shown} answered GET /v1/models with {response.status_code}: "
                                f"{_error_text(response.content)} (check --backend-key)")
         models = response.json().get("data") or []
         if not models:
-            raise BackendError(f"the model server at {url} lists no model at GET /v1/models")
+            raise BackendError(f"the model server at {shown} lists no model at GET /v1/models")
         card = models[0]
         context = card.get("max_model_len") or settings.max_model_len or getattr(tokenizer, "model_max_length", 0)
         if not isinstance(context, int) or not 0 < context < 10_000_000:
@@ -153,7 +179,7 @@ class OpenAIEngine(RemoteEngine):
         return cls(url, settings.backend_key, card["id"], context, tokenizer, name=card["id"])
 
     async def _make_client(self) -> None:
-        self._client = httpx.AsyncClient(headers=self._headers, timeout=httpx.Timeout(
+        self._client = httpx.AsyncClient(headers=self._headers, auth=self._auth, timeout=httpx.Timeout(
             connect=CONNECT_TIMEOUT_S, read=None, write=30.0, pool=None), limits=httpx.Limits(
             max_connections=None, max_keepalive_connections=64))
 
@@ -170,7 +196,7 @@ class OpenAIEngine(RemoteEngine):
 
     def _mark(self, up: bool, reason: str = "") -> None:
         if up != self._up:
-            log.warning("the model server at %s is %s%s", self.url, "up" if up else "down",
+            log.warning("the model server at %s is %s%s", self.shown_url, "up" if up else "down",
                         "" if up else f" ({reason})")
         self._up, self._down_reason = up, ("" if up else reason)
 
@@ -179,7 +205,7 @@ class OpenAIEngine(RemoteEngine):
         return self._up and not self._stopping
 
     def unavailable_reason(self) -> str:
-        return (f"The model server behind this app ({self.url}) is not reachable ({self._down_reason or 'down'}). "
+        return (f"The model server behind this app ({self.shown_url}) is not reachable ({self._down_reason or 'down'}). "
                 "Try again in a moment.")
 
     def stats(self) -> EngineStats:
@@ -189,7 +215,7 @@ class OpenAIEngine(RemoteEngine):
                            num_preemptions=0, prompt_tokens_total=0, generation_tokens_total=0, num_steps=0)
 
     def health_info(self) -> dict:
-        return {"backend": "openai", "backend_url": self.url, "remote_model": self.remote_model,
+        return {"backend": "openai", "backend_url": self.shown_url, "remote_model": self.remote_model,
                 "remote_reachable": self._up}
 
     # ---- one request ----------------------------------------------------------------------
@@ -207,7 +233,7 @@ class OpenAIEngine(RemoteEngine):
                                            headers=headers) as response:
                 if response.status_code != 200:
                     raise self._refusal(response.status_code, await response.aread(), response.headers)
-                yield Admitted(self.url)
+                yield Admitted(self.shown_url)
                 async for outputs in self._outputs(request_id, len(prompt_token_ids), params.n, response):
                     yield outputs
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
@@ -278,7 +304,7 @@ class OpenAIEngine(RemoteEngine):
             yield held
 
     def failure_message(self, exc: BaseException) -> str:
-        return (f"The connection to the model server ({self.url}) broke off mid-answer; it may have stopped. "
+        return (f"The connection to the model server ({self.shown_url}) broke off mid-answer; it may have stopped. "
                 "Send the request again in a moment.")
 
     def _close(self) -> None:
