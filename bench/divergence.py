@@ -7,6 +7,10 @@ position: top-1 agreement and mean KL(float32 || path), in nats. Paths: the GGUF
 float32 activations (exact up to the order of additions: the check that the comparison works),
 the same blocks with int8 activations (`--activations int8`), and the float32 weights quantized at
 load to q8_0 and to q4_0 (`--quantize q8_0|q4_0` on the de-quantized model).
+
+`--kv-cache`: the KV cache's dtypes instead (`--kv-cache-dtype`), on the float32 model: the text
+read through the engine's paged attention in prompt chunks of 256 tokens, every key and value
+stored in the cache and read back from it, float32 against bfloat16 and float16.
 """
 
 from __future__ import annotations
@@ -38,11 +42,60 @@ def log_probs(loaded, ids: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits.double(), dim=-1)
 
 
+@torch.inference_mode()
+def paged_log_probs(model, ids: torch.Tensor, kv_dtype: torch.dtype, chunk: int = 256) -> torch.Tensor:
+    """ids [1, T] -> float64 log-probabilities [T - 1, vocab], read in chunks through the paged cache."""
+    from engine.attention import ATTN_NAME, PagedKVCache, PrefillChunk, StepMetadata
+    from engine.runner.paged import kv_geometry
+
+    model.set_attn_implementation(ATTN_NAME)
+    total = ids.shape[1]
+    num_layers, num_kv_heads, head_dim = kv_geometry(model.config)
+    cache = PagedKVCache(num_layers, 1 + -(-total // 16), 16, num_kv_heads, head_dim, kv_dtype, model.device)
+    slots = torch.arange(16, 16 + total)  # blocks 1.. in order (block 0 stays the padding block)
+    rows = []
+    for start in range(0, total, chunk):
+        n = min(chunk, total - start)
+        step = StepMetadata(cache=cache, slot_mapping=slots[start:start + n], decode_token_index=None,
+                            decode_slots=None, decode_context_lens=None,
+                            prefills=[PrefillChunk(0, n, start, slots[:start + n])])
+        out = model(input_ids=ids[:, start:start + n], position_ids=torch.arange(start, start + n)[None],
+                    use_cache=False, logits_to_keep=0, rill_step=step)
+        rows.append(out.logits[0])
+    return torch.log_softmax(torch.cat(rows)[:-1].double(), dim=-1)
+
+
+def compare(label: str, weights: str, ref: torch.Tensor, test: torch.Tensor) -> None:
+    kl = (ref.exp() * (ref - test)).sum(dim=-1)  # [T - 1]
+    agree = (ref.argmax(dim=-1) == test.argmax(dim=-1)).double().mean().item()
+    print(f"| {label} | {weights} | {agree:.2%} | {kl.mean().item():.2e} | {kl.max().item():.2e} |", flush=True)
+
+
+def kv_cache_main(tokens: int) -> None:
+    """float32 against 16-bit KV caches on the float32 model (see the module docstring)."""
+    from engine.model.loading import load_model
+
+    loaded = load_model(None, quantize="none")
+    ids = loaded.tokenizer(TEXT.read_text(), return_tensors="pt").input_ids
+    ids = ids[:, :tokens] if tokens else ids
+    ref = paged_log_probs(loaded.model, ids, torch.float32)
+    print(f"{loaded.name}, {ids.shape[1]} tokens of {TEXT.name}, on {cpu_name()} ({torch.get_num_threads()} threads)")
+    print("| KV cache | weights | top-1 agreement | mean KL (nats) | max KL |")
+    print("|---|---|---|---|---|")
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        test = ref if dtype == torch.float32 else paged_log_probs(loaded.model, ids, dtype)
+        compare(str(dtype).removeprefix("torch."), loaded.weights, ref, test)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=0, help="read only this many tokens of the text (0: all)")
+    parser.add_argument("--kv-cache", action="store_true", help="compare the KV cache's dtypes instead")
     args = parser.parse_args()
     from engine.model.loading import load_model
+
+    if args.kv_cache:
+        return kv_cache_main(args.tokens)
 
     reference = load_model(None, quantize="none")
     ids = reference.tokenizer(TEXT.read_text(), return_tensors="pt").input_ids
@@ -55,11 +108,7 @@ def main() -> None:
     del reference
     for label, kwargs in PATHS:
         loaded = load_model(None, **kwargs)
-        test = log_probs(loaded, ids)
-        kl = (ref.exp() * (ref - test)).sum(dim=-1)  # [T - 1]
-        agree = (ref.argmax(dim=-1) == test.argmax(dim=-1)).double().mean().item()
-        print(f"| {label} | {loaded.weights} | {agree:.2%} | {kl.mean().item():.2e} | {kl.max().item():.2e} |",
-              flush=True)
+        compare(label, loaded.weights, ref, log_probs(loaded, ids))
         del loaded, test
 
 

@@ -20,6 +20,11 @@ from transformers import AttentionInterface
 ATTN_NAME = "rill_paged"
 
 
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype from `EngineConfig.kv_cache_dtype`: "auto" is the model's."""
+    return model_dtype if name == "auto" else getattr(torch, name)
+
+
 class PagedKVCache:
     """Keys and values of every layer, `[num_blocks * block_size, kv_heads, head_dim]` each."""
 
@@ -88,6 +93,7 @@ class StepMetadata:
     decode_kernel: object | None = None  # kernels.decode_attention.DecodeAttentionKernel (float32 CPU) or kernels.gpu.PagedDecodeKernel (CUDA)
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, width] int32, for a kernel that reads blocks
     decode_max_context: int = 0  # the longest of decode_context_lens
+    sinks_seen: bool = False  # a layer passed attention sinks (s_aux): the decode kernels cannot take them
     _masks: dict = field(default_factory=dict)  # (kind, key, window) -> bool mask, built once per step
 
     def decode_mask(self, sliding_window: int | None) -> torch.Tensor:
@@ -120,24 +126,44 @@ class StepMetadata:
         return mask
 
 
-def _attend(q, k, v, mask, scaling, softcap):
+def _attend(q, k, v, mask, scaling, softcap, sinks=None):
     # q: [B, kv_heads, Lq, D]  k, v: [B, kv_heads, Lk, D]  mask: broadcastable to [B, kv_heads, Lq, Lk]
-    if softcap is None:
+    # sinks: None, or [kv_heads, Lq, 1] one learned logit per query row that joins the softmax and is dropped
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scaling
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:  # gpt-oss: softmax over [scores, sink], the sink's share then dropped
+        scores = torch.cat([scores, sinks.to(scores.dtype).expand(scores.shape[0], -1, -1, -1)], dim=-1)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)[..., :-1]
+        return torch.matmul(probs.to(q.dtype), v)
     return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
+def _sink_rows(s_aux: torch.Tensor | None, num_kv_heads: int, rows: int) -> torch.Tensor | None:
+    """[heads] sink logits -> [kv_heads, groups * rows, 1] in the query layout of `_attend` (a KV head's
+    query group, each head's `rows` queries in turn)."""
+    if s_aux is None:
+        return None
+    groups = s_aux.shape[0] // num_kv_heads
+    return s_aux.view(num_kv_heads, groups, 1, 1).expand(num_kv_heads, groups, rows, 1).reshape(
+        num_kv_heads, groups * rows, 1)
+
+
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                    rill_step: StepMetadata | None = None, sliding_window=None, softcap=None, **kwargs):
+                    rill_step: StepMetadata | None = None, sliding_window=None, softcap=None, s_aux=None,
+                    **kwargs):
     """The attention function transformers calls per layer (see module docstring).
 
-    query: [1, heads, T, D]; key, value: [1, kv_heads, T, D]; returns ([1, T, heads, D], None).
+    query: [1, heads, T, D]; key, value: [1, kv_heads, T, D]; s_aux: None or [heads] attention sinks
+    (gpt-oss: the decode kernels have none, so their decodes take the torch path);
+    returns ([1, T, heads, D], None).
     """
     if rill_step is None:
-        raise RuntimeError("rill_paged attention needs the engine's step metadata (rill_step=...)")
+        raise RuntimeError("rill_paged attention needs the engine's step metadata (rill_step=...): the model's "
+                           f"{type(module).__name__} was called without it")
     step = rill_step
     layer = module.layer_idx
     _, num_heads, num_tokens, head_dim = query.shape
@@ -150,8 +176,10 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     v_cache.index_copy_(0, step.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
 
     out = query.new_empty(num_tokens, num_heads, head_dim)
-    kernel = step.decode_kernel
-    if step.decode_block_tables is not None:  # the GPU kernel: the paged cache read in place
+    kernel = step.decode_kernel if s_aux is None else None
+    if s_aux is not None:
+        step.sinks_seen = True
+    if step.decode_block_tables is not None and kernel is not None:  # the GPU kernel: the paged cache read in place
         kernel(query, out, k_cache, v_cache, step.decode_token_index, step.decode_block_tables,
                step.cache.block_size, step.decode_context_lens, scaling, sliding_window, softcap,
                step.decode_max_context)
@@ -167,17 +195,20 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         q = q.reshape(num_dec, num_kv_heads, groups, head_dim)
         ctx = step.decode_slots.shape[1]
         flat_slots = step.decode_slots.view(-1)
-        k = k_cache.index_select(0, flat_slots).view(num_dec, ctx, num_kv_heads, head_dim).transpose(1, 2)
-        v = v_cache.index_select(0, flat_slots).view(num_dec, ctx, num_kv_heads, head_dim).transpose(1, 2)
-        o = _attend(q, k, v, step.decode_mask(sliding_window), scaling, softcap)  # [num_dec, kv_heads, groups, D]
+        # (a 16-bit cache beside a float32 model: its keys and values read back in the query's dtype)
+        k = k_cache.index_select(0, flat_slots).to(query.dtype).view(num_dec, ctx, num_kv_heads, head_dim).transpose(1, 2)
+        v = v_cache.index_select(0, flat_slots).to(query.dtype).view(num_dec, ctx, num_kv_heads, head_dim).transpose(1, 2)
+        o = _attend(q, k, v, step.decode_mask(sliding_window), scaling, softcap,
+                    _sink_rows(s_aux, num_kv_heads, 1))  # [num_dec, kv_heads, groups, D]
         out.index_copy_(0, step.decode_token_index, o.reshape(num_dec, num_heads, head_dim))
     for i, chunk in enumerate(step.prefills):
         n, s = chunk.num_tokens, chunk.token_offset
         # q: [1, kv_heads, groups * n, D]
         q = query[:, :, s:s + n].reshape(1, num_kv_heads, groups * n, head_dim)
-        k = k_cache.index_select(0, chunk.slots).transpose(0, 1)[None]  # [1, kv_heads, ctx, D]
-        v = v_cache.index_select(0, chunk.slots).transpose(0, 1)[None]
-        o = _attend(q, k, v, step.prefill_mask(i, chunk, groups, sliding_window), scaling, softcap)
+        k = k_cache.index_select(0, chunk.slots).to(query.dtype).transpose(0, 1)[None]  # [1, kv_heads, ctx, D]
+        v = v_cache.index_select(0, chunk.slots).to(query.dtype).transpose(0, 1)[None]
+        o = _attend(q, k, v, step.prefill_mask(i, chunk, groups, sliding_window), scaling, softcap,
+                    _sink_rows(s_aux, num_kv_heads, n))
         out[s:s + n] = o.reshape(num_heads, n, head_dim).transpose(0, 1)
     return out[None], None
 

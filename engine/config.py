@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: the model's dtype
+
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
@@ -15,6 +17,7 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV cache block
     num_kv_blocks: int | None = None  # exact pool size; overrides kv_cache_memory
     kv_cache_memory: float | None = None  # bytes (> 1) or a fraction of free memory (0..1]
+    kv_cache_dtype: str = "auto"  # of the KV cache: auto (the model's) | float32 | bfloat16 | float16 (half the bytes a token)
     max_num_seqs: int = 64  # sequences running at once
     max_num_batched_tokens: int = 512  # tokens per forward (prefill chunks + decodes)
     max_queue: int = 256  # sequences waiting; beyond it add_request raises QueueFull
@@ -38,6 +41,8 @@ class EngineConfig:
         need(self.num_kv_blocks is None or self.num_kv_blocks >= 2, "num_kv_blocks must be >= 2", self.num_kv_blocks)
         need(self.kv_cache_memory is None or self.kv_cache_memory > 0,
              "kv_cache_memory must be bytes (> 1) or a fraction of free memory in (0, 1]", self.kv_cache_memory)
+        need(self.kv_cache_dtype in KV_CACHE_DTYPES, f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}",
+             self.kv_cache_dtype)
         need(self.max_num_seqs >= 1, "max_num_seqs must be >= 1", self.max_num_seqs)
         need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1", self.max_num_batched_tokens)
         need(self.max_queue >= 0, "max_queue must be >= 0", self.max_queue)

@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 
-from engine.attention import PagedKVCache
+from engine.attention import PagedKVCache, kv_cache_dtype
 from engine.config import EngineConfig
 from engine.grammar import GrammarCompiler
 from engine.kv_cache import BlockAllocator
@@ -97,7 +97,9 @@ class EngineCore:
         self.max_model_len = config.max_model_len or context_length or model_context_length(model.config)
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         num_layers, num_kv_heads, head_dim = kv_geometry(model.config)
-        per_block = PagedKVCache.bytes_per_block(num_layers, config.block_size, num_kv_heads, head_dim, model.dtype)
+        self.kv_cache_dtype = kv_cache_dtype(config.kv_cache_dtype, model.dtype)  # what the KV pool holds
+        per_block = PagedKVCache.bytes_per_block(num_layers, config.block_size, num_kv_heads, head_dim,
+                                                 self.kv_cache_dtype)
         # sized before the model's linears are packed, from what the device has free now
         self.num_kv_blocks = num_kv_blocks(config, self.max_model_len, per_block, model.device)
         self.kv_cache_bytes = self.num_kv_blocks * per_block
@@ -106,6 +108,7 @@ class EngineCore:
         self.linears = setup.linears  # a label: where the linears run (read from the model's modules)
         self.decode_attention = setup.decode_attention  # a label: where decode attention runs
         self.attention_path = self.runner.path
+        self.runner_reason = setup.runner_reason  # why the fallback runner (None: the paged path, verified at load)
         # the fallback path keeps its own cache per sequence: nothing there to share
         self.allocator = BlockAllocator(self.num_kv_blocks, config.block_size,
                                         prefix_caching=config.prefix_caching and self.attention_path == "paged")

@@ -85,6 +85,9 @@ OPTIONS: tuple[Option, ...] = (
            "KV cache blocks to allocate (overrides --kv-cache-memory)", "N"),
     Option("--kv-cache-memory", ("KV_CACHE_MEMORY",), "kv_cache_memory", "size", None,
            "KV cache size: bytes (e.g. 2GiB, 512MB) or a fraction of free memory (e.g. 0.5)", "SIZE"),
+    Option("--kv-cache-dtype", ("KV_CACHE_DTYPE",), "kv_cache_dtype", str, "auto",
+           "what the KV cache holds: auto (the model's dtype) | float32 | bfloat16 | float16 (16 bits: twice the "
+           "tokens in the same memory, slightly lossy; decode attention then runs in torch, not the C kernel)", "D"),
     Option("--max-model-len", ("MAX_MODEL_LEN",), "max_model_len", int, None,
            "context limit in tokens (default: the model's)", "N"),
     Option("--seed", ("SEED",), "seed", int, 0, "seed for requests that bring none", "N"),
@@ -199,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     for opt in OPTIONS:
         group = groups["model" if opt.dest in MODEL_OPTIONS else
                        "engine" if opt.flag in ("--max-num-seqs", "--max-queue", "--max-num-batched-tokens",
-                                                "--block-size", "--num-kv-blocks", "--kv-cache-memory",
+                                                "--block-size", "--num-kv-blocks", "--kv-cache-memory", "--kv-cache-dtype",
                                                 "--max-model-len", "--seed") else
                        "backend" if opt.flag in _BACKEND_FLAGS else "server"]
         help_text = argparse.SUPPRESS if opt.hidden else (
@@ -242,6 +245,10 @@ def parse_settings(argv: list[str] | None = None, environ: dict[str, str] | None
                       ("max_engine_restarts", 0)):
         if getattr(settings, name) < low:
             parser.error(f"--{name.replace('_', '-')} must be >= {low}. Given: {getattr(settings, name)}")
+    from engine.config import KV_CACHE_DTYPES
+
+    if settings.kv_cache_dtype not in KV_CACHE_DTYPES:
+        parser.error(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}. Given: {settings.kv_cache_dtype!r}")
     if settings.log_format not in ("text", "json"):
         parser.error(f"--log-format must be text or json. Given: {settings.log_format!r}")
     if settings.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):

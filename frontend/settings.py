@@ -23,6 +23,7 @@ class Settings:
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # KV blocks to allocate; None = from kv_cache_memory
     kv_cache_memory: str | None = None  # e.g. "2GiB"; None = the engine's default
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | float32 | bfloat16 | float16
     max_model_len: int | None = None  # context limit; None = the model's
     seed: int = 0  # engine seed (requests without their own seed)
     stall_timeout: float = 120.0  # seconds inside one engine step before the engine counts as stuck (0: never)

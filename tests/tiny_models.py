@@ -29,7 +29,8 @@ import random
 import sys
 from pathlib import Path
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3norm", "gpt2", "bloom", "gemma2")  # qwen3norm: Qwen3ForCausalLM
+ARCHS = ("llama", "mistral", "qwen2", "qwen3norm", "gpt2", "bloom", "gemma2",  # qwen3norm: Qwen3ForCausalLM
+         "gptoss", "stablelm")
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
 PAD, BOS, EOS = SPECIAL_TOKENS
 TINY_VOCAB = 1024
@@ -171,6 +172,18 @@ def _config(arch: str, vocab_size: int, ids: dict):
                                sliding_window=SLIDING_WINDOW, query_pre_attn_scalar=16,
                                attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
                                initializer_range=init, **common)
+    if arch == "gptoss":  # attention sinks, mixture of experts, sliding and full layers in turn
+        return tf.GptOssConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                               sliding_window=SLIDING_WINDOW, layer_types=["sliding_attention", "full_attention"],
+                               max_position_embeddings=CONTEXT,  # YaRN's factor: 1024 positions over 32
+                               rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0,
+                                                    beta_slow=1.0, truncate=False,
+                                                    original_max_position_embeddings=CONTEXT // 32), initializer_range=init, **common)
+    if arch == "stablelm":  # its decoder layers pass no keyword arguments to their attention: the fallback path
+        return tf.StableLmConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, max_position_embeddings=CONTEXT, initializer_range=init,
+                                 **common)
     raise ValueError(f"arch must be one of {', '.join(ARCHS)}. Given: {arch!r}")
 
 

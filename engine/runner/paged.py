@@ -129,7 +129,7 @@ class PagedRunner:
     path = "paged"
 
     def __init__(self, model, num_blocks: int, block_size: int, decode_kernel=None, native=None,
-                 native_prefill_tokens: int = 128):
+                 native_prefill_tokens: int = 128, kv_dtype: torch.dtype | None = None):
         self.model = model
         self.decode_kernel = decode_kernel  # kernels.decode_attention.DecodeAttentionKernel, kernels.gpu.PagedDecodeKernel or None (torch path)
         self.kernel_reads_blocks = getattr(decode_kernel, "reads", None) == "blocks"
@@ -144,7 +144,7 @@ class PagedRunner:
         self.device = model.device
         num_layers, num_kv_heads, head_dim = kv_geometry(model.config)
         self.cache = PagedKVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim,
-                                  model.dtype, self.device)
+                                  kv_dtype or model.dtype, self.device)  # kv_dtype: a 16-bit cache beside a float32 model
         self.block_size = block_size
         # tokens of prompt chunks (of 2 or more tokens): all, and those run by the native layers
         self.prompt_tokens = self.native_prompt_tokens = 0

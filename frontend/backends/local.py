@@ -11,7 +11,8 @@ from engine.request import SamplingParams
 def engine_config(fields: dict) -> EngineConfig:
     """The EngineConfig of the model and engine settings (frontend.backends.iter_engine_fields)."""
     return EngineConfig(block_size=fields["block_size"], num_kv_blocks=fields["num_kv_blocks"],
-                        kv_cache_memory=fields["kv_cache_memory"], max_num_seqs=fields["max_num_seqs"],
+                        kv_cache_memory=fields["kv_cache_memory"], kv_cache_dtype=fields["kv_cache_dtype"],
+                        max_num_seqs=fields["max_num_seqs"],
                         max_num_batched_tokens=fields["max_num_batched_tokens"], max_queue=fields["max_queue"],
                         max_model_len=fields["max_model_len"], seed=fields["seed"],
                         max_restarts=fields["max_engine_restarts"], stall_timeout_s=fields["stall_timeout"])
@@ -66,5 +67,7 @@ class LocalEngine(AsyncEngine):
 
     def health_info(self) -> dict:
         return {"backend": "local", "weights": self.loaded.weights, "linears": self.core.linears,
-                "decode_attention": self.core.decode_attention,
+                "decode_attention": self.core.decode_attention, "runner": self.core.attention_path,
+                "runner_reason": self.core.runner_reason,
+                "kv_cache_dtype": str(self.core.kv_cache_dtype).removeprefix("torch."),
                 "engine_restarts": self.num_restarts}
