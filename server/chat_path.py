@@ -17,7 +17,8 @@ from engine.request import Constraint, InvalidRequest, SamplingParams
 from frontend.errors import ApiError
 from frontend.admission import (Generation, admission, check_prompt_chars, compile_constraint, off_loop, request_id_from,
                                 start_generation)
-from frontend.tools import ToolCall, ToolFormat, ToolRequest, tool_format
+from frontend.tool_parsers import ToolCall
+from frontend.tools import ToolFormat, ToolRequest, tool_format
 from server.openai_choices import Reply
 from server.schemas import SamplingFields
 

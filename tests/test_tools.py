@@ -11,7 +11,8 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.model.loading import load_model
-from frontend.tools import (TOOL_FORMATS, GenericParser, HermesParser, Llama3Parser, ToolRequest, tool_format)
+from frontend.tool_parsers import GenericParser, HermesParser, Llama3Parser
+from frontend.tools import TOOL_FORMATS, ToolRequest, tool_format
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],

@@ -21,7 +21,7 @@ from engine.streamers import ReasoningPiece
 from frontend.admission import admit_text
 from frontend.errors import ApiError
 from frontend.telemetry import queue_time_of
-from frontend.tools import HermesParser, Llama3Parser
+from frontend.tool_parsers import HermesParser, Llama3Parser
 from ui.history import ChatError, check_history, fit_to_context
 from ui.markup import escape_html
 
