@@ -10,6 +10,9 @@ from pathlib import Path
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: the model's dtype
 
 
+SPECULATIVE_MODES = ("off", "ngram")  # engine/speculative.py; "draft" (a second model) is not built yet
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Every knob of the engine. Sizes are in tokens unless said otherwise."""
@@ -29,6 +32,9 @@ class EngineConfig:
     linear_kernel: bool = True  # on CPU (float32), linears in a C kernel of the same library (else oneDNN)
     native_decode: bool = True  # on CPU (float32, Llama family), decode steps in C, one call per step
     native_prefill_tokens: int = 128  # steps whose prompt tokens attend to no more positions than one prompt this long would run natively too
+    speculative: str = "off"  # off | ngram: decode steps verify tokens guessed from the request's own text (engine/speculative.py)
+    num_speculative_tokens: int = 4  # a draft's length at most
+    speculative_max_seqs: int = 4  # above this many running sequences, no drafts (the forward is no longer memory-bound)
     max_restarts: int = 3  # core rebuilds after faults within 10 minutes; one more death and it stays dead
     stall_timeout_s: float = 120.0  # the engine thread inside one step this long is stuck: not alive; 0: never
 
@@ -47,6 +53,12 @@ class EngineConfig:
         need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1", self.max_num_batched_tokens)
         need(self.max_queue >= 0, "max_queue must be >= 0", self.max_queue)
         need(self.native_prefill_tokens >= 0, "native_prefill_tokens must be >= 0", self.native_prefill_tokens)
+        need(self.speculative != "draft", "speculative decoding with a draft model (draft) is not built yet; use "
+             "ngram (drafts from the request's own tokens) or off", self.speculative)
+        need(self.speculative in SPECULATIVE_MODES, f"speculative must be one of {', '.join(SPECULATIVE_MODES)}",
+             self.speculative)
+        need(self.num_speculative_tokens >= 1, "num_speculative_tokens must be >= 1", self.num_speculative_tokens)
+        need(self.speculative_max_seqs >= 1, "speculative_max_seqs must be >= 1", self.speculative_max_seqs)
         need(self.max_restarts >= 0, "max_restarts must be >= 0", self.max_restarts)
         need(self.stall_timeout_s >= 0, "stall_timeout_s must be >= 0 (0: never)", self.stall_timeout_s)
         need(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2", self.max_model_len)

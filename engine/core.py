@@ -34,6 +34,8 @@ from engine.runner.paged import kv_geometry
 from engine.runner.step_output import StepOutput
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledChunk, Scheduler
+from engine.model.facts import eos_token_ids, model_context_length
+from engine.speculative import Speculator, merge_outputs
 
 log = logging.getLogger("rill.engine")
 
@@ -54,24 +56,8 @@ class EngineStats:
     finished_total: dict[str, int] = field(default_factory=dict)  # finish reason -> count
     prefix_cache_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hit_tokens: int = 0  # of which found there (their K/V reused, not computed)
-
-
-def model_context_length(config) -> int:
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    for name in ("max_position_embeddings", "n_positions", "seq_length", "max_seq_len"):
-        value = getattr(text, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return 2048
-
-
-def eos_token_ids(model, tokenizer) -> list[int]:
-    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if ids is None:
-        ids = tokenizer.eos_token_id
-    if ids is None:
-        return []
-    return [ids] if isinstance(ids, int) else list(ids)
+    spec_draft_tokens: int = 0  # guessed tokens verified (engine/speculative.py)
+    spec_accepted_tokens: int = 0  # of which the model agreed with (each a token without a step of its own)
 
 
 def _is_token_id(value, vocab_size: int) -> bool:
@@ -118,6 +104,9 @@ class EngineCore:
         self.output = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len, self.grammars)
         self.think_tags = self.output.think_tags
         self.sampler = Sampler(self.eos_token_ids, config.seed, self.grammars)
+        # drafts need the paged cache, whose positions past the accepted ones are simply written again
+        self.speculator = Speculator(config.num_speculative_tokens, config.speculative_max_seqs) \
+            if config.speculative == "ngram" and self.attention_path == "paged" else None
         self.seqs: dict[str, Sequence] = {}  # seq_id -> live sequence
         self.by_request: dict[str, list[Sequence]] = {}  # request_id -> its live sequences
         self.prompt_tokens_total = 0
@@ -214,6 +203,8 @@ class EngineCore:
         or in failing a request) leaves the engine's state unknown: the caller rebuilds it. So does
         a forward that fails for every sequence in MAX_FAILED_STEPS steps in a row (`ModelBroken`):
         then the model or its device is broken, not one request."""
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running, self.max_model_len)
         plan = self.scheduler.schedule()
         if not plan:
             return []
@@ -238,11 +229,16 @@ class EngineCore:
                 sampling.append(chunk)
         if sampling:
             now = time.monotonic()
-            for seq, token_id, logprob in self._sample(step, plan, sampling, outputs):
+            first_row = _first_rows(plan)  # the step's rows of each sampling chunk start there
+            plain = [c for c in sampling if not c.draft]
+            for seq, token_id, logprob in self._sample(step, [first_row[id(c)] for c in plain], plain, outputs):
                 try:
                     outputs.append(self._append_token(seq, token_id, logprob, now))
                 except Exception as exc:  # e.g. a tokenizer error: this request fails alone
                     outputs.append(self._fail(seq, "detokenizing the output of", exc))
+            for chunk in (c for c in sampling if c.draft):
+                row = first_row[id(chunk)]
+                outputs.append(self._verify(chunk, step.rows(slice(row, row + 1 + len(chunk.draft))), now))
         return outputs
 
     num_failed_steps = 0  # consecutive steps whose forward failed for every sequence
@@ -283,7 +279,7 @@ class EngineCore:
     def _advance(self, chunk: ScheduledChunk) -> None:
         """After the forward: the chunk's tokens are computed; name the blocks they filled."""
         seq = chunk.seq
-        seq.num_computed_tokens += chunk.num_tokens
+        seq.num_computed_tokens += chunk.num_tokens - len(chunk.draft)  # a draft's count once verified
         # prompt tokens this chunk computes for the first time (not cached, not recomputed)
         first_new = max(seq.num_prompt_tokens_computed, chunk.start)
         prompt_end = min(seq.num_computed_tokens, seq.num_prompt_tokens)
@@ -293,13 +289,12 @@ class EngineCore:
         seq.num_cached_blocks = self.allocator.cache_full_blocks(
             seq.token_ids, seq.block_hashes, seq.block_table, seq.num_computed_tokens, seq.num_cached_blocks)
 
-    def _sample(self, step: StepOutput, plan: list[ScheduledChunk], sampling: list[ScheduledChunk],
+    def _sample(self, step: StepOutput, index: list[int], sampling: list[ScheduledChunk],
                 outputs: list[RequestOutput]) -> list[tuple[Sequence, int, object]]:
-        """(seq, token id, logprob) of each sampling chunk still alive; a row whose logits are not
-        finite fails. When the batched sampling raises, each row samples alone."""
-        # step has one row per sampling chunk of `plan`; keep those whose chunk was not failed since
-        sampling_rows = {id(c): row for row, c in enumerate(c for c in plan if c.samples)}
-        index = [sampling_rows[id(c)] for c in sampling]
+        """(seq, token id, logprob) of each sampling chunk still alive (its row of `step`: `index`);
+        a row whose logits are not finite fails. When the batched sampling raises, each row samples alone."""
+        if not sampling:
+            return []
         if len(index) != len(step.logits):
             step = step.rows(index)
         seqs = [c.seq for c in sampling]
@@ -326,6 +321,28 @@ class EngineCore:
                     sampled.append((seq, result.token_ids[i], result.logprobs[i]))
         return sampled
 
+    def _verify(self, chunk: ScheduledChunk, step: StepOutput, now: float) -> RequestOutput:
+        """The tokens a chunk's verified draft adds (engine/speculative.py), one at a time through
+        the output state machine (the first that finishes the sequence drops the rest), in one delta."""
+        seq = chunk.seq
+        try:
+            tokens = self.speculator.verify(step, seq, chunk.draft, self.sampler)
+        except Exception as exc:
+            return self._fail(seq, "sampling the next token of", exc)
+        if tokens is None:
+            return self._finish(seq, FinishReason.ERROR,
+                                "The model produced non-finite (NaN or inf) logits for this request.", [])
+        deltas = []
+        try:
+            for token_id in tokens:
+                deltas.append(self._append_token(seq, token_id, None, now))
+                if deltas[-1].finished:
+                    return merge_outputs(deltas)
+            self.speculator.settle(seq, len(tokens) - 1, self.allocator)
+        except Exception as exc:  # e.g. a tokenizer error: this request fails alone
+            return self._fail(seq, "detokenizing the output of", exc)
+        return merge_outputs(deltas)
+
     def _append_token(self, seq: Sequence, token_id: int, logprob, now: float) -> RequestOutput:
         seq.token_ids.append(token_id)
         self.generation_tokens_total += 1
@@ -346,6 +363,8 @@ class EngineCore:
             self.scheduler.finish(seq)
         self.runner.free(seq.seq_id)
         self.sampler.forget(seq.seq_id)
+        if self.speculator is not None:
+            self.speculator.forget(seq.seq_id)
         text, thought = self.output.finish(seq, reason, text, thought)
         seq.finish_reason = reason
         seq.error = error
@@ -376,4 +395,17 @@ class EngineCore:
             finished_total=dict(self.finished_total),
             prefix_cache_queried_tokens=self.allocator.queried_tokens,
             prefix_cache_hit_tokens=self.allocator.hit_tokens,
+            spec_draft_tokens=self.speculator.draft_tokens_total if self.speculator else 0,
+            spec_accepted_tokens=self.speculator.accepted_tokens_total if self.speculator else 0,
         )
+
+
+def _first_rows(plan: list[ScheduledChunk]) -> dict[int, int]:
+    """id(chunk) -> its first row in the step's output: one row per sampling chunk, and one more
+    for each token of its draft."""
+    rows, row = {}, 0
+    for chunk in plan:
+        if chunk.samples:
+            rows[id(chunk)] = row
+            row += 1 + len(chunk.draft)
+    return rows

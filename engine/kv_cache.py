@@ -77,6 +77,15 @@ class BlockAllocator:
                     self.free_blocks.append(block)
         block_table.clear()
 
+    def shrink(self, block_table: list[int], num_tokens: int) -> None:
+        """Give back the blocks of `block_table` past the ones `num_tokens` tokens need (a rejected
+        draft's positions, engine/speculative.py); never named in the prefix cache, they are free."""
+        keep = -(-num_tokens // self.block_size)
+        if len(block_table) > keep:
+            tail = block_table[keep:]
+            del block_table[keep:]
+            self.free(tail)
+
     # ---- prefix caching ---------------------------------------------------------------------
 
     def _extend_hashes(self, token_ids: list[int], hashes: list[bytes], num_blocks: int) -> None:

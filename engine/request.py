@@ -350,6 +350,7 @@ class Sequence:
     fault: bool = False  # test hook: the next forward including this sequence raises
     grammar: object | None = None  # engine.grammar.GrammarState when params.constraint is set
     reasoning: object | None = None  # engine.reasoning.ReasoningState when params.reasoning on a thinking model
+    draft_token_ids: list[int] = field(default_factory=list)  # guessed next tokens to verify this step (engine/speculative.py)
 
     @property
     def num_output_tokens(self) -> int:

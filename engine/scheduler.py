@@ -27,12 +27,20 @@ class ScheduledChunk:
 
     seq: Sequence
     start: int
-    num_tokens: int
+    num_tokens: int  # the draft's tokens included
+    draft: tuple[int, ...] = ()  # guessed tokens after the sequence's last one, verified by this forward (engine/speculative.py)
 
     @property
     def samples(self) -> bool:
-        """This chunk reaches the end of the sequence's tokens, so a new token is sampled."""
-        return self.start + self.num_tokens == len(self.seq.token_ids)
+        """This chunk reaches the end of the sequence's tokens, so a new token is sampled (a token
+        for each of its draft's positions too)."""
+        return self.start + self.num_tokens - len(self.draft) == len(self.seq.token_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens this chunk runs: the sequence's, then the draft's."""
+        end = self.start + self.num_tokens - len(self.draft)
+        return self.seq.token_ids[self.start:end] + list(self.draft) if self.draft else self.seq.token_ids[self.start:end]
 
 
 class Scheduler:
@@ -62,6 +70,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            draft = self._draft(seq, num_new, budget)
+            num_new += len(draft)
             # Make room, preempting from the back; the sequence itself may be the victim.
             while not self.allocator.allocate(seq.block_table, seq.num_computed_tokens + num_new):
                 victim = self.running[-1]
@@ -71,7 +81,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                plan.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new))
+                plan.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new, draft))
                 scheduled.add(id(seq))
                 budget -= num_new
                 i += 1
@@ -110,6 +120,14 @@ class Scheduler:
                 in_flight.update(self._uncomputed_hashes(seq))
         self.waiting.extendleft(reversed(held))
         return plan
+
+    def _draft(self, seq: Sequence, num_new: int, budget: int) -> tuple[int, ...]:
+        """The draft a decode-ready sequence verifies this step: what fits the budget and the free
+        blocks (a draft never preempts anyone: without room it waits for a later step)."""
+        draft = seq.draft_token_ids[:budget - 1] if num_new == 1 else ()
+        if draft and not self.allocator.allocate(seq.block_table, seq.num_computed_tokens + 1 + len(draft)):
+            return ()
+        return tuple(draft)
 
     def _in_flight(self) -> set[bytes]:
         """Hashes of the full prompt blocks that running sequences are still computing. A waiting

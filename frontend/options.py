@@ -91,6 +91,15 @@ OPTIONS: tuple[Option, ...] = (
     Option("--max-model-len", ("MAX_MODEL_LEN",), "max_model_len", int, None,
            "context limit in tokens (default: the model's)", "N"),
     Option("--seed", ("SEED",), "seed", int, 0, "seed for requests that bring none", "N"),
+    Option("--speculative", ("SPECULATIVE",), "speculative", str, "off",
+           "speculative decoding: off | ngram (decode steps also verify tokens guessed from the request's own "
+           "prompt and output: faster on answers that repeat their input, the same tokens) | draft (a second "
+           "model: not built yet)", "MODE"),
+    Option("--num-speculative-tokens", ("NUM_SPECULATIVE_TOKENS",), "num_speculative_tokens", int, 4,
+           "--speculative ngram: tokens a draft guesses at most (fewer as its guesses fail)", "K"),
+    Option("--speculative-max-seqs", ("SPECULATIVE_MAX_SEQS",), "speculative_max_seqs", int, 4,
+           "--speculative ngram: no drafts while more requests than this run (the batch is no longer memory-bound)",
+           "N"),
     Option("--max-engine-restarts", ("MAX_ENGINE_RESTARTS",), "max_engine_restarts", int, 3,
            "times the engine is rebuilt in the process after an internal fault within 10 minutes; one more "
            "and the process exits with status 1 for the Space or supervisor to restart it", "N"),
@@ -203,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
         group = groups["model" if opt.dest in MODEL_OPTIONS else
                        "engine" if opt.flag in ("--max-num-seqs", "--max-queue", "--max-num-batched-tokens",
                                                 "--block-size", "--num-kv-blocks", "--kv-cache-memory", "--kv-cache-dtype",
-                                                "--max-model-len", "--seed") else
+                                                "--max-model-len", "--seed", "--speculative",
+                                                "--num-speculative-tokens", "--speculative-max-seqs") else
                        "backend" if opt.flag in _BACKEND_FLAGS else "server"]
         help_text = argparse.SUPPRESS if opt.hidden else (
             f"{opt.help} [{' or '.join(opt.env)}]" + (f" (default: {opt.default})" if opt.default not in (None, (), False) else ""))
@@ -242,13 +252,18 @@ def parse_settings(argv: list[str] | None = None, environ: dict[str, str] | None
     for name, low in (("port", 0), ("max_num_seqs", 1), ("max_queue", 0), ("max_body_bytes", 1),
                       ("default_max_new_tokens", 1), ("block_size", 1), ("max_num_batched_tokens", 1),
                       ("resume_max_streams", 1), ("resume_max_bytes", 1),
-                      ("max_engine_restarts", 0)):
+                      ("max_engine_restarts", 0), ("num_speculative_tokens", 1), ("speculative_max_seqs", 1)):
         if getattr(settings, name) < low:
             parser.error(f"--{name.replace('_', '-')} must be >= {low}. Given: {getattr(settings, name)}")
     from engine.config import KV_CACHE_DTYPES
 
     if settings.kv_cache_dtype not in KV_CACHE_DTYPES:
         parser.error(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}. Given: {settings.kv_cache_dtype!r}")
+    if settings.speculative == "draft":
+        parser.error("--speculative draft (a second, small model) is not built yet; use --speculative ngram "
+                     "(drafts from the request's own prompt and output) or off")
+    if settings.speculative not in ("off", "ngram"):
+        parser.error(f"--speculative must be off or ngram. Given: {settings.speculative!r}")
     if settings.log_format not in ("text", "json"):
         parser.error(f"--log-format must be text or json. Given: {settings.log_format!r}")
     if settings.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):

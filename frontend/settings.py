@@ -26,6 +26,9 @@ class Settings:
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | float32 | bfloat16 | float16
     max_model_len: int | None = None  # context limit; None = the model's
     seed: int = 0  # engine seed (requests without their own seed)
+    speculative: str = "off"  # off | ngram: drafts from the request's own tokens (engine/speculative.py)
+    num_speculative_tokens: int = 4  # a draft's length at most
+    speculative_max_seqs: int = 4  # no drafts while more requests than this run
     stall_timeout: float = 120.0  # seconds inside one engine step before the engine counts as stuck (0: never)
     max_engine_restarts: int = 3  # engine rebuilds after faults within 10 minutes; one more and the process exits 1
     # where the engines run (frontend/backends)

@@ -67,6 +67,8 @@ METRICS_DOC: tuple[tuple[str, str, str], ...] = (
     ("rill_engine_steps_total", "counter", "engine steps (batched forwards) run"),
     ("rill_prefix_cache_queried_tokens_total", "counter", "prompt tokens looked up in the prefix cache"),
     ("rill_prefix_cache_hit_tokens_total", "counter", "prompt tokens found in the prefix cache (K/V reused, not computed)"),
+    ("rill_spec_draft_tokens_total", "counter", "tokens guessed by speculative decoding and verified"),
+    ("rill_spec_accepted_tokens_total", "counter", "guessed tokens the model agreed with (each one a token without a step)"),
     ("rill_prompt_tokens_total", "counter", "prompt tokens of requests, by route"),
     ("rill_generation_tokens_total", "counter", "tokens generated, by route (counted as they stream)"),
     ("rill_requests_finished_total", "counter", "finished requests by route and finish_reason (stop, length, abort, error)"),
@@ -134,6 +136,8 @@ class _EngineCollector:
         yield _family("rill_engine_steps_total", stats.num_steps)
         yield _family("rill_prefix_cache_queried_tokens_total", stats.prefix_cache_queried_tokens)
         yield _family("rill_prefix_cache_hit_tokens_total", stats.prefix_cache_hit_tokens)
+        yield _family("rill_spec_draft_tokens_total", getattr(stats, "spec_draft_tokens", 0))
+        yield _family("rill_spec_accepted_tokens_total", getattr(stats, "spec_accepted_tokens", 0))
 
 
 _DOC = {name: (kind, text) for name, kind, text in METRICS_DOC}

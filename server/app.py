@@ -34,6 +34,8 @@ def _engine_stats(engine) -> dict:
         "num_preemptions": stats.num_preemptions,
         "prefix_cache_hit_tokens": stats.prefix_cache_hit_tokens,
         "prefix_cache_queried_tokens": stats.prefix_cache_queried_tokens,
+        "spec_draft_tokens": stats.spec_draft_tokens,
+        "spec_accepted_tokens": stats.spec_accepted_tokens,
         "prompt_tokens_total": stats.prompt_tokens_total,
         "generation_tokens_total": stats.generation_tokens_total,
         "finished_total": {getattr(k, "value", str(k)): v for k, v in dict(stats.finished_total).items()},

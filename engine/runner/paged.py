@@ -103,9 +103,9 @@ def flatten(plan: list[ScheduledChunk], block_size: int) -> FlatBatch:
     batch = FlatBatch([], torch.empty(0), [], [], [], [], [], [], torch.empty(0), 0, block_size)
     positions: list[int] = []
     for row, chunk in enumerate(plan):
-        seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
+        start, n = chunk.start, chunk.num_tokens
         offset = len(batch.input_ids)
-        batch.input_ids.extend(seq.token_ids[start:start + n])
+        batch.input_ids.extend(chunk.token_ids)
         positions.extend(range(start, start + n))
         batch.token_rows.extend([row] * n)
         if n == 1:
@@ -114,8 +114,8 @@ def flatten(plan: list[ScheduledChunk], block_size: int) -> FlatBatch:
             batch.decode_lens.append(start + 1)
         else:
             batch.prefills.append((offset, n, start, row))
-        if chunk.samples:
-            batch.sample_rows.append(offset + n - 1)
+        if chunk.samples:  # a draft's chunk: a row for each of its positions too
+            batch.sample_rows.extend(range(offset + n - 1 - len(chunk.draft), offset + n))
     batch.positions = torch.tensor(positions, dtype=torch.long)
     batch.width = width = max(len(c.seq.block_table) for c in plan)
     batch.tables = torch.tensor([b for c in plan for b in c.seq.block_table + [0] * (width - len(c.seq.block_table))],

@@ -15,7 +15,10 @@ def engine_config(fields: dict) -> EngineConfig:
                         max_num_seqs=fields["max_num_seqs"],
                         max_num_batched_tokens=fields["max_num_batched_tokens"], max_queue=fields["max_queue"],
                         max_model_len=fields["max_model_len"], seed=fields["seed"],
-                        max_restarts=fields["max_engine_restarts"], stall_timeout_s=fields["stall_timeout"])
+                        max_restarts=fields["max_engine_restarts"], stall_timeout_s=fields["stall_timeout"],
+                        speculative=fields.get("speculative", "off"),
+                        num_speculative_tokens=fields.get("num_speculative_tokens", 4),
+                        speculative_max_seqs=fields.get("speculative_max_seqs", 4))
 
 
 def load_engine(fields: dict, engine_class=AsyncEngine) -> AsyncEngine:
@@ -70,4 +73,13 @@ class LocalEngine(AsyncEngine):
                 "decode_attention": self.core.decode_attention, "runner": self.core.attention_path,
                 "runner_reason": self.core.runner_reason,
                 "kv_cache_dtype": str(self.core.kv_cache_dtype).removeprefix("torch."),
-                "engine_restarts": self.num_restarts}
+                "engine_restarts": self.num_restarts, "speculative": self._speculative()}
+
+    def _speculative(self) -> dict:
+        """The mode and its counts; which requests are never drafted (engine/speculative.py)."""
+        config, stats = self.core.config, self.core.stats()
+        return {"mode": config.speculative if self.core.speculator is not None else "off",
+                "num_speculative_tokens": config.num_speculative_tokens, "max_seqs": config.speculative_max_seqs,
+                "draft_tokens": stats.spec_draft_tokens, "accepted_tokens": stats.spec_accepted_tokens,
+                "not_drafted": "grammar, logprobs, repetition/presence/frequency penalties, under min_tokens, "
+                               "a thought with a token budget"}

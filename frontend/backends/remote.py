@@ -82,7 +82,7 @@ def aggregate_stats(entries: list[dict]) -> EngineStats:
     for stats in entries:
         for name in ("num_running", "num_waiting", "num_kv_blocks", "num_free_kv_blocks", "num_preemptions",
                      "prompt_tokens_total", "generation_tokens_total", "num_steps", "prefix_cache_queried_tokens",
-                     "prefix_cache_hit_tokens"):
+                     "prefix_cache_hit_tokens", "spec_draft_tokens", "spec_accepted_tokens"):
             setattr(total, name, getattr(total, name) + int(stats.get(name, 0) or 0))
         for reason, count in (stats.get("finished_total") or {}).items():
             total.finished_total[reason] = total.finished_total.get(reason, 0) + int(count)
