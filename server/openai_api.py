@@ -24,6 +24,7 @@ from server.errors import ApiError, error_body, internal_error_message
 from frontend.admission import (Generation, RequestFailed, admission, compile_constraint, check_prompt_chars, off_loop, request_id_from,
                                start_generation)
 from server.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from server.resume import slow_reader_message
 from server.sse import event_stream_response
 
 router = APIRouter(prefix="/v1")
@@ -361,7 +362,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, x_requ
             yield _error_chunk(path, exc)
         yield {"data": "[DONE]"}
 
-    return event_stream_response(events(), request_id)
+    return event_stream_response(events(), request_id, on_backlog=_slow_reader_end(path))
 
 
 @router.post("/completions")
@@ -445,7 +446,15 @@ async def completions(body: CompletionRequest, request: Request, x_request_id: s
             yield _error_chunk(path, exc)
         yield {"data": "[DONE]"}
 
-    return event_stream_response(events(), request_id)
+    return event_stream_response(events(), request_id, on_backlog=_slow_reader_end(path))
+
+
+def _slow_reader_end(path: str):
+    """What a stream cut off for its unread backlog ends with (server/sse.py): the error, then [DONE]."""
+    def end(limit: int) -> list[dict]:
+        body = error_body(path, 400, slow_reader_message(limit), code="slow_reader")
+        return [{"event": "error", "data": json.dumps(body)}, {"data": "[DONE]"}]
+    return end
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
