@@ -69,6 +69,7 @@ def _sampling_params(body: ChatBody, settings, engine) -> SamplingParams:
         constraint=body.constraint(),
         reasoning=getattr(engine, "think_tags", None) is not None,
         max_reasoning_tokens=None if body.max_reasoning_tokens is None else min(body.max_reasoning_tokens, max_tokens),
+        cache_salt=body.cache_salt,
     )
 
 

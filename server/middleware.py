@@ -5,8 +5,9 @@ size limit on every request body, the page's Gradio API included; and the page's
 Both checks answer before the body is parsed, so a refused request costs no model work. With an
 API key every route that reaches the model is closed: these routes by the `Authorization`
 header, the page and its Gradio API (the same model, through `gradio_client`) by Gradio's login,
-which takes the key as password. /health, /ready, /metrics and /docs stay open: they only read
-counters and the schema.
+which takes the key as password. /health, /ready and /docs stay open; /metrics needs the key too,
+and /health without it says only whether the server runs: the engine's counters (the prefix
+cache's hits above all) tell one client what the others sent (see the README's Operations).
 """
 
 from __future__ import annotations
@@ -20,9 +21,20 @@ _API_PREFIXES = ("/chat", "/v1")
 _TEST_HOOK_PREFIX = "/_test"
 
 
+_KEYED_PATHS = ("/metrics",)  # not the model, but what it tells about other clients' requests
+
+
 def is_api_path(path: str, test_hooks: bool = False) -> bool:
     prefixes = (*_API_PREFIXES, _TEST_HOOK_PREFIX) if test_hooks else _API_PREFIXES
-    return any(path == p or path.startswith(p + "/") for p in prefixes)
+    return path in _KEYED_PATHS or any(path == p or path.startswith(p + "/") for p in prefixes)
+
+
+def has_key(headers, api_key: str | None) -> bool:
+    """The request (a Starlette `Headers`) carries `Authorization: Bearer <api_key>`; True without a key."""
+    if api_key is None:
+        return True
+    scheme, _, token = (headers.get("authorization") or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
 
 
 async def _send_json(send, path: str, status: int, message: str, *, code: str | None = None,

@@ -77,6 +77,7 @@ def _params(body: _SamplingFields, max_tokens: int, logprobs: int | None, constr
         constraint=constraint,
         reasoning=reasoning,
         max_reasoning_tokens=None if body.max_reasoning_tokens is None else min(body.max_reasoning_tokens, max_tokens),
+        cache_salt=body.cache_salt,
     )
 
 

@@ -5,6 +5,7 @@ growing the server without end."""
 from __future__ import annotations
 
 import json
+import secrets
 import socket
 import time
 from pathlib import Path
@@ -84,3 +85,86 @@ def test_a_v1_reader_that_stops_reading_is_cut_off_with_a_slow_reader_error(serv
     assert '"code": "slow_reader"' in text, text[-2000:]
     assert text.rstrip("\r\n0").rstrip().endswith("data: [DONE]"), text[-500:]
     assert "fell more than" in text
+
+
+# --------------------------------------------------------------------------- the prefix cache is no side channel
+
+def _hits(url: str, headers: dict | None = None) -> int:
+    return httpx.get(f"{url}/health", timeout=10, headers=headers).json()["engine"]["prefix_cache_hit_tokens"]
+
+
+def _secret_prompt() -> str:
+    """A prompt nobody sent before (so only this test's requests can have cached it): over 3 blocks."""
+    return " ".join(secrets.token_hex(3) for _ in range(24)) + " is the account recovery phrase of the user."
+
+
+def _send(url: str, path: str, prompt: str, salt: str | None, headers: dict | None = None) -> None:
+    extra = {} if salt is None else {"cache_salt": salt}
+    if path == "/chat":
+        body = {"prompt": prompt, "max_new_tokens": 1, "stream": False, **extra}
+    elif path == "/v1/completions":
+        body = {"prompt": prompt, "max_tokens": 1, **extra}
+    else:
+        body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 1, **extra}
+    response = httpx.post(url + path, json=body, timeout=60, headers=headers)
+    assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize("path", ["/chat", "/v1/chat/completions", "/v1/completions"])
+def test_the_same_prompt_under_another_salt_gets_no_prefix_cache_hit(tiny_server, path):
+    url, prompt, victim, attacker = tiny_server.url, _secret_prompt(), secrets.token_hex(8), secrets.token_hex(8)
+    _send(url, path, prompt, victim)  # the victim's request: its prompt is now cached
+    deltas = {}
+    for name, guess, salt in (("attacker", prompt, attacker), ("unsalted", prompt, None),
+                              ("unsalted wrong guess", _secret_prompt(), None), ("victim", prompt, victim)):
+        before = _hits(url)
+        _send(url, path, guess, salt)
+        deltas[name] = _hits(url) - before
+    # The right guess tells nothing: no hit under another salt; unsalted, only the chat template's
+    # own blocks (shared by any unsalted prompt), as for a wrong guess.
+    assert deltas["attacker"] == 0 and deltas["unsalted"] == deltas["unsalted wrong guess"], deltas
+    assert deltas["victim"] >= deltas["unsalted"] + 32, deltas  # the same salt shares the cache as before
+
+
+def test_a_cache_salt_that_is_empty_or_too_long_is_a_400_saying_what_is_allowed(tiny_server):
+    for salt, allowed in (("", "at least 1 character"), ("s" * 257, "at most 256 characters")):
+        for path, body in (("/v1/completions", {"prompt": "Hi", "max_tokens": 1}), ("/chat", {"prompt": "Hi"})):
+            response = httpx.post(f"{tiny_server.url}{path}", timeout=30, json={**body, "cache_salt": salt})
+            assert response.status_code == 400, response.text
+            assert "`cache_salt`" in response.text and allowed in response.text, response.text
+
+
+def test_page_sessions_share_no_prefix_cache_with_cache_salt_per_session(server_with):
+    from gradio_client import Client
+
+    server = server_with("--resume-window", "5", "--cache-salt-per-session")
+    prompt = _secret_prompt()
+    control = _secret_prompt()
+    first, second = Client(server.url + "/", verbose=False), Client(server.url + "/", verbose=False)
+    first.predict(prompt, [], "", 0.0, 1.0, 0, 1, 1.0, api_name="/chat")  # the visitor's question: cached
+    before = _hits(server.url)
+    second.predict(prompt, [], "", 0.0, 1.0, 0, 1, 1.0, api_name="/chat")  # another visitor guesses it
+    other_session = _hits(server.url) - before
+    before = _hits(server.url)
+    second.predict(control, [], "", 0.0, 1.0, 0, 1, 1.0, api_name="/chat")  # ... or guesses wrong
+    wrong_guess = _hits(server.url) - before
+    before = _hits(server.url)
+    first.predict(prompt, [], "", 0.0, 1.0, 0, 1, 1.0, api_name="/chat")  # the same visitor asks again
+    same_session = _hits(server.url) - before
+    assert other_session == wrong_guess and same_session >= other_session + 32, (other_session, same_session)
+    before = _hits(server.url)
+    _send(server.url, "/v1/completions", prompt, None)  # nor can an API client match a page session
+    assert _hits(server.url) - before == 0
+
+
+def test_with_a_key_health_and_metrics_show_no_counters_to_a_caller_without_it(server_with):
+    key = "hardening-key-7f3a"
+    server = server_with("--api-key", key)
+    health = httpx.get(f"{server.url}/health", timeout=10)
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+    assert "engine" not in health.json() and "prefix_cache" not in health.text, health.text
+    metrics = httpx.get(f"{server.url}/metrics", timeout=10)
+    assert metrics.status_code == 401 and "prefix_cache" not in metrics.text, metrics.text
+    auth = {"Authorization": f"Bearer {key}"}
+    assert "prefix_cache_hit_tokens" in httpx.get(f"{server.url}/health", timeout=10, headers=auth).json()["engine"]
+    assert "rill_prefix_cache_hit_tokens_total" in httpx.get(f"{server.url}/metrics", timeout=10, headers=auth).text

@@ -1,5 +1,8 @@
 """The Gradio Blocks page: a chat tab and a status tab, plus the `/chat` API for gradio_client."""
 
+import hashlib
+import hmac
+import secrets
 import threading
 
 import gradio as gr
@@ -60,6 +63,20 @@ class VisitorStreams:
             streamer.abort()
 
 
+def _session_salts():
+    """--cache-salt-per-session: a page session's prefix-cache salt, from its session hash under a
+    secret of this process (so no API client can send the same `cache_salt` and share its blocks)."""
+    secret = secrets.token_bytes(32)
+
+    def salt(request) -> str | None:
+        session = getattr(request, "session_hash", None)
+        if not session:
+            return None
+        return "page:" + hmac.new(secret, session.encode(), hashlib.sha256).hexdigest()
+
+    return salt
+
+
 def _header(engine, model_name: str) -> str:
     return (f"## rill chat · `{model_name}`\n"
             f"Context: **{engine.max_model_len} tokens** · continuous batching on a paged KV cache · "
@@ -91,6 +108,7 @@ def build_demo(engine, settings=None, metrics: RequestMetrics | None = None) -> 
     thinks = getattr(engine, "think_tags", None) is not None  # a thinking model: its thought in its own box
     tokenizer = getattr(engine, "tokenizer", None)
     calls_format = tool_format(tokenizer).name if tokenizer is not None else None  # calls shown as tool messages
+    session_salt = _session_salts() if getattr(settings, "cache_salt_per_session", False) else (lambda request: None)
 
     def respond(history, system_prompt, temperature, top_p, top_k, max_new_tokens, repetition_penalty,
                 output_format, json_schema, thinking_budget, request: gr.Request):
@@ -107,7 +125,7 @@ def build_demo(engine, settings=None, metrics: RequestMetrics | None = None) -> 
         message = messages.pop()["content"]
         chat_settings = ChatSettings(system_prompt or "", temperature, top_p, top_k, max_new_tokens,
                                      repetition_penalty, output_format or "Text", json_schema or "", thinks,
-                                     thinking_budget or None)
+                                     thinking_budget or None, cache_salt=session_salt(request))
         fmt = calls_format if chat_settings.output_format == "Text" else None  # JSON mode: the JSON as it is
         try:
             for text, stats in stream_answer(engine, metrics, "gradio", messages, message, chat_settings,
@@ -119,7 +137,7 @@ def build_demo(engine, settings=None, metrics: RequestMetrics | None = None) -> 
     def chat(message: str, history: list[dict] | None = None, system_prompt: str = DEFAULTS.system_prompt,
              temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
              top_k: int = DEFAULTS.top_k, max_new_tokens: int = default_max_new,
-             repetition_penalty: float = DEFAULTS.repetition_penalty) -> str:
+             repetition_penalty: float = DEFAULTS.repetition_penalty, request: gr.Request = None) -> str:
         """Streams the assistant's answer to `message` (the text so far on each update).
 
         history: earlier messages, [{"role": "user" | "assistant", "content": "..."}] (oldest first).
@@ -127,7 +145,7 @@ def build_demo(engine, settings=None, metrics: RequestMetrics | None = None) -> 
         Conversations longer than the context lose their oldest turns (a warning says so).
         """
         chat_settings = ChatSettings(system_prompt or "", temperature, top_p, top_k, max_new_tokens,
-                                     repetition_penalty)
+                                     repetition_penalty, cache_salt=session_salt(request))
         try:
             messages = to_engine_messages(history, escaped=False)
             for text, _stats in stream_answer(engine, metrics, "gradio", messages, message, chat_settings,
