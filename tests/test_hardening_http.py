@@ -8,12 +8,13 @@ import json
 import secrets
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.servers import wait_idle
+from tests.servers import SSEReader, chat_text, parse_sse, slow_steps, usage_of, wait_idle
 
 STALLED_READERS = 3
 SMALL_RCVBUF = 4096  # bytes: the client's window stays tiny, so the server's sends block at once
@@ -168,3 +169,50 @@ def test_with_a_key_health_and_metrics_show_no_counters_to_a_caller_without_it(s
     auth = {"Authorization": f"Bearer {key}"}
     assert "prefix_cache_hit_tokens" in httpx.get(f"{server.url}/health", timeout=10, headers=auth).json()["engine"]
     assert "rill_prefix_cache_hit_tokens_total" in httpx.get(f"{server.url}/metrics", timeout=10, headers=auth).text
+
+
+# --------------------------------------------------------------------------- grammars never compile on the engine thread
+
+def test_a_resume_whose_grammar_the_cache_dropped_never_stalls_another_stream(server_with):
+    """The resumed request's grammar compiles again (held here until the other stream ended): it
+    must not hold the engine thread, so the other stream produces every token meanwhile."""
+    url = server_with("--resume-window", "60").url
+    with slow_steps(url, 0.05):
+        with httpx.stream("POST", f"{url}/chat", timeout=60, json={
+                "prompt": "Count", "regex": "(yes|no)( (yes|no)){0,60}", "max_new_tokens": 40,
+                "temperature": 0}) as response:
+            assert response.status_code == 200, response.read()
+            request_id, token = response.headers["x-request-id"], response.headers["x-resume-token"]
+            first = []
+            for event in SSEReader(response):
+                first.append(event)
+                if len(first) == 2:
+                    break  # the reader leaves: the stream is suspended (for the window: 60 s)
+    held = httpx.post(f"{url}/_test/hold-compiles", params={"on": 1}, timeout=10)
+    assert held.status_code == 200, held.text
+    with slow_steps(url, 0.02):  # the other stream outlasts the resume's way to the engine (its compile: < 10 s)
+        try:
+            with httpx.stream("POST", f"{url}/chat", timeout=30, json={
+                    "prompt": "Tell me a story", "max_new_tokens": 30, "ignore_eos": True,
+                    "temperature": 0}) as other:
+                reader = iter(SSEReader(other))
+                events = [next(reader)]  # the other stream runs
+                with ThreadPoolExecutor(1) as pool:
+                    resumed = pool.submit(httpx.get, f"{url}/chat/{request_id}", timeout=60, headers={
+                        "Last-Event-ID": first[-1].id, "x-resume-token": token})
+                    try:
+                        events.extend(reader)  # the other stream's every token, while the grammar is held
+                    finally:
+                        released = httpx.post(f"{url}/_test/hold-compiles", params={"on": 0}, timeout=10).json()
+                    rest = resumed.result()
+        finally:
+            httpx.post(f"{url}/_test/hold-compiles", params={"on": 0}, timeout=10)
+    assert usage_of(events)["completion_tokens"] == 30
+    # The other stream ended while the grammar was still held: nothing waited for it. (A compile on the
+    # engine thread stalls the other stream until the hold runs out and the compile goes on.)
+    assert released["timed_out"] == 0, released
+    assert rest.status_code == 200, rest.text
+    rest_events = parse_sse(rest.content)
+    assert usage_of(rest_events)["finish_reason"] in ("stop", "length"), rest.text[-500:]
+    words = chat_text(first + rest_events).split()
+    assert all(word in ("yes", "no") for word in words[:-1]), words  # the grammar held across the resume
