@@ -418,7 +418,7 @@ def build_app(engine, settings: Settings):
     import gradio as gr
 
     from server import create_app
-    from server.middleware import page_login
+    from server.middleware import guard_gradio, page_login
 
     app = create_app(engine, settings)
     demo = build_demo(engine, settings, metrics=getattr(app.state, "metrics", None))
@@ -431,7 +431,9 @@ def build_app(engine, settings: Settings):
     # With an API key the page is closed too: its Gradio API reaches the same model as /chat.
     app = gr.mount_gradio_app(app, demo, path="/", auth=page_login(settings.api_key, settings.ui_auth),
                               auth_message=_LOGIN_MESSAGE if settings.api_key else None, server_name=settings.host,
-                              server_port=settings.port, footer_links=["api"], ssr_mode=False, **mount_kwargs)
+                              server_port=settings.port, footer_links=["api"], ssr_mode=False,
+                              show_error=False, max_file_size=settings.max_body_bytes, **mount_kwargs)
+    guard_gradio(app)  # Gradio's login on the session routes it leaves open (heartbeat, cancel, ...)
     _slow_queue_polling(demo)
     return app
 

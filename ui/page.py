@@ -154,7 +154,8 @@ def build_demo(engine, settings=None, metrics: RequestMetrics | None = None) -> 
         except ChatError as exc:
             raise gr.Error(str(exc)) from None
 
-    with gr.Blocks(title=f"rill · {model_name}", fill_height=False) as demo:
+    # delete_cache: files in Gradio's cache (uploads) older than an hour are deleted every hour
+    with gr.Blocks(title=f"rill · {model_name}", fill_height=False, delete_cache=(3600, 3600)) as demo:
         gr.Markdown(_header(engine, model_name), elem_id="rill-header")
         with gr.Tabs():
             with gr.Tab("Chat", id="chat") as chat_tab:
