@@ -56,7 +56,7 @@ HEAVY = {"stream": True, "n": 16, "logprobs": True, "top_logprobs": 20, "ignore_
 
 @pytest.mark.parametrize("path, body", [
     ("/v1/chat/completions", {**HEAVY, "messages": [{"role": "user", "content": "Hi"}]}),
-    ("/v1/completions", {**{k: v for k, v in HEAVY.items() if k != "top_logprobs"}, "logprobs": 5,
+    ("/v1/completions", {**{k: v for k, v in HEAVY.items() if k != "top_logprobs"}, "logprobs": 20,
                          "prompt": "Once upon a time"}),
 ])
 def test_a_v1_reader_that_stops_reading_is_cut_off_with_a_slow_reader_error(server_with, path, body):
