@@ -37,14 +37,16 @@ def build_app(engine, settings: Settings):
 
     import ui
     from server import create_app
-    from server.middleware import page_login
+    from server.middleware import guard_gradio, page_login
 
     app = create_app(engine, settings)
     demo = ui.build_demo(engine, settings, metrics=getattr(app.state, "metrics", None))  # queue set up there
     # With an API key the page is closed too: its Gradio API reaches the same model as /chat.
     app = gr.mount_gradio_app(app, demo, path="/", auth=page_login(settings.api_key, settings.ui_auth),
                               auth_message=_LOGIN_MESSAGE if settings.api_key else None, server_name=settings.host,
-                              server_port=settings.port, footer_links=["api"], ssr_mode=False, **ui.MOUNT_KWARGS)
+                              server_port=settings.port, footer_links=["api"], ssr_mode=False,
+                              show_error=False, max_file_size=settings.max_body_bytes, **ui.MOUNT_KWARGS)
+    guard_gradio(app)  # Gradio's login on the session routes it leaves open (heartbeat, cancel, ...)
     ui.slow_queue_polling(demo)
     return app
 

@@ -69,11 +69,13 @@ class AsyncEngine:
         self.max_model_len = self.core.max_model_len
         self.attention_path = self.core.attention_path
         self.grammars = self.core.grammars  # compiles constraints off the engine thread (engine/grammar.py)
+        self.grammars.waits = False  # the engine thread never waits for one (see `_admit`)
         self.think_tags = self.core.think_tags  # None unless the model thinks between <think> tags
         self._commands: deque = deque()  # callables run by the engine thread before its next step
         self._wakeup = threading.Event()
         self._lock = threading.Lock()
         self._sinks: dict[str, OutputSink] = {}  # request_id -> where its outputs go
+        self._compiling: set[str] = set()  # admitted, added to the core once their constraint compiled
         self._num_admitted = 0  # sequences added and not finished (running + waiting + pending)
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -153,6 +155,10 @@ class AsyncEngine:
         sink = sink_factory(request_id)  # before anything is counted: it may raise
         capacity = self.config.max_num_seqs + self.config.max_queue
         prior = list(prior_output_ids)
+        # A constraint the route did not compile first (the Ray replica, a resume after the cache dropped
+        # it): compiled in the compiler's workers, the request added to the core once it is; the engine
+        # thread never waits for a grammar. QueueFull (429) when too many compile.
+        compiled = self.grammars.submit(params.constraint) if params.constraint is not None else None
         with self._lock:  # the death of the engine takes this lock: no sink is registered after it
             if (error := self._not_running()) is not None:
                 raise error
@@ -163,12 +169,41 @@ class AsyncEngine:
                                 f"{self.config.max_queue} waiting). Retry in a moment.")
             self._num_admitted += params.n
             self._sinks[request_id] = sink
-            self._commands.append(lambda: self._add(request_id, list(prompt_token_ids), params, prior))
+            add = lambda: self._add(request_id, list(prompt_token_ids), params, prior)  # noqa: E731
+            if compiled is None or compiled.done():
+                self._commands.append(add)
+            else:
+                self._compiling.add(request_id)
+        if compiled is not None and request_id in self._compiling:
+            compiled.add_done_callback(lambda _: self._compiled(request_id, add))
         self._wakeup.set()
         return sink
 
+    def _compiled(self, request_id: str, add) -> None:
+        """A compiler worker: the constraint of a waiting request is compiled (or failed: the core's add
+        then ends it with the reason); unless it was aborted or the engine died meanwhile, add it."""
+        with self._lock:
+            if request_id not in self._compiling:
+                return
+            self._compiling.discard(request_id)
+            self._commands.append(add)
+        self._wakeup.set()
+
     def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prior: list[int]) -> None:
         """Engine thread: a request the core refuses ends for its consumer with the reason."""
+        if params.constraint is not None and not self.grammars.cached(params.constraint):
+            # compiled, then dropped from the cache before its turn came: compile it again, off this thread
+            try:
+                compiled = self.grammars.submit(params.constraint)
+            except QueueFull as exc:
+                return self._dispatch([RequestOutput(request_id, index, [], "", finished=True,
+                                                     finish_reason=FinishReason.ERROR, error=str(exc))
+                                       for index in range(params.n)])
+            with self._lock:
+                self._compiling.add(request_id)
+            compiled.add_done_callback(
+                lambda _: self._compiled(request_id, lambda: self._add(request_id, prompt_token_ids, params, prior)))
+            return None
         try:
             self.core.add_request(request_id, prompt_token_ids, params, prior)
         except Exception as exc:
@@ -208,7 +243,14 @@ class AsyncEngine:
         with self._lock:
             if request_id not in self._sinks:
                 return False
-            self._commands.append(lambda: self._dispatch(self.core.abort(request_id)))
+            if request_id in self._compiling:  # not in the core yet: it ends here, and is never added
+                self._compiling.discard(request_id)
+                indices = sorted(self._sinks[request_id].unfinished)
+                self._commands.append(lambda: self._dispatch([
+                    RequestOutput(request_id, index, [], "", finished=True, finish_reason=FinishReason.ABORT)
+                    for index in indices]))
+            else:
+                self._commands.append(lambda: self._dispatch(self.core.abort(request_id)))
         self._wakeup.set()
         return True
 
@@ -314,6 +356,7 @@ class AsyncEngine:
             self.dead = exc
             sinks = list(self._sinks.items())
             self._sinks.clear()
+            self._compiling.clear()
             self._commands.clear()  # adds and aborts of the requests ended here
             self._num_admitted = 0
         error = ("The engine stopped after an internal error and could not finish this "

@@ -287,7 +287,8 @@ class EngineCore:
             self.prompt_tokens_total += prompt_end - first_new
         seq.num_prompt_tokens_computed = max(seq.num_prompt_tokens_computed, prompt_end)
         seq.num_cached_blocks = self.allocator.cache_full_blocks(
-            seq.token_ids, seq.block_hashes, seq.block_table, seq.num_computed_tokens, seq.num_cached_blocks)
+            seq.token_ids, seq.block_hashes, seq.block_table, seq.num_computed_tokens, seq.num_cached_blocks,
+            seq.params.cache_salt)
 
     def _sample(self, step: StepOutput, index: list[int], sampling: list[ScheduledChunk],
                 outputs: list[RequestOutput]) -> list[tuple[Sequence, int, object]]:

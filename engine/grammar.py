@@ -15,6 +15,8 @@ Numpy, no torch.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
+import os
 import threading
 from collections import OrderedDict
 
@@ -22,8 +24,28 @@ import numpy as np
 
 from engine.request import Constraint, InvalidRequest, QueueFull
 
+log = logging.getLogger("rill.engine")
+
+
+def compile_workers(cpus: int | None = None) -> int:
+    """Grammars compiling at once: one per two cores, at least one (on a 2-core CPU Space two busy
+    compiles would take both cores from decoding; more compiles wait in line)."""
+    cpus = cpus if cpus is not None else len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+        os.cpu_count() or 1)
+    return max(1, min(2, cpus // 2))
+
+
+def _lower_priority() -> None:
+    """A compile worker's initializer: on Linux a thread has its own niceness (setpriority on its
+    thread id), so the grammar it compiles (llguidance works outside the GIL) yields the cores to
+    the engine's decoding whenever both want them; elsewhere the worker runs at normal priority."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICE)
+    except (AttributeError, OSError) as exc:  # not Linux, or not allowed: the one-worker bound still holds
+        log.debug("grammar compiles keep their priority: %s", exc)
+
 COMPILE_TIMEOUT_S = 10.0  # a compile still running after this is a 400 (llguidance's limits end it soon after)
-COMPILE_WORKERS = 2  # grammars compiling at once; more wait in line
+COMPILE_NICE = 10  # the compile threads' niceness (Linux): a compiling grammar takes CPU decoding leaves idle
 MAX_PENDING_COMPILES = 32  # compiles running or waiting; beyond it a request is refused (QueueFull: 429)
 CACHE_SIZE = 128  # compiled constraints kept (least recently used dropped first)
 MAX_ERROR_CHARS = 600  # of llguidance's message, in the 400
@@ -85,7 +107,7 @@ class GrammarCompiler:
     """
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int], timeout_s: float = COMPILE_TIMEOUT_S,
-                 cache_size: int = CACHE_SIZE, workers: int = COMPILE_WORKERS):
+                 cache_size: int = CACHE_SIZE, workers: int | None = None):
         self.hf_tokenizer = tokenizer
         self.vocab_size = vocab_size  # the logits' width: the model's vocabulary, maybe more than the tokenizer's
         self.eos_token_ids = list(eos_token_ids)
@@ -95,7 +117,9 @@ class GrammarCompiler:
         self._tokenizer_lock = threading.Lock()  # the one build of llguidance's tokenizer (a second)
         self._cache: OrderedDict[Constraint, object] = OrderedDict()  # constraint -> LLMatcher template or error str
         self._pending: dict[Constraint, concurrent.futures.Future] = {}
-        self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="rill-grammar")
+        self.waits = True  # `matcher` may wait for a compile; False on the engine thread's (it never waits)
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers or compile_workers(), thread_name_prefix="rill-grammar",
+                                                           initializer=_lower_priority)
         self._ll_tokenizer = None
         self._executor = None
 
@@ -185,10 +209,19 @@ class GrammarCompiler:
                                  constraint.param)
         return result
 
+    def cached(self, constraint: Constraint) -> bool:
+        """Compiled (or refused) and in the cache: `matcher` answers at once."""
+        with self._lock:
+            return constraint in self._cache
+
     def matcher(self, constraint: Constraint):
-        """A fresh matcher at the start of `constraint` (the engine thread: cached after `compile`;
-        otherwise compiled now, as `LLM` does in its caller's thread)."""
-        return self._check(constraint, self.submit(constraint), None).deep_copy()
+        """A fresh matcher at the start of `constraint`: cached after `compile`; otherwise compiled now
+        (`LLM`, in its caller's thread), or, where `waits` is off (the engine thread), refused."""
+        future = self.submit(constraint)
+        if not self.waits and not future.done():
+            raise InvalidRequest(f"The {constraint.label} was not compiled before it reached the engine; "
+                                 "send the request again.", constraint.param)
+        return self._check(constraint, future, None).deep_copy()
 
     def executor(self):
         if self._executor is None:

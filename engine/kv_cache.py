@@ -10,6 +10,10 @@ system prompt, the earlier turns of a chat, a resumed stream) can share the bloc
 them. Blocks are reference-counted; a cached block that nobody uses any more stays cached
 and counts as free, and is only reused for other tokens (evicted, least recently freed first)
 when no never-cached block is left.
+
+A request's `cache_salt` seeds its chain: requests with different salts never share a block,
+so one client cannot learn from the hit counters (or the time to first token) whether another
+client's prompt is cached. Requests without a salt share with each other only.
 """
 
 from __future__ import annotations
@@ -88,21 +92,24 @@ class BlockAllocator:
 
     # ---- prefix caching ---------------------------------------------------------------------
 
-    def _extend_hashes(self, token_ids: list[int], hashes: list[bytes], num_blocks: int) -> None:
-        """Append to `hashes` the chain hashes of full blocks len(hashes)..num_blocks-1."""
+    def _extend_hashes(self, token_ids: list[int], hashes: list[bytes], num_blocks: int,
+                       salt: str | None = None) -> None:
+        """Append to `hashes` the chain hashes of full blocks len(hashes)..num_blocks-1 (the first
+        one chained to the salt's own digest when there is a salt)."""
         bs = self.block_size
         for i in range(len(hashes), num_blocks):
-            previous = hashes[-1] if hashes else b""
+            previous = hashes[-1] if hashes else _salt_digest(salt)
             tokens = array("q", token_ids[i * bs:(i + 1) * bs]).tobytes()
             hashes.append(hashlib.blake2b(previous + tokens, digest_size=16).digest())
 
-    def match_prefix(self, token_ids: list[int], hashes: list[bytes], block_table: list[int]) -> int:
+    def match_prefix(self, token_ids: list[int], hashes: list[bytes], block_table: list[int],
+                     salt: str | None = None) -> int:
         """Put the cached blocks of the longest cached prefix into an empty `block_table`; returns
         how many tokens they hold. The last token is always left to compute (its logits are needed)."""
         if not self.prefix_caching or block_table:
             return 0
         max_blocks = (len(token_ids) - 1) // self.block_size
-        self._extend_hashes(token_ids, hashes, max_blocks)
+        self._extend_hashes(token_ids, hashes, max_blocks, salt)
         for h in hashes[:max_blocks]:
             block = self.cached.get(h)
             if block is None:
@@ -120,16 +127,24 @@ class BlockAllocator:
             self.hit_tokens += num_matched
 
     def cache_full_blocks(self, token_ids: list[int], hashes: list[bytes], block_table: list[int],
-                          num_computed: int, num_cached: int) -> int:
+                          num_computed: int, num_cached: int, salt: str | None = None) -> int:
         """Name the blocks that `num_computed` tokens fill, from block `num_cached` on, so later
         sequences can share them; returns the new number of named blocks of this sequence."""
         full = min(num_computed // self.block_size, len(block_table))
         if not self.prefix_caching or full <= num_cached:
             return num_cached
-        self._extend_hashes(token_ids, hashes, full)
+        self._extend_hashes(token_ids, hashes, full, salt)
         for i in range(num_cached, full):
             block, h = block_table[i], hashes[i]
             if block not in self.block_hash and h not in self.cached:  # else shared already, or a twin is
                 self.block_hash[block] = h
                 self.cached[h] = block
         return full
+
+
+def _salt_digest(salt: str | None) -> bytes:
+    """What a sequence's first block hash is chained to: nothing, or a digest of its salt (16 bytes,
+    like a block hash, under a prefix no block's input has)."""
+    if salt is None:
+        return b""
+    return hashlib.blake2b(b"rill-cache-salt\0" + salt.encode("utf-8"), digest_size=16).digest()

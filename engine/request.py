@@ -33,6 +33,7 @@ MAX_STOP_TOKEN_IDS = 1024  # ids in one request's stop_token_ids (vLLM's users s
 
 def stop_token_ids_message(given: int) -> str:
     return f"`stop_token_ids` may hold at most {MAX_STOP_TOKEN_IDS} token ids; {given} given"
+MAX_CACHE_SALT_CHARS = 256  # a request's prefix-cache salt
 MAX_SEED = 2**63 - 1  # seeds are 64-bit signed integers (a sample's generator gets seed + index)
 MIN_SEED = -(2**63)
 MAX_TEMPERATURE = 100.0
@@ -180,6 +181,7 @@ class SamplingParams:
     constraint: Constraint | None = None  # the answer must match it (engine/grammar.py); it decides the end
     reasoning: bool = False  # split the model's thought (between its think tags) into RequestOutput.reasoning
     max_reasoning_tokens: int | None = None  # with reasoning: past this many thought tokens the end tag is forced
+    cache_salt: str | None = None  # prefix-cache blocks are shared only between requests with the same salt
 
     def __post_init__(self):
         stop, stop_ids = self.stop, self.stop_token_ids
@@ -222,6 +224,10 @@ class SamplingParams:
         _check(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"an integer between 1 and {MAX_N}", self.n)
         _check(isinstance(self.skip_special_tokens, bool), "skip_special_tokens", "true or false",
                self.skip_special_tokens)
+        _check(self.cache_salt is None or (isinstance(self.cache_salt, str) and 0 < len(self.cache_salt)
+                                           <= MAX_CACHE_SALT_CHARS),
+               "cache_salt", f"null or a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters",
+               self.cache_salt if not isinstance(self.cache_salt, str) else f"{len(self.cache_salt)} characters")
         _check(self.constraint is None or isinstance(self.constraint, Constraint), "constraint",
                "null or a Constraint (JSON schema, JSON object, regex or Lark grammar)", self.constraint)
         _check(isinstance(self.reasoning, bool), "reasoning", "true or false", self.reasoning)

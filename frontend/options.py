@@ -59,6 +59,9 @@ OPTIONS: tuple[Option, ...] = (
            "larger request bodies get 413", "N"),
     Option("--request-timeout", ("REQUEST_TIMEOUT",), "request_timeout", float, 0.0,
            "seconds a request may wait plus generate before it is stopped with an error (0 = no limit)", "S"),
+    Option("--cache-salt-per-session", ("CACHE_SALT_PER_SESSION",), "cache_salt_per_session", "bool", False,
+           "salt the prefix cache per page session: one visitor's prompts never reuse (nor reveal) another's "
+           "cached blocks; API clients salt theirs with the body field `cache_salt`"),
     Option("--resume-window", ("RESUME_WINDOW",), "resume_window", float, 30.0,
            "seconds a disconnected /chat stream keeps generating and stays resumable at GET /chat/{id} "
            "(0 = abort at once)", "S"),

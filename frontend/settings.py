@@ -47,6 +47,7 @@ class Settings:
     cors_origins: tuple[str, ...] = ()  # CORS off unless origins are given
     max_body_bytes: int = 1_000_000  # bigger request bodies get 413
     request_timeout: float = 0.0  # seconds a request may wait and run in all; 0 = no limit
+    cache_salt_per_session: bool = False  # the page's requests share prefix-cache blocks within a session only
     resume_window: float = 30.0  # seconds a disconnected /chat stream stays resumable; 0 = abort at once
     resume_max_streams: int = 1024  # resumable /chat streams kept at most (oldest finished dropped first)
     resume_max_bytes: int = 64 * 2**20  # memory those streams may hold at most (events, tokens)

@@ -22,7 +22,7 @@ from engine.request import FinishReason
 from frontend.admission import RequestFailed
 from server.chat import run_while_connected
 from server.chat_path import Block, ChatJob, ReplyBlocks, check_model, encode_job, route_start, start_chat
-from server.errors import BODY_FIELDS, error_body, internal_error_message
+from server.errors import BODY_FIELDS, error_body, internal_error_message, slow_reader_end
 from server.anthropic_schemas import CountTokensRequest, MessagesRequest
 from server.sse import event_stream_response
 
@@ -148,7 +148,7 @@ async def create_message(body: MessagesRequest, request: Request, x_request_id: 
                             usage={"output_tokens": blocks.num_output_tokens})
         yield builder.event("message_stop")
 
-    return event_stream_response(events(), request_id)
+    return event_stream_response(events(), request_id, on_backlog=slow_reader_end(request.url.path, done=False))
 
 
 @router.post("/messages/count_tokens")

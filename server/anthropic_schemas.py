@@ -8,9 +8,9 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from engine.request import Constraint
+from engine.request import MAX_CACHE_SALT_CHARS, Constraint
 from frontend.tools import ToolRequest
-from server.schemas import MAX_TOOLS, SamplingFields, _stop_list, check_tool_choice
+from server.schemas import CACHE_SALT_DOC, MAX_TOOLS, SamplingFields, _stop_list, check_tool_choice
 
 MAX_MESSAGES = 2048
 
@@ -205,6 +205,7 @@ class MessagesRequest(CountTokensRequest):
     temperature: float | None = Field(None, ge=0, le=1)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0)
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS, description=CACHE_SALT_DOC)
     metadata: dict[str, Any] | None = None
     # accepted and ignored (the SDK's fields about Anthropic's own service)
     service_tier: str | None = None
@@ -224,4 +225,4 @@ class MessagesRequest(CountTokensRequest):
     def sampling(self) -> SamplingFields:
         budget = self.thinking.budget_tokens if self.thinking and self.thinking.type == "enabled" else None
         return SamplingFields(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              stop=self.stop_sequences, max_reasoning_tokens=budget)
+                              stop=self.stop_sequences, max_reasoning_tokens=budget, cache_salt=self.cache_salt)

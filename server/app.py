@@ -6,13 +6,13 @@ import asyncio
 import logging
 import time
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 
 from server import anthropic_api, chat, openai_api, responses_api
 from server.errors import ApiError, install_error_handlers
-from server.middleware import ApiGuard
+from server.middleware import ApiGuard, has_key
 from server.resume import ResumeRegistry
 from frontend.settings import Settings
 
@@ -84,11 +84,14 @@ def create_app(engine, settings: Settings) -> FastAPI:
     app.include_router(anthropic_api.router)
 
     @app.get("/health", summary="200 while the engine runs, 503 once it died")
-    async def health():
+    async def health(request: Request):
         alive = bool(engine.alive)
         body = {"status": "ok" if alive else "engine stopped", "model": engine.model_name,
-                "max_model_len": engine.max_model_len, "engine": _engine_stats(engine),
-                "resumable_streams": len(state.resume), "resumable_bytes": state.resume.nbytes}
+                "max_model_len": engine.max_model_len}
+        if not has_key(request.headers, settings.api_key):  # no counters: they tell what other clients sent
+            return JSONResponse(body, status_code=200 if alive else 503)
+        body.update({"engine": _engine_stats(engine), "resumable_streams": len(state.resume),
+                     "resumable_bytes": state.resume.nbytes})
         body.update(_backend_health(engine))
         if not alive and hasattr(engine, "unavailable_reason"):
             body["reason"] = engine.unavailable_reason()

@@ -69,6 +69,7 @@ def _sampling_params(body: ChatBody, settings, engine) -> SamplingParams:
         constraint=body.constraint(),
         reasoning=getattr(engine, "think_tags", None) is not None,
         max_reasoning_tokens=None if body.max_reasoning_tokens is None else min(body.max_reasoning_tokens, max_tokens),
+        cache_salt=body.cache_salt,
     )
 
 
@@ -123,6 +124,8 @@ async def _continue(request: Request, record: ResumableStream) -> None:
     """A reader came back to a suspended stream: continue its generation from the last token."""
     if record.suspending and record.pump is not None:
         await asyncio.shield(record.pump)  # the abort lands within one engine step
+    if record.suspended and not record.expired:  # compiled again if the cache dropped it: 400 before admission
+        await compile_constraint(request.app.state.engine, record.params)
     if not record.suspended or record.expired:
         return
     record.suspended = False  # before any await: a second reader must not continue it twice

@@ -24,7 +24,8 @@ from server.schemas import SamplingFields
 
 
 def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None, constraint=None,
-            reasoning: bool = False) -> SamplingParams:
+                    reasoning: bool = False) -> SamplingParams:
+    """The engine's parameters of an OpenAI-style body (unset fields at OpenAI's defaults)."""
     return SamplingParams(
         max_tokens=max_tokens,
         min_tokens=min(body.min_tokens, max_tokens),
@@ -44,6 +45,7 @@ def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None,
         constraint=constraint,
         reasoning=reasoning,
         max_reasoning_tokens=None if body.max_reasoning_tokens is None else min(body.max_reasoning_tokens, max_tokens),
+        cache_salt=body.cache_salt,
     )
 
 

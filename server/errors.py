@@ -9,6 +9,7 @@ exception text, no traceback, no path ever reaches a client.
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 from typing import Any
@@ -20,6 +21,7 @@ from starlette.responses import JSONResponse
 
 from engine.request import InvalidRequest
 from frontend.errors import ApiError
+from server.resume import slow_reader_message
 
 _OPENAI_TYPES = {
     400: "invalid_request_error",
@@ -189,3 +191,13 @@ def install_error_handlers(app: FastAPI) -> None:
         reference = log_internal_error(f"unhandled error on {request.method} {request.url.path}", exc)
         count_error(request.app, request.url.path, 500)
         return error_response(request.url.path, 500, internal_error_message(reference), code="internal_error")
+
+
+def slow_reader_end(path: str, done: bool):
+    """What a stream cut off for its unread backlog ends with (server/sse.py): an `error` event in
+    the route's shape, then `[DONE]` where the API ends its streams with it (OpenAI's chat and
+    completions; not the Responses or Anthropic streams)."""
+    def end(limit: int) -> list[dict]:
+        body = error_body(path, 400, slow_reader_message(limit), code="slow_reader")
+        return [{"event": "error", "data": json.dumps(body)}] + ([{"data": "[DONE]"}] if done else [])
+    return end

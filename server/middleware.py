@@ -1,12 +1,14 @@
 """ASGI middleware: the API key on the API routes (`/chat...`, `/v1/...`, and `/_test/...` when the
 test hooks exist: without them those paths are not routes, and answer 404 like any unknown path), the body
-size limit on every request body, the page's Gradio API included; and the page's login (`page_login`), which app.py gives Gradio.
+size limit on every request body, the page's Gradio API included; and the page's login (`page_login`), which app.py gives Gradio,
+put by `PageLoginGuard` on every `/gradio_api/` route (Gradio leaves some that act on a session open).
 
 Both checks answer before the body is parsed, so a refused request costs no model work. With an
 API key every route that reaches the model is closed: these routes by the `Authorization`
 header, the page and its Gradio API (the same model, through `gradio_client`) by Gradio's login,
-which takes the key as password. /health, /ready, /metrics and /docs stay open: they only read
-counters and the schema.
+which takes the key as password. /health, /ready and /docs stay open; /metrics needs the key too,
+and /health without it says only whether the server runs: the engine's counters (the prefix
+cache's hits above all) tell one client what the others sent (see the README's Operations).
 """
 
 from __future__ import annotations
@@ -20,9 +22,20 @@ _API_PREFIXES = ("/chat", "/v1")
 _TEST_HOOK_PREFIX = "/_test"
 
 
+_KEYED_PATHS = ("/metrics",)  # not the model, but what it tells about other clients' requests
+
+
 def is_api_path(path: str, test_hooks: bool = False) -> bool:
     prefixes = (*_API_PREFIXES, _TEST_HOOK_PREFIX) if test_hooks else _API_PREFIXES
-    return any(path == p or path.startswith(p + "/") for p in prefixes)
+    return path in _KEYED_PATHS or any(path == p or path.startswith(p + "/") for p in prefixes)
+
+
+def has_key(headers, api_key: str | None) -> bool:
+    """The request (a Starlette `Headers`) carries `Authorization: Bearer <api_key>`; True without a key."""
+    if api_key is None:
+        return True
+    scheme, _, token = (headers.get("authorization") or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
 
 
 async def _send_json(send, path: str, status: int, message: str, *, code: str | None = None,
@@ -120,3 +133,57 @@ class ApiGuard:
     def _too_big(self, size) -> str:
         return (f"The request body is too large: at most {self.max_body_bytes} bytes are allowed "
                 f"(--max-body-bytes). Given: {size} bytes.")
+_GRADIO_API = "/gradio_api/"
+_GRADIO_OPEN = ("login_check", "token", "app_id", "user", "theme.css")  # what the login form itself needs
+
+
+class PageLoginGuard:
+    """Gradio's login on every `/gradio_api/...` route, for a page that has one (--api-key, --ui-auth).
+
+    Gradio checks its login on the routes that run the app (`/config`, `/gradio_api/queue/join`,
+    `call`, `info`, `upload`, `file=`) but not on some that act on a session named by its hash:
+    `heartbeat/<session>` (closing it unloads the session: its answers are aborted), `cancel`
+    (cancels a session's job), `stream/<event>` and `stream/<event>/close`, `reset`,
+    `startup-events`. Without the login, whoever learns a visitor's session hash could end its
+    answers. This middleware, wrapped around Gradio's app, answers 401 (Gradio's own body) to any
+    `/gradio_api/` request without a valid login, except the few the login form needs."""
+
+    def __init__(self, app, gradio_app):
+        self.app = app
+        self.gradio_app = gradio_app  # gradio.routes.App: its `auth`, `tokens` and `cookie_id`
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or self.gradio_app.auth is None:
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root):]
+        if path.startswith(_GRADIO_API) and path[len(_GRADIO_API):].rstrip("/") not in _GRADIO_OPEN:
+            if not self._logged_in(scope):
+                body = json.dumps({"detail": {"error": "Not authenticated",
+                                              "auth_message": "Log in on the page first."}}).encode()
+                await send({"type": "http.response.start", "status": 401,
+                            "headers": [(b"content-type", b"application/json"),
+                                        (b"content-length", str(len(body)).encode())]})
+                return await send({"type": "http.response.body", "body": body})
+        return await self.app(scope, receive, send)
+
+    def _logged_in(self, scope) -> bool:
+        from starlette.requests import HTTPConnection
+
+        cookies = HTTPConnection(scope).cookies
+        app = self.gradio_app
+        token = cookies.get(f"access-token-{app.cookie_id}") or cookies.get(f"access-token-unsecure-{app.cookie_id}")
+        return token is not None and app.tokens.get(token) is not None
+
+
+def guard_gradio(app) -> None:
+    """Wraps the Gradio app mounted in `app` (FastAPI) in `PageLoginGuard`."""
+    from starlette.routing import Mount
+
+    for route in app.routes:
+        if isinstance(route, Mount) and hasattr(route.app, "tokens"):
+            route.app.add_middleware(PageLoginGuard, gradio_app=route.app)
+            return
+    raise RuntimeError("the Gradio app is not mounted: nothing to put its login on")

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 
 from engine.request import RequestOutput
 from server.chat import run_while_connected
-from server.errors import error_body, internal_error_message
+from server.errors import error_body, internal_error_message, slow_reader_end
 from frontend.admission import Generation, RequestFailed, check_prompt_chars, compile_constraint, off_loop
 from server.chat_path import (ChatJob, admit_all, check_model, default_max_tokens, route_start, sampling_params,
                               start_chat)
@@ -176,7 +176,7 @@ async def _answer(request: Request, gens: list[Generation], body, choices, answe
             yield _error_chunk(path, exc)
         yield {"data": "[DONE]"}
 
-    return event_stream_response(events(), request_id)
+    return event_stream_response(events(), request_id, on_backlog=slow_reader_end(path, done=True))
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:

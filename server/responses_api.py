@@ -28,7 +28,7 @@ from engine.request import FinishReason
 from frontend.admission import RequestFailed
 from server.chat import run_while_connected
 from server.chat_path import Block, ChatJob, ReplyBlocks, route_start, start_chat
-from server.errors import BODY_FIELDS, ApiError, internal_error_message
+from server.errors import ApiError, BODY_FIELDS, internal_error_message, slow_reader_end
 from server.responses_schemas import FunctionCallItem, FunctionCallOutputItem, MessageItem, ResponsesRequest
 from server.sse import event_stream_response
 
@@ -263,7 +263,7 @@ async def create_response(body: ResponsesRequest, request: Request, x_request_id
         kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
         yield builder.event(kind, response=response)
 
-    return event_stream_response(events(), request_id)
+    return event_stream_response(events(), request_id, on_backlog=slow_reader_end(request.url.path, done=False))
 
 
 @router.get("/responses/{response_id}")

@@ -10,9 +10,9 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
-from engine.request import Constraint
+from engine.request import MAX_CACHE_SALT_CHARS, Constraint
 from frontend.tools import ToolRequest
-from server.schemas import MAX_TOOLS, SamplingFields, _template_kwargs, check_tool_choice
+from server.schemas import CACHE_SALT_DOC, MAX_TOOLS, SamplingFields, _template_kwargs, check_tool_choice
 
 MAX_INPUT_ITEMS = 2048  # items in one request's `input`
 MAX_METADATA = 16  # OpenAI's bound on `metadata` entries
@@ -155,6 +155,7 @@ class ResponsesRequest(BaseModel):
     # extensions (as on /v1/chat/completions)
     top_k: int | None = Field(None, ge=-1)
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS, description=CACHE_SALT_DOC)
     max_reasoning_tokens: int | None = Field(None, ge=0, description="a thinking model's thought is closed after "
                                              "this many tokens")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="extra variables for the chat template")
@@ -210,7 +211,7 @@ class ResponsesRequest(BaseModel):
 
     def sampling(self) -> SamplingFields:
         return SamplingFields(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
-                              max_reasoning_tokens=self.max_reasoning_tokens)
+                              max_reasoning_tokens=self.max_reasoning_tokens, cache_salt=self.cache_salt)
 
     def template_kwargs(self) -> dict | None:
         """`chat_template_kwargs`, with `reasoning.effort: "none"` as `enable_thinking: false` unless it says."""

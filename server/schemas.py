@@ -11,8 +11,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.chat_template import TAKEN_TEMPLATE_NAMES, taken_names_message
-from engine.request import (MAX_N, MAX_STOP_LENGTH, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, Constraint,
-                            stop_token_ids_message)
+from engine.request import (MAX_CACHE_SALT_CHARS, MAX_N, MAX_STOP_LENGTH, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
+                            Constraint, stop_token_ids_message)
 from frontend.tools import ToolRequest
 
 Role = Literal["system", "user", "assistant"]
@@ -20,6 +20,8 @@ MAX_STOP = MAX_STOP_STRINGS
 MAX_PROMPTS = 64  # prompts in one `/v1/completions` list
 MAX_TOOLS = 128  # functions in one request's `tools`
 MAX_TEMPLATE_KWARGS = 16  # entries of `chat_template_kwargs`
+CACHE_SALT_DOC = ("the prefix cache shares blocks only between requests with the same salt (vLLM's "
+                  "`cache_salt`): a private salt keeps other clients from learning whether this prompt is cached")
 
 
 class JsonSchemaFormat(BaseModel):
@@ -125,6 +127,7 @@ class ChatBody(_ConstraintFields):
     ignore_eos: bool = Field(False, description="go on past the end-of-sequence token, up to max_new_tokens")
     regex: str | None = Field(None, description="the reply must match this regular expression (Rust regex syntax)")
     grammar: str | None = Field(None, description="the reply must match this Lark grammar (llguidance's dialect)")
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS, description=CACHE_SALT_DOC)
 
     @field_validator("stop")
     @classmethod
@@ -267,6 +270,7 @@ class SamplingFields(_ConstraintFields):
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS, description=CACHE_SALT_DOC)
 
     @field_validator("stop")
     @classmethod

@@ -6,6 +6,7 @@ outlives what a test does beside it, an engine loop that dies, a route that rais
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 from fastapi import FastAPI
@@ -42,6 +43,37 @@ class InjectedFailure(RuntimeError):
     """Raised by the test hook that proves a route's unexpected failure tells the client nothing."""
 
 
+class PageFailure(Exception):
+    """Raised by the test hook that proves a page handler's unexpected failure tells the visitor nothing."""
+
+
+HOLD_COMPILES_S = 30.0  # the most a held compile waits for its release
+
+
+def _hold_compiles(grammars, on: bool) -> int:
+    """The test hook's gate on `grammars`' compiles; returns how many compiles outwaited it so far."""
+    gate = getattr(grammars, "_test_gate", None)
+    if gate is None:
+        gate = grammars._test_gate = threading.Event()
+        gate.set()
+        grammars._test_timeouts = 0
+        build = grammars._build
+
+        def held(constraint):
+            if not gate.wait(HOLD_COMPILES_S):
+                grammars._test_timeouts += 1
+            return build(constraint)
+
+        grammars._build = held
+    if on:
+        with grammars._lock:
+            grammars._cache.clear()
+        gate.clear()
+    else:
+        gate.set()
+    return grammars._test_timeouts
+
+
 def install_test_routes(app: FastAPI, engine) -> None:
     """--test-hooks only (without the flag these routes do not exist; with an API key they need it,
     like every route): `POST /_test/kill-engine` makes the engine loop die at its next step, so the
@@ -72,6 +104,26 @@ def install_test_routes(app: FastAPI, engine) -> None:
 
     if not local:
         return
+
+    @app.post("/_test/hold-compiles", include_in_schema=False)
+    async def hold_compiles(on: int = 0):
+        """on=1: the grammar cache is emptied and every compile waits until on=0 (a grammar the
+        cache dropped since, slow to compile), so the suite can check that nothing else waits for it.
+        Answers `timed_out`: the compiles that went on without the release (held HOLD_COMPILES_S)."""
+        return {"held": bool(on), "timed_out": _hold_compiles(engine.grammars, bool(on))}
+
+    @app.post("/_test/page-raise", include_in_schema=False)
+    async def page_raise(on: int = 0):
+        """on=1: the page's handlers fail (their admission raises an exception whose text names a
+        file), so the suite can check that a page client sees none of it; on=0 undoes it."""
+        def fail(*args, **kwargs):
+            raise PageFailure("secret detail from /srv/rill/ui/page.py line 1")
+
+        if on:
+            engine.text_streamer = fail
+        else:
+            engine.__dict__.pop("text_streamer", None)
+        return {"failing": bool(on)}
 
     @app.post("/_test/kill-engine", include_in_schema=False)
     async def kill_engine():

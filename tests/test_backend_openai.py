@@ -100,7 +100,7 @@ def test_the_front_streams_what_the_remote_streams(front, remote):
     page = client.predict("Hello!", [], "", 0.0, 1.0, 0, 25, 1.0, api_name="/chat")
     assert page == remote_text
 
-    metrics = httpx.get(f"{front.url}/metrics", timeout=10).text  # counted from the remote's usage
+    metrics = httpx.get(f"{front.url}/metrics", timeout=10, headers=KEY).text  # counted from the remote's usage
     generated = [line for line in metrics.splitlines() if line.startswith('rill_generation_tokens_total{route="v1_chat"}')]
     assert generated == [f'rill_generation_tokens_total{{route="v1_chat"}} {float(remote_chunks[-1]["usage"]["completion_tokens"])}']
 

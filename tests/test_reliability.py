@@ -275,7 +275,7 @@ def guarded(server_with):
 
 def test_api_key_is_required_on_chat_and_v1(guarded):
     url = guarded.url
-    before = httpx.get(f"{url}/health", timeout=10).json()["engine"]["prompt_tokens_total"]
+    before = httpx.get(f"{url}/health", timeout=10, headers={"Authorization": "Bearer sekret-key"}).json()["engine"]["prompt_tokens_total"]
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret-key"}):
         chat = httpx.post(f"{url}/chat", json={"prompt": "Hi", "max_new_tokens": 2}, headers=headers, timeout=30)
         assert chat.status_code == 401 and "Authorization: Bearer" in chat.json()["error"]
@@ -284,7 +284,7 @@ def test_api_key_is_required_on_chat_and_v1(guarded):
         assert v1.status_code == 401
         assert v1.json()["error"]["type"] == "authentication_error" and v1.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(f"{url}/v1/models", timeout=30).status_code == 401
-    assert httpx.get(f"{url}/health", timeout=10).json()["engine"]["prompt_tokens_total"] == before  # no model work
+    assert httpx.get(f"{url}/health", timeout=10, headers={"Authorization": "Bearer sekret-key"}).json()["engine"]["prompt_tokens_total"] == before  # no model work
     assert httpx.get(f"{url}/config", timeout=30).status_code == 401  # the page's API too (tests/test_access.py)
     good = httpx.post(f"{url}/chat", json={"prompt": "Hi", "max_new_tokens": 2, "stream": False}, timeout=60,
                       headers={"Authorization": "Bearer sekret-key"})

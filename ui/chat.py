@@ -41,6 +41,7 @@ class ChatSettings:
     json_schema: str = ""  # the schema (JSON text) when output_format is "JSON schema"
     reasoning: bool = False  # split a thinking model's thought from its answer
     max_reasoning_tokens: int | None = None  # the thought's budget (None or 0: no limit but max_new_tokens)
+    cache_salt: str | None = None  # the page session's prefix-cache salt (--cache-salt-per-session)
 
     def constraint(self) -> Constraint | None:
         if self.output_format not in OUTPUT_FORMATS:
@@ -68,7 +69,8 @@ class ChatSettings:
             return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                                   top_k=_whole(self.top_k), repetition_penalty=self.repetition_penalty,
                                   constraint=constraint, reasoning=self.reasoning,
-                                  max_reasoning_tokens=min(budget, max_tokens) if isinstance(budget, int) else budget)
+                                  max_reasoning_tokens=min(budget, max_tokens) if isinstance(budget, int) else budget,
+                                  cache_salt=self.cache_salt)
         except InvalidRequest as exc:
             raise ChatError(str(exc)) from exc
 

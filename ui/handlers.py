@@ -2,6 +2,9 @@
 answering (the page's generator and the `/chat` API for gradio_client), the chat buttons' small
 history edits, and the answers each browser session streams (a closed tab aborts them)."""
 
+import hashlib
+import hmac
+import secrets
 import threading
 
 import gradio as gr
@@ -55,11 +58,26 @@ class VisitorStreams:
             streamer.abort()
 
 
+def session_salts():
+    """--cache-salt-per-session: a page session's prefix-cache salt, from its session hash under a
+    secret of this process (so no API client can send the same `cache_salt` and share its blocks)."""
+    secret = secrets.token_bytes(32)
+
+    def salt(request) -> str | None:
+        session = getattr(request, "session_hash", None)
+        if not session:
+            return None
+        return "page:" + hmac.new(secret, session.encode(), hashlib.sha256).hexdigest()
+
+    return salt
+
+
 class PageHandlers:
     """The page's event handlers for one engine; the page's requests are recorded under "gradio"."""
 
-    def __init__(self, engine, metrics: RequestMetrics, default_max_new_tokens: int):
+    def __init__(self, engine, metrics: RequestMetrics, default_max_new_tokens: int, salt_sessions: bool = False):
         self.engine, self.metrics = engine, metrics
+        self.session_salt = session_salts() if salt_sessions else (lambda request: None)
         self.default_max_new_tokens = default_max_new_tokens
         self.visitors = VisitorStreams()
         self.thinks = getattr(engine, "think_tags", None) is not None  # a thinking model: its thought in its own box
@@ -81,7 +99,7 @@ class PageHandlers:
         message = messages.pop()["content"]
         chat_settings = ChatSettings(system_prompt or "", temperature, top_p, top_k, max_new_tokens,
                                      repetition_penalty, output_format or "Text", json_schema or "", self.thinks,
-                                     thinking_budget or None)
+                                     thinking_budget or None, cache_salt=self.session_salt(request))
         fmt = self.calls_format if chat_settings.output_format == "Text" else None  # JSON mode: the JSON as it is
         try:
             for text, stats in stream_answer(self.engine, self.metrics, "gradio", messages, message, chat_settings,
@@ -92,12 +110,12 @@ class PageHandlers:
 
     def api_chat(self):
         """The `/chat` API function (its signature and docstring are what gradio_client shows)."""
-        engine, metrics = self.engine, self.metrics
+        engine, metrics, session_salt = self.engine, self.metrics, self.session_salt
 
         def chat(message: str, history: list[dict] | None = None, system_prompt: str = DEFAULTS.system_prompt,
                  temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
                  top_k: int = DEFAULTS.top_k, max_new_tokens: int = self.default_max_new_tokens,
-                 repetition_penalty: float = DEFAULTS.repetition_penalty) -> str:
+                 repetition_penalty: float = DEFAULTS.repetition_penalty, request: gr.Request = None) -> str:
             """Streams the assistant's answer to `message` (the text so far on each update).
 
             history: earlier messages, [{"role": "user" | "assistant", "content": "..."}] (oldest first).
@@ -105,7 +123,7 @@ class PageHandlers:
             Conversations longer than the context lose their oldest turns (a warning says so).
             """
             chat_settings = ChatSettings(system_prompt or "", temperature, top_p, top_k, max_new_tokens,
-                                         repetition_penalty)
+                                         repetition_penalty, cache_salt=session_salt(request))
             try:
                 messages = to_engine_messages(history, escaped=False)
                 for text, _stats in stream_answer(engine, metrics, "gradio", messages, message, chat_settings,

@@ -150,9 +150,11 @@ def build_demo(engine, settings=None, metrics: RequestMetrics | None = None) -> 
     context = int(engine.max_model_len)
     default_max_new = max(1, min(default_max_new, context // 2))
     model_name = getattr(engine, "model_name", None) or getattr(settings, "model_id", None) or "model"
-    handlers = PageHandlers(engine, metrics, default_max_new)
+    handlers = PageHandlers(engine, metrics, default_max_new,
+                            salt_sessions=bool(getattr(settings, "cache_salt_per_session", False)))
 
-    with gr.Blocks(title=f"rill · {model_name}", fill_height=False) as demo:
+    # delete_cache: files in Gradio's cache (uploads) older than an hour are deleted every hour
+    with gr.Blocks(title=f"rill · {model_name}", fill_height=False, delete_cache=(3600, 3600)) as demo:
         gr.Markdown(_header(engine, model_name), elem_id="rill-header")
         with gr.Tabs():
             with gr.Tab("Chat", id="chat") as chat_tab:

@@ -102,6 +102,8 @@ def request_body(model: str, prompt_token_ids: list[int], params: SamplingParams
             body[name] = value
     if params.stop_token_ids:
         body["stop_token_ids"] = list(params.stop_token_ids)
+    if params.cache_salt is not None:  # vLLM takes it; the remote's prefix cache is shared too
+        body["cache_salt"] = params.cache_salt
     return body
 
 

@@ -10,6 +10,7 @@ KV blocks are free before its next step.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import os
@@ -108,6 +109,8 @@ class EngineReplica:
         from engine.request import InvalidRequest, QueueFull
 
         try:
+            if params.constraint is not None:  # compiled before admission, as the routes do on one machine
+                await asyncio.to_thread(self.engine.compile_constraint, params)
             stream = self.engine.add_request(prompt_token_ids, params, request_id, prior_output_ids)
         except InvalidRequest as exc:
             yield {"refused": "invalid", "message": str(exc), "param": exc.param}
