@@ -15,6 +15,7 @@ from frontend.backends import delay_steps
 from server.errors import ApiError, install_error_handlers
 from server.middleware import ApiGuard
 from server.resume import ResumeRegistry
+from frontend.sampling_defaults import model_sampling_defaults
 from frontend.settings import Settings
 
 log = logging.getLogger("rill.server")
@@ -60,6 +61,7 @@ def create_app(engine, settings: Settings) -> FastAPI:
                   docs_url="/docs", redoc_url=None)
     state = app.state
     state.engine = engine
+    state.sampling_defaults = model_sampling_defaults(engine)  # unset sampling fields of every route
     state.settings = settings
     state.started_at = int(time.time())
     state.shutting_down = False
@@ -114,7 +116,7 @@ def create_app(engine, settings: Settings) -> FastAPI:
             log.exception("metrics could not be installed; serving without /metrics")
 
     app.add_middleware(ApiGuard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
-                       test_hooks=settings.test_hooks)
+                       test_hooks=settings.test_hooks, page_closed=settings.ui_auth is not None)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["x-request-id", "x-resume-token"])

@@ -18,6 +18,7 @@ from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse
 
 from engine.request import RequestOutput, SamplingParams
+from frontend.sampling_defaults import SamplingDefaults
 from frontend.tools import tool_format
 from server.chat import run_while_connected
 from server.errors import ApiError, error_body, internal_error_message
@@ -49,16 +50,22 @@ def check_model(state, model: str | None) -> None:
                        code="model_not_found")
 
 
+def _defaults(state) -> SamplingDefaults:
+    return getattr(state, "sampling_defaults", None) or SamplingDefaults()
+
+
 def _params(body: SamplingFields, max_tokens: int, logprobs: int | None, constraint=None,
-            reasoning: bool = False) -> SamplingParams:
+            reasoning: bool = False, defaults: SamplingDefaults = SamplingDefaults()) -> SamplingParams:
+    """Unset fields take the model's generation config (`defaults`), as vLLM does, else OpenAI's."""
     return SamplingParams(
         max_tokens=max_tokens,
         min_tokens=min(body.min_tokens, max_tokens),
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=0 if body.top_k in (None, -1) else body.top_k,
+        temperature=defaults.get("temperature", 1.0) if body.temperature is None else body.temperature,
+        top_p=defaults.get("top_p", 1.0) if body.top_p is None else body.top_p,
+        top_k=defaults.get("top_k", 0) if body.top_k is None else 0 if body.top_k == -1 else body.top_k,
         min_p=body.min_p,
-        repetition_penalty=body.repetition_penalty,
+        repetition_penalty=defaults.get("repetition_penalty", 1.0) if body.repetition_penalty is None
+        else body.repetition_penalty,
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
         seed=body.seed,
@@ -184,7 +191,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, x_requ
     top_n = body.top_logprobs or 0
     constraint = fmt.constraint(tools, engine.tokenizer) if fmt is not None else body.constraint()
     params = _params(body, max_tokens, top_n if body.logprobs else None, constraint,
-                     reasoning=getattr(engine, "think_tags", None) is not None)
+                     reasoning=getattr(engine, "think_tags", None) is not None, defaults=_defaults(state))
     await compile_constraint(engine, params)
     gens = await _admit_all(request, [prompt_ids], params, request_id, "v1_chat")
     choices = ChatChoices(body.n, fmt, TokenText(engine.tokenizer), top_n, bool(body.logprobs))
@@ -206,7 +213,7 @@ async def completions(body: CompletionRequest, request: Request, x_request_id: s
         max_tokens = body.max_tokens
     else:
         max_tokens = _default_max_tokens(engine, max(len(p) for p in prompts))
-    params = _params(body, max_tokens, body.logprobs, body.constraint())
+    params = _params(body, max_tokens, body.logprobs, body.constraint(), defaults=_defaults(state))
     await compile_constraint(engine, params)
     gens = await _admit_all(request, prompts, params, request_id, "v1_completions")
     choices = CompletionChoices(body.n * len(gens), TokenText(engine.tokenizer), body.logprobs)

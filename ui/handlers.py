@@ -58,8 +58,9 @@ class VisitorStreams:
 class PageHandlers:
     """The page's event handlers for one engine; the page's requests are recorded under "gradio"."""
 
-    def __init__(self, engine, metrics: RequestMetrics, default_max_new_tokens: int):
+    def __init__(self, engine, metrics: RequestMetrics, default_max_new_tokens: int, defaults: ChatSettings = DEFAULTS):
         self.engine, self.metrics = engine, metrics
+        self.defaults = defaults  # the sliders' and the `/chat` API's defaults (the model's, where it has them)
         self.default_max_new_tokens = default_max_new_tokens
         self.visitors = VisitorStreams()
         self.thinks = getattr(engine, "think_tags", None) is not None  # a thinking model: its thought in its own box
@@ -92,12 +93,12 @@ class PageHandlers:
 
     def api_chat(self):
         """The `/chat` API function (its signature and docstring are what gradio_client shows)."""
-        engine, metrics = self.engine, self.metrics
+        engine, metrics, defaults = self.engine, self.metrics, self.defaults
 
-        def chat(message: str, history: list[dict] | None = None, system_prompt: str = DEFAULTS.system_prompt,
-                 temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
-                 top_k: int = DEFAULTS.top_k, max_new_tokens: int = self.default_max_new_tokens,
-                 repetition_penalty: float = DEFAULTS.repetition_penalty) -> str:
+        def chat(message: str, history: list[dict] | None = None, system_prompt: str = defaults.system_prompt,
+                 temperature: float = defaults.temperature, top_p: float = defaults.top_p,
+                 top_k: int = defaults.top_k, max_new_tokens: int = self.default_max_new_tokens,
+                 repetition_penalty: float = defaults.repetition_penalty) -> str:
             """Streams the assistant's answer to `message` (the text so far on each update).
 
             history: earlier messages, [{"role": "user" | "assistant", "content": "..."}] (oldest first).

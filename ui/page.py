@@ -5,9 +5,11 @@ from types import SimpleNamespace
 
 import gradio as gr
 
+from frontend.sampling_defaults import model_sampling_defaults, with_model_defaults
 from frontend.telemetry import RequestMetrics
-from ui.chat import OUTPUT_FORMATS
+from ui.chat import OUTPUT_FORMATS, ChatSettings
 from ui.handlers import DEFAULTS, IDLE, PageHandlers
+from ui.mcp_tools import hide_from_mcp, register_mcp_tools
 
 EXAMPLES = [
     "Explain continuous batching to a five-year-old.",
@@ -29,7 +31,8 @@ def _header(engine, model_name: str) -> str:
             "Answers stream as they are generated; **Stop** aborts the request in the engine.")
 
 
-def _chat_tab(model_name: str, context: int, default_max_new: int, thinks: bool) -> SimpleNamespace:
+def _chat_tab(model_name: str, context: int, default_max_new: int, thinks: bool,
+              defaults: ChatSettings) -> SimpleNamespace:
     """The chat tab's components (inside an open `gr.Tab`)."""
     ui = SimpleNamespace()
     ui.chatbot = gr.Chatbot(
@@ -47,26 +50,26 @@ def _chat_tab(model_name: str, context: int, default_max_new: int, thinks: bool)
         ui.stop = gr.Button("Stop", variant="stop", scale=1, min_width=80, visible=False, elem_id="rill-stop")
     ui.answer_stats = gr.Markdown("", elem_id="rill-answer-stats")
     with gr.Accordion("System prompt and sampling", open=False, elem_id="rill-settings"):
-        _settings(ui, context, default_max_new, thinks)
+        _settings(ui, context, default_max_new, thinks, defaults)
     return ui
 
 
-def _settings(ui: SimpleNamespace, context: int, default_max_new: int, thinks: bool) -> None:
+def _settings(ui: SimpleNamespace, context: int, default_max_new: int, thinks: bool, defaults: ChatSettings) -> None:
     """The system prompt and sampling settings (in the order `PageHandlers.respond` takes them)."""
-    ui.system_prompt = gr.Textbox(label="System prompt", value=DEFAULTS.system_prompt, lines=2,
+    ui.system_prompt = gr.Textbox(label="System prompt", value=defaults.system_prompt, lines=2,
                                   placeholder="Empty = the model's default system prompt")
     with gr.Row():
-        ui.temperature = gr.Slider(0.0, 2.0, value=DEFAULTS.temperature, step=0.05, label="Temperature",
+        ui.temperature = gr.Slider(0.0, 2.0, value=defaults.temperature, step=0.05, label="Temperature",
                                    info="0 = greedy (deterministic)", elem_id="rill-temperature")
-        ui.top_p = gr.Slider(0.05, 1.0, value=DEFAULTS.top_p, step=0.05, label="Top-p",
+        ui.top_p = gr.Slider(0.05, 1.0, value=defaults.top_p, step=0.05, label="Top-p",
                              info="nucleus: keep the smallest set with this probability mass")
     with gr.Row():
-        ui.top_k = gr.Slider(0, 200, value=DEFAULTS.top_k, step=1, label="Top-k",
+        ui.top_k = gr.Slider(0, 200, value=defaults.top_k, step=1, label="Top-k",
                              info="keep the k most likely tokens; 0 = off")
         ui.max_new_tokens = gr.Slider(1, max(1, min(context, 4096)), value=default_max_new, step=1,
                                       label="Max new tokens", info=f"context: {context} tokens",
                                       elem_id="rill-max-new-tokens")
-        ui.repetition_penalty = gr.Slider(1.0, 2.0, value=DEFAULTS.repetition_penalty, step=0.05,
+        ui.repetition_penalty = gr.Slider(1.0, 2.0, value=defaults.repetition_penalty, step=0.05,
                                           label="Repetition penalty", info="1 = off",
                                           elem_id="rill-repetition-penalty")
     with gr.Row():
@@ -150,18 +153,20 @@ def build_demo(engine, settings=None, metrics: RequestMetrics | None = None) -> 
     context = int(engine.max_model_len)
     default_max_new = max(1, min(default_max_new, context // 2))
     model_name = getattr(engine, "model_name", None) or getattr(settings, "model_id", None) or "model"
-    handlers = PageHandlers(engine, metrics, default_max_new)
+    defaults = with_model_defaults(DEFAULTS, model_sampling_defaults(engine))  # the sliders show the model's
+    handlers = PageHandlers(engine, metrics, default_max_new, defaults)
 
     with gr.Blocks(title=f"rill · {model_name}", fill_height=False) as demo:
         gr.Markdown(_header(engine, model_name), elem_id="rill-header")
         with gr.Tabs():
             with gr.Tab("Chat", id="chat") as chat_tab:
-                chat_ui = _chat_tab(model_name, context, default_max_new, handlers.thinks)
+                chat_ui = _chat_tab(model_name, context, default_max_new, handlers.thinks, defaults)
             with gr.Tab("Status", id="status") as status_tab:
                 status_ui = _status_tab()
         _wire_chat(chat_ui, handlers, concurrency)
         _wire_status(chat_tab, status_tab, status_ui, handlers)
-        gr.api(handlers.api_chat(), api_name="chat", concurrency_limit=concurrency, concurrency_id="chat")
+        register_mcp_tools(engine, metrics, defaults, default_max_new)  # first: the MCP tool `chat` is its
+        gr.api(hide_from_mcp(handlers.api_chat()), api_name="chat", concurrency_limit=concurrency, concurrency_id="chat")
         demo.unload(handlers.visitors.abort_session)  # a closed tab stops generating what nobody will read
 
     demo.max_threads = max(40, concurrency + 16)  # each streaming answer holds a worker thread
