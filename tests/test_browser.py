@@ -310,3 +310,79 @@ def test_status_tab_shows_the_load(visitor, embedded_server, shots):
     assert len(answers) >= 4 and all(answer for answer in answers)
     until(lambda: cell("Running requests") == "0", message="the status tab to show the engine idle again")
     assert visitor.dialogs == [] and visitor.foreign_requests == []
+
+
+@pytest.fixture(scope="module")
+def feedback_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("feedback")
+
+
+@pytest.mark.xfail(reason="unfinished: the steps up to rename pass; the conversation list's options are not found by "
+                          "`ul[role=listbox] li` (Gradio 6's Dropdown DOM still to check)", strict=False)
+def test_conversations_edit_like_and_export(browser, server_with, feedback_dir):
+    """Conversations kept in the browser across a reload (new, switch, rename, delete), a sent message
+    edited and answered again, a like written to the feedback folder, a conversation exported as JSON.
+    The tiny Llama: these are the page's behaviours, not the model's."""
+    import json
+
+    server = server_with("--feedback-dir", str(feedback_dir))
+    visitor = Page(browser, server.url)
+    page = visitor.page
+    try:
+        def answered(count: int):
+            return visitor.idle() and page.locator("#rill-chatbot [data-testid='bot']").count() == count
+
+        def picker_titles() -> list[str]:
+            page.click("#rill-conversations input")
+            options = page.locator("ul[role=listbox] li").all_inner_texts()
+            page.keyboard.press("Escape")
+            return [o.strip() for o in options]
+
+        visitor.send("first conversation")
+        until(lambda: answered(1), message="the first answer")
+        until(lambda: page.locator("#rill-title input").input_value() == "first conversation",
+              message="the title taken from the first message")
+        page.click("#rill-new")
+        until(lambda: page.locator("#rill-chatbot [data-testid='user']").count() == 0, message="an empty new chat")
+        visitor.send("second one")
+        until(lambda: answered(1), message="the second conversation's answer")
+        page.fill("#rill-title input", "Renamed chat")
+        page.click("#rill-rename")
+        until(lambda: "Renamed chat" in picker_titles(), message="the renamed title in the list")
+
+        page.reload()  # both survive a reload, the current one shown
+        page.wait_for_selector("#rill-input textarea")
+        until(lambda: visitor.user_text() == "second one", message="the current conversation after a reload")
+        assert set(picker_titles()) == {"Renamed chat", "first conversation"}
+
+        page.click("#rill-conversations input")  # switch
+        page.click("ul[role=listbox] li:has-text('first conversation')")
+        until(lambda: visitor.user_text() == "first conversation", message="the switch to the first conversation")
+
+        # edit the sent message: the answer is generated again from there
+        page.locator("#rill-chatbot [data-testid='user']").last.hover()
+        page.click("#rill-chatbot button[aria-label='Edit']")
+        page.locator("#rill-chatbot textarea").last.fill("edited message")
+        page.click("#rill-chatbot button[aria-label='Submit']")
+        until(lambda: visitor.user_text() == "edited message" and answered(1), message="the edited message answered")
+
+        page.locator("#rill-chatbot [data-testid='bot']").last.hover()
+        page.click("#rill-chatbot button[aria-label='Like']")
+        lines = until(lambda: (feedback_dir / "feedback.jsonl").is_file()
+                      and (feedback_dir / "feedback.jsonl").read_text().splitlines(), message="a feedback line")
+        record = json.loads(lines[-1])
+        assert record["rating"] == "like" and record["answer"] == visitor.bot_text().strip()
+        assert record["conversation"] == [{"role": "user", "content": "edited message"}]
+
+        with page.expect_download() as download:
+            page.click("#rill-export")
+        exported = json.loads(Path(download.value.path()).read_text())
+        assert [m["role"] for m in exported["messages"]] == ["user", "assistant"]
+        assert exported["messages"][0]["content"] == "edited message"
+
+        page.click("#rill-delete")
+        until(lambda: visitor.user_text() == "second one", message="the other conversation after the delete")
+        assert picker_titles() == ["Renamed chat"]
+        assert visitor.dialogs == [] and visitor.foreign_requests == []
+    finally:
+        visitor.close()

@@ -8,6 +8,8 @@ import gradio as gr
 from frontend.sampling_defaults import model_sampling_defaults, with_model_defaults
 from frontend.telemetry import RequestMetrics
 from ui.chat import OUTPUT_FORMATS, ChatSettings
+from ui.conversations import conversation_bar, edited, wire_conversations
+from ui.feedback import FeedbackLog, feedback_folder
 from ui.handlers import DEFAULTS, IDLE, PageHandlers
 from ui.mcp_tools import hide_from_mcp, register_mcp_tools
 
@@ -32,12 +34,12 @@ def _header(engine, model_name: str) -> str:
 
 
 def _chat_tab(model_name: str, context: int, default_max_new: int, thinks: bool,
-              defaults: ChatSettings) -> SimpleNamespace:
-    """The chat tab's components (inside an open `gr.Tab`)."""
-    ui = SimpleNamespace()
+              defaults: ChatSettings, feedback: bool) -> SimpleNamespace:
+    """The chat tab's components (inside an open `gr.Tab`); thumbs on answers when `feedback` is kept."""
+    ui = SimpleNamespace(conversations=conversation_bar())
     ui.chatbot = gr.Chatbot(
-        label=model_name, elem_id="rill-chatbot", height=520, layout="bubble",
-        buttons=["copy", "copy_all"], feedback_options=None,
+        label=model_name, elem_id="rill-chatbot", height=520, layout="bubble", editable="user",
+        buttons=["copy", "copy_all"], feedback_options=("Like", "Dislike") if feedback else None,
         placeholder=f"**{model_name}** is ready. Ask anything, or pick an example.",
         examples=[{"text": text} for text in EXAMPLES],
         sanitize_html=True, render_markdown=True,
@@ -100,8 +102,9 @@ def _status_tab() -> SimpleNamespace:
     return ui
 
 
-def _wire_chat(ui: SimpleNamespace, handlers: PageHandlers, concurrency: int) -> None:
-    """Send, examples, retry, undo, clear and stop; an answer streams through `handlers.respond`."""
+def _wire_chat(ui: SimpleNamespace, handlers: PageHandlers, concurrency: int, save: dict) -> None:
+    """Send, examples, retry, edit, undo, clear and stop; an answer streams through `handlers.respond`;
+    `save` (ui/conversations.py) keeps the conversation in the browser after each change."""
     chatbot, private = ui.chatbot, dict(api_visibility="private", queue=False)
     buttons = [ui.send, ui.stop, ui.textbox]
     respond = dict(fn=handlers.respond, inputs=[chatbot] + ui.settings_inputs, outputs=[chatbot, ui.answer_stats],
@@ -114,12 +117,13 @@ def _wire_chat(ui: SimpleNamespace, handlers: PageHandlers, concurrency: int) ->
             gr.on([ui.textbox.submit, ui.send.click], handlers.add_user_message, [ui.textbox, chatbot],
                   [chatbot] + buttons, **private),
             chatbot.example_select(handlers.add_example, [chatbot], [chatbot] + buttons, **private),
-            chatbot.retry(handlers.pop_answer, [chatbot], [chatbot] + buttons, **private)):
+            chatbot.retry(handlers.pop_answer, [chatbot], [chatbot] + buttons, **private),
+            chatbot.edit(edited, [chatbot], [chatbot] + buttons, **private)):
         answer = started.success(**respond)
-        answer.then(**restore)
+        answer.then(**restore).then(**save)
         answers.append(answer)
-    chatbot.undo(handlers.undo, [chatbot], [chatbot, ui.textbox, ui.answer_stats], **private)
-    chatbot.clear(lambda: "", None, [ui.answer_stats], **private)
+    chatbot.undo(handlers.undo, [chatbot], [chatbot, ui.textbox, ui.answer_stats], **private).then(**save)
+    chatbot.clear(lambda: "", None, [ui.answer_stats], **private).then(**save)
     ui.stop.click(lambda: IDLE, None, buttons, cancels=answers, **private)
 
 
@@ -155,15 +159,21 @@ def build_demo(engine, settings=None, metrics: RequestMetrics | None = None) -> 
     model_name = getattr(engine, "model_name", None) or getattr(settings, "model_id", None) or "model"
     defaults = with_model_defaults(DEFAULTS, model_sampling_defaults(engine))  # the sliders show the model's
     handlers = PageHandlers(engine, metrics, default_max_new, defaults)
+    folder = feedback_folder(getattr(settings, "feedback_dir", None))
+    feedback = FeedbackLog(folder, model_name) if folder is not None else None
 
     with gr.Blocks(title=f"rill · {model_name}", fill_height=False) as demo:
         gr.Markdown(_header(engine, model_name), elem_id="rill-header")
         with gr.Tabs():
             with gr.Tab("Chat", id="chat") as chat_tab:
-                chat_ui = _chat_tab(model_name, context, default_max_new, handlers.thinks, defaults)
+                chat_ui = _chat_tab(model_name, context, default_max_new, handlers.thinks, defaults,
+                                    feedback is not None)
             with gr.Tab("Status", id="status") as status_tab:
                 status_ui = _status_tab()
-        _wire_chat(chat_ui, handlers, concurrency)
+        save = wire_conversations(demo, chat_ui.conversations, chat_ui.chatbot, chat_ui.answer_stats)
+        _wire_chat(chat_ui, handlers, concurrency, save)
+        if feedback is not None:
+            chat_ui.chatbot.like(feedback.record, [chat_ui.chatbot], None, api_visibility="private", queue=False)
         _wire_status(chat_tab, status_tab, status_ui, handlers)
         register_mcp_tools(engine, metrics, defaults, default_max_new)  # first: the MCP tool `chat` is its
         gr.api(hide_from_mcp(handlers.api_chat()), api_name="chat", concurrency_limit=concurrency, concurrency_id="chat")
