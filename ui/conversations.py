@@ -72,9 +72,10 @@ def _export_file(item: dict) -> str | None:
 
 
 def _shown(store: dict):
-    """(chatbot, store, picker, title box, export button) showing the current conversation."""
+    """(chatbot, store, picker, title box, export button, answer stats) showing the current conversation
+    (the last answer's stats cleared: they were another conversation's)."""
     item = _current(store)
-    return item["messages"], store, picker_update(store), item["title"], gr.update(value=_export_file(item))
+    return item["messages"], store, picker_update(store), item["title"], gr.update(value=_export_file(item)), ""
 
 
 def restore(store):
@@ -94,7 +95,13 @@ def save(history, store):
 
 
 def switch(chosen, history, store):
-    """The list's choice: the chat shown becomes that conversation."""
+    """The list's choice: the chat shown becomes that conversation.
+
+    Gradio's Dropdown also fires `input` each time it loses focus, chosen or not: choosing the
+    conversation already shown changes nothing (all outputs skipped). Answering with the store it
+    was sent would undo whatever another event (New chat, an answer's save) changed meanwhile."""
+    if isinstance(store, dict) and chosen == store.get("current"):
+        return (gr.skip(),) * 6
     store, *_ = save(history, store)
     if any(i["id"] == chosen for i in store["items"]):
         store = {**store, "current": chosen}
@@ -164,12 +171,11 @@ def wire_conversations(demo, bar, chatbot, answer_stats) -> dict:
     """Load, switch, new, rename, delete; returns the `save` step's kwargs, for page.py to run after
     every change to the chat (an answer, undo, clear)."""
     private = dict(api_visibility="private", queue=False)
-    shown = [chatbot, bar.store, bar.picker, bar.title, bar.export]
+    shown = [chatbot, bar.store, bar.picker, bar.title, bar.export, answer_stats]
     demo.load(restore, [bar.store], shown, **private)
-    bar.picker.input(switch, [bar.picker, chatbot, bar.store], shown, **private).then(
-        lambda: "", None, [answer_stats], **private)
-    bar.new.click(new, [chatbot, bar.store], shown, **private).then(lambda: "", None, [answer_stats], **private)
-    bar.delete.click(delete, [bar.store], shown, **private).then(lambda: "", None, [answer_stats], **private)
+    bar.picker.input(switch, [bar.picker, chatbot, bar.store], shown, **private)
+    bar.new.click(new, [chatbot, bar.store], shown, **private)
+    bar.delete.click(delete, [bar.store], shown, **private)
     bar.rename.click(rename, [bar.title, bar.store], [bar.store, bar.picker], **private)
     bar.title.submit(rename, [bar.title, bar.store], [bar.store, bar.picker], **private)
     return dict(fn=save, inputs=[chatbot, bar.store], outputs=[bar.store, bar.picker, bar.title, bar.export],
