@@ -72,6 +72,9 @@ OPTIONS: tuple[Option, ...] = (
            "SIZE"),
     Option("--shutdown-timeout", ("SHUTDOWN_TIMEOUT",), "shutdown_timeout", float, 30.0,
            "on SIGTERM, seconds running streams get to finish before the server exits", "S"),
+    Option("--feedback-dir", ("FEEDBACK_DIR",), "feedback_dir", str, None,
+           "folder for the page's likes and dislikes (feedback.jsonl, one JSON line each); default: "
+           "/data/feedback where /data (a Space's persistent storage) exists, else none kept", "DIR"),
     Option("--max-new-tokens", ("MAX_NEW_TOKENS",), "default_max_new_tokens", int, 512,
            "default reply length for /chat and the page", "N"),
     Option("--log-level", ("LOG_LEVEL",), "log_level", str, "info", "debug | info | warning | error", "L"),

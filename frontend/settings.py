@@ -53,6 +53,7 @@ class Settings:
     resume_max_bytes: int = 64 * 2**20  # memory those streams may hold at most (events, tokens)
     shutdown_timeout: float = 30.0  # seconds running streams get to finish after SIGTERM
     default_max_new_tokens: int = 512  # /chat's and the page's default
+    feedback_dir: str | None = None  # the page's likes/dislikes (JSON lines); None: /data/feedback on a Space, else off
     log_level: str = "info"
     log_format: str = "text"  # "json": one JSON object per finished request in the log
     test_hooks: bool = False  # enables fault injection for the test suite; never in production

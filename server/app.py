@@ -14,6 +14,7 @@ from server import anthropic_api, chat, openai_api, responses_api
 from server.errors import ApiError, install_error_handlers
 from server.middleware import ApiGuard, has_key
 from server.resume import ResumeRegistry
+from frontend.sampling_defaults import model_sampling_defaults
 from frontend.settings import Settings
 
 log = logging.getLogger("rill.server")
@@ -61,6 +62,7 @@ def create_app(engine, settings: Settings) -> FastAPI:
                   docs_url="/docs", redoc_url=None)
     state = app.state
     state.engine = engine
+    state.sampling_defaults = model_sampling_defaults(engine)  # unset sampling fields of every route
     state.settings = settings
     state.started_at = int(time.time())
     state.shutting_down = False
@@ -122,7 +124,7 @@ def create_app(engine, settings: Settings) -> FastAPI:
             log.exception("metrics could not be installed; serving without /metrics")
 
     app.add_middleware(ApiGuard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
-                       test_hooks=settings.test_hooks)
+                       test_hooks=settings.test_hooks, page_closed=settings.ui_auth is not None)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["x-request-id", "x-resume-token"])

@@ -22,6 +22,7 @@ from engine.request import FinishReason, InvalidRequest, SamplingParams
 from server.errors import BODY_FIELDS, ApiError, internal_error_message, log_internal_error
 from frontend.admission import (Generation, RequestFailed, admission, compile_constraint, check_prompt_chars, off_loop, request_id_from,
                                start_generation)
+from frontend.sampling_defaults import SamplingDefaults
 from server.resume import ResumableStream
 from server.schemas import ChatBody
 from server.sse import event_stream_response
@@ -55,14 +56,17 @@ def _prompt_token_ids(engine, body: ChatBody) -> list[int]:
     return engine.encode_chat(messages, True, None, **(body.chat_template_kwargs or {}))
 
 
-def _sampling_params(body: ChatBody, settings, engine) -> SamplingParams:
+def _sampling_params(body: ChatBody, settings, engine, defaults: SamplingDefaults = SamplingDefaults()
+                     ) -> SamplingParams:
+    """Unset sampling fields: the model's defaults (`defaults`), else the seed protocol's."""
     max_tokens = body.max_new_tokens or settings.default_max_new_tokens
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        repetition_penalty=body.repetition_penalty,
+        temperature=defaults.get("temperature", 0.7) if body.temperature is None else body.temperature,
+        top_p=defaults.get("top_p", 1.0) if body.top_p is None else body.top_p,
+        top_k=defaults.get("top_k", 0) if body.top_k is None else body.top_k,
+        repetition_penalty=defaults.get("repetition_penalty", 1.0) if body.repetition_penalty is None
+        else body.repetition_penalty,
         stop=tuple(body.stop_list()),
         seed=body.seed,
         ignore_eos=body.ignore_eos,
@@ -190,7 +194,7 @@ async def chat(body: ChatBody, request: Request, x_request_id: str | None = Head
     state = request.app.state
     engine, settings = state.engine, state.settings
     request_id = request_id_from(x_request_id)  # a label; resuming needs the record's token too
-    params = _sampling_params(body, settings, engine)
+    params = _sampling_params(body, settings, engine, getattr(state, "sampling_defaults", SamplingDefaults()))
     _check_prompt_size(engine, body)
     prompt_ids = await off_loop(_prompt_token_ids, engine, body)
     await compile_constraint(engine, params)

@@ -17,23 +17,31 @@ from engine.request import Constraint, InvalidRequest, SamplingParams
 from frontend.errors import ApiError
 from frontend.admission import (Generation, admission, check_prompt_chars, compile_constraint, off_loop, request_id_from,
                                 start_generation)
+from frontend.sampling_defaults import SamplingDefaults
 from frontend.tool_parsers import ToolCall
 from frontend.tools import ToolFormat, ToolRequest, tool_format
 from server.openai_choices import Reply
 from server.schemas import SamplingFields
 
 
+def model_defaults(state) -> SamplingDefaults:
+    """The sampling the model's generation config asks for (read once at start; empty if none)."""
+    return getattr(state, "sampling_defaults", None) or SamplingDefaults()
+
+
 def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None, constraint=None,
-                    reasoning: bool = False) -> SamplingParams:
-    """The engine's parameters of an OpenAI-style body (unset fields at OpenAI's defaults)."""
+                    reasoning: bool = False, defaults: SamplingDefaults = SamplingDefaults()) -> SamplingParams:
+    """The engine's parameters of an OpenAI-style body: unset fields take the model's generation
+    config (`defaults`), as vLLM does, else OpenAI's defaults."""
     return SamplingParams(
         max_tokens=max_tokens,
         min_tokens=min(body.min_tokens, max_tokens),
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=0 if body.top_k in (None, -1) else body.top_k,
+        temperature=defaults.get("temperature", 1.0) if body.temperature is None else body.temperature,
+        top_p=defaults.get("top_p", 1.0) if body.top_p is None else body.top_p,
+        top_k=defaults.get("top_k", 0) if body.top_k is None else 0 if body.top_k == -1 else body.top_k,
         min_p=body.min_p,
-        repetition_penalty=body.repetition_penalty,
+        repetition_penalty=defaults.get("repetition_penalty", 1.0) if body.repetition_penalty is None
+        else body.repetition_penalty,
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
         seed=body.seed,
@@ -119,7 +127,8 @@ async def start_chat(request: Request, job: ChatJob, request_id: str, route: str
     max_tokens = job.max_tokens or default_max_tokens(engine, len(encoded.prompt_ids))
     constraint = fmt.constraint(job.tools, engine.tokenizer) if fmt is not None else job.constraint
     params = sampling_params(job.sampling, max_tokens, job.logprobs, constraint,
-                     reasoning=getattr(engine, "think_tags", None) is not None)
+                             reasoning=getattr(engine, "think_tags", None) is not None,
+                             defaults=model_defaults(request.app.state))
     try:
         await compile_constraint(engine, params)
     except InvalidRequest as exc:

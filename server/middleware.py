@@ -18,7 +18,8 @@ import json
 
 from server.errors import count_error, error_body
 
-_API_PREFIXES = ("/chat", "/v1")
+_MCP_PREFIX = "/gradio_api/mcp"  # Gradio's MCP server (ui/mcp_tools.py): its clients send the Bearer key
+_API_PREFIXES = ("/chat", "/v1", _MCP_PREFIX)
 _TEST_HOOK_PREFIX = "/_test"
 
 
@@ -71,8 +72,10 @@ class ApiGuard:
     """`Authorization: Bearer <key>` (or `x-api-key: <key>`) on the API routes when a key is set (401), and `--max-body-bytes`
     on every request body, the page's Gradio API included (413)."""
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int, test_hooks: bool = False):
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, test_hooks: bool = False,
+                 page_closed: bool = False):
         self.app = app
+        self.page_closed = page_closed  # a page login (UI_AUTH) without a key: MCP, which has no login, is off
         self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
         self.test_hooks = test_hooks  # /_test/... are routes (and need the key) only with the hooks
@@ -82,6 +85,10 @@ class ApiGuard:
             return await self.app(scope, receive, send)
         path = scope["path"]
         headers = dict(scope["headers"])
+        if self.page_closed and self.api_key is None and is_api_path(path) and path.startswith(_MCP_PREFIX):
+            return await _send_json(send, path, 401, "This server's page has a login (UI_AUTH): its MCP endpoint "
+                                    "needs an API key too. Start it with --api-key (API_KEY) and send "
+                                    "`Authorization: Bearer <key>`.", code="invalid_api_key", app=scope.get("app"))
         if self.api_key is not None and is_api_path(path, self.test_hooks):  # the page's routes: Gradio's login
             given = headers.get(b"authorization", b"")
             scheme, _, token = given.partition(b" ")

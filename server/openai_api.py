@@ -21,8 +21,8 @@ from engine.request import RequestOutput
 from server.chat import run_while_connected
 from server.errors import error_body, internal_error_message, slow_reader_end
 from frontend.admission import Generation, RequestFailed, check_prompt_chars, compile_constraint, off_loop
-from server.chat_path import (ChatJob, admit_all, check_model, default_max_tokens, route_start, sampling_params,
-                              start_chat)
+from server.chat_path import (ChatJob, admit_all, check_model, default_max_tokens, model_defaults, route_start,
+                              sampling_params, start_chat)
 from server.openai_choices import ChatChoices, CompletionChoices, TokenText
 from server.schemas import ChatCompletionRequest, CompletionRequest
 from server.sse import event_stream_response
@@ -123,7 +123,8 @@ async def completions(body: CompletionRequest, request: Request, x_request_id: s
         max_tokens = body.max_tokens
     else:
         max_tokens = default_max_tokens(engine, max(len(p) for p in prompts))
-    params = sampling_params(body, max_tokens, body.logprobs, body.constraint())
+    params = sampling_params(body, max_tokens, body.logprobs, body.constraint(),
+                             defaults=model_defaults(request.app.state))
     await compile_constraint(engine, params)
     gens = await admit_all(request, prompts, params, request_id, "v1_completions")
     choices = CompletionChoices(body.n * len(gens), TokenText(engine.tokenizer), body.logprobs)

@@ -118,10 +118,11 @@ class ChatBody(_ConstraintFields):
     raw: bool = Field(False, description="send `prompt` to the model as is, without the chat template")
     stream: bool = True
     max_new_tokens: int | None = Field(None, ge=1, description="new tokens at most (default 512)")
-    temperature: float = Field(0.7, ge=0, le=100, description="0 = greedy")
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0, description="0 = off")
-    repetition_penalty: float = Field(1.0, gt=0, le=100)
+    # unset: the model's generation config (or model card), else 0.7, 1.0, 0 and 1.0
+    temperature: float | None = Field(None, ge=0, le=100, description="0 = greedy; unset: the model's default")
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0, description="0 = off")
+    repetition_penalty: float | None = Field(None, gt=0, le=100)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     ignore_eos: bool = Field(False, description="go on past the end-of-sequence token, up to max_new_tokens")
@@ -266,7 +267,7 @@ class SamplingFields(_ConstraintFields):
     # extensions (vLLM, TGI)
     top_k: int | None = Field(None, ge=-1)
     min_p: float = Field(0.0, ge=0, le=1)
-    repetition_penalty: float = Field(1.0, gt=0, le=100)
+    repetition_penalty: float | None = Field(None, gt=0, le=100)  # unset: the model's, else 1.0
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None

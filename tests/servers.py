@@ -37,7 +37,7 @@ _SETTING_VARIABLES = ("MODEL_ID", "API_KEY", "DTYPE", "DEVICE", "MAX_NUM_SEQS", 
                       "CORS_ORIGINS", "RILL_TEST_HOOKS", "MAX_NEW_TOKENS", "LOG_LEVEL", "LOG_FORMAT", "SEED",
                       "TRUST_REMOTE_CODE", "MAX_NUM_BATCHED_TOKENS", "BLOCK_SIZE", "RESUME_MAX_STREAMS",
                       "RESUME_MAX_BYTES", "MAX_ENGINE_RESTARTS", "QUANTIZE", "KV_CACHE_DTYPE",
-                      "CACHE_SALT_PER_SESSION")
+                      "CACHE_SALT_PER_SESSION", "FEEDBACK_DIR")
 
 
 def free_port() -> int:

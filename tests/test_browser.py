@@ -6,6 +6,7 @@ Screenshots (the page mid-answer, the status tab under load) go to $RILL_SCREENS
 else to a temporary folder.
 """
 
+import json
 import os
 import re
 import threading
@@ -310,3 +311,134 @@ def test_status_tab_shows_the_load(visitor, embedded_server, shots):
     assert len(answers) >= 4 and all(answer for answer in answers)
     until(lambda: cell("Running requests") == "0", message="the status tab to show the engine idle again")
     assert visitor.dialogs == [] and visitor.foreign_requests == []
+
+
+@pytest.fixture(scope="module")
+def feedback_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("feedback")
+
+
+class Conversations:
+    """The conversation bar of a `Page`: Gradio 6's Dropdown renders its options (`li[role=option]`,
+    the title in `aria-label`, a "✓" before the selected one's text) only while open, and an open
+    list's input toggles it shut when clicked again: so each look starts from an unfocused input."""
+
+    OPTIONS = "ul[role=listbox] li[role=option]"  # the page's only Dropdown; the list exists while open
+
+    def __init__(self, page):
+        self.page = page
+        self.box = page.locator("#rill-conversations input")
+
+    def open(self):
+        self.box.blur()  # the Dropdown fires `input` on blur: the page must ignore that (no switch)
+        self.box.click()
+        self.page.locator(self.OPTIONS).first.wait_for(state="visible", timeout=30_000)
+
+    def close(self):
+        self.page.keyboard.press("Escape")
+        self.box.blur()
+
+    def titles(self) -> list[str]:
+        """The list's titles, newest first, as the visitor sees them when opening it."""
+        self.open()
+        try:
+            return self.page.locator(self.OPTIONS).evaluate_all("items => items.map(i => i.getAttribute('aria-label'))")
+        finally:
+            self.close()
+
+    def choose(self, title: str):
+        self.open()
+        self.page.locator(f"{self.OPTIONS}[aria-label={json.dumps(title)}]").click(timeout=30_000)
+
+    def title(self) -> str:
+        return self.page.locator("#rill-title input").input_value()
+
+
+def finished_answers(url: str) -> float:
+    return sum(metric(url, "rill_requests_finished_total", route="gradio", finish_reason=reason)
+               for reason in ("stop", "length"))
+
+
+def test_conversations_edit_like_and_export(browser, server_with, feedback_dir):
+    """Conversations kept in the browser across a reload (new, switch, rename, delete), a sent message
+    edited and answered again, a like written to the feedback folder, a conversation exported as JSON.
+    The tiny Llama, 12-token answers: these are the page's behaviours, not the model's."""
+    server = server_with("--feedback-dir", str(feedback_dir), "--max-new-tokens", "12")
+    wait_idle(server.url, timeout=WAIT_S)
+    visitor = Page(browser, server.url)
+    page, bar = visitor.page, Conversations(visitor.page)
+    users = page.locator("#rill-chatbot [data-testid='user']")
+    bots = page.locator("#rill-chatbot [data-testid='bot']")
+    try:
+        def ask(text: str, answers: int):
+            """Sends `text`; waits for its answer, then for the conversation to be saved (its title)."""
+            done = finished_answers(server.url)
+            visitor.send(text)
+            until(lambda: finished_answers(server.url) == done + 1 and visitor.idle() and bots.count() == answers,
+                  message=f"the answer to {text!r}")
+
+        until(lambda: bar.title() == "New chat", message="the first visit's empty conversation")
+        ask("first conversation", 1)
+        until(lambda: bar.title() == "first conversation", message="the title taken from the first message")
+        assert bar.titles() == ["first conversation"]
+        page.click("#rill-new")
+        until(lambda: users.count() == 0 and bar.title() == "New chat", message="an empty new chat")
+        ask("second one", 1)
+        until(lambda: bar.title() == "second one", message="the second conversation's title")
+        assert bar.titles() == ["second one", "first conversation"]  # newest first
+        page.fill("#rill-title input", "Renamed chat")
+        page.click("#rill-rename")
+        until(lambda: bar.titles() == ["Renamed chat", "first conversation"],
+              message=lambda: f"the renamed title in the list (it shows {bar.titles()})")
+
+        page.reload()  # both survive a reload, the current one shown
+        page.wait_for_selector("#rill-input textarea")
+        until(lambda: visitor.user_text() == "second one" and bar.title() == "Renamed chat",
+              message="the current conversation after a reload")
+        assert bar.titles() == ["Renamed chat", "first conversation"]
+
+        bar.choose("first conversation")  # switch
+        until(lambda: users.all_inner_texts() == ["first conversation"] and bar.title() == "first conversation",
+              message="the switch to the first conversation")
+        assert bots.count() == 1
+        ask("a follow-up", 2)
+
+        # edit the first message: the rest of the conversation goes, the answer is generated again
+        done = finished_answers(server.url)
+        users.first.hover()
+        page.locator("#rill-chatbot button[aria-label='Edit']").first.click()
+        page.locator("#rill-chatbot textarea").last.fill("edited message")
+        page.click("#rill-chatbot button[aria-label='Submit']")
+        until(lambda: finished_answers(server.url) == done + 1 and visitor.idle()
+              and users.all_inner_texts() == ["edited message"] and bots.count() == 1,
+              message=lambda: f"the edited message answered again (the chat shows {users.all_inner_texts()})")
+
+        bots.last.hover()
+        page.click("#rill-chatbot button[aria-label='Like']")
+        feedback = feedback_dir / "feedback.jsonl"
+        lines = until(lambda: feedback.is_file() and feedback.read_text().splitlines(), message="a feedback line")
+        time.sleep(0.5)
+        assert len(feedback.read_text().splitlines()) == 1, "one like, one line"
+        record = json.loads(lines[0])
+        assert record["rating"] == "like" and record["model"] == server.health()["model"]
+        assert record["conversation"] == [{"role": "user", "content": "edited message"}]
+        assert record["answer"] and record["index"] == 1
+
+        with page.expect_download(timeout=WAIT_S * 1000) as download:
+            page.click("#rill-export")
+        exported = json.loads(Path(download.value.path()).read_text())
+        assert exported["title"] == "first conversation"
+        assert exported["messages"] == [{"role": "user", "content": "edited message"},
+                                        {"role": "assistant", "content": record["answer"]}]
+
+        page.click("#rill-delete")
+        until(lambda: visitor.user_text() == "second one" and bar.title() == "Renamed chat",
+              message="the other conversation after the delete")
+        assert bar.titles() == ["Renamed chat"]
+        page.reload()  # the delete is kept too
+        page.wait_for_selector("#rill-input textarea")
+        until(lambda: visitor.user_text() == "second one", message="the remaining conversation after a reload")
+        assert bar.titles() == ["Renamed chat"]
+        assert visitor.dialogs == [] and visitor.foreign_requests == []
+    finally:
+        visitor.close()

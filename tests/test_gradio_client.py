@@ -16,8 +16,8 @@ from gradio_client.exceptions import AuthenticationError
 from tests.servers import run_server
 
 CAPITAL = "What is the capital of France?"
-# The page's defaults sample (temperature 0.7, top-p 0.9, top-k 50, repetition penalty 1.1);
-# these settings make a gradio_client call greedy like `/chat` with temperature 0.
+# The page's defaults sample (the model's generation config, else temperature 0.7, top-p 0.9,
+# top-k 50, repetition penalty 1.1; the embedded model: its card's 0.2 and 0.9); these settings make a gradio_client call greedy like `/chat` with temperature 0.
 GREEDY = dict(system_prompt="", temperature=0.0, top_p=1.0, top_k=0, repetition_penalty=1.0)
 KEY = "edge-test-key-5b1e9c"  # the same flags as tests/test_access.py: one server for both
 INPUTS = ["message", "history", "system_prompt", "temperature", "top_p", "top_k", "max_new_tokens",
@@ -82,6 +82,17 @@ def test_embedded_model_answers_paris_and_agrees_with_chat(embedded_server):
                             api_name="/chat")
     assert "Paris" in answer
     assert answer == chat_greedy(embedded_server.url, [{"role": "user", "content": CAPITAL}], 48)
+
+
+def test_embedded_model_answers_the_readmes_line_with_paris_at_the_default_settings(embedded_server):
+    """README's one-liner: no settings at all, so the page's defaults (the model card's temperature 0.2
+    and top-p 0.9, shown on the sliders and as /chat's parameter defaults) answer it."""
+    client = Client(embedded_server.url + "/", verbose=False)
+    parameters = client.view_api(return_format="dict", print_info=False)["named_endpoints"]["/chat"]["parameters"]
+    defaults = {p["parameter_name"]: p.get("parameter_default") for p in parameters}
+    assert (defaults["temperature"], defaults["top_p"]) == (0.2, 0.9)
+    answers = [client.predict(CAPITAL, api_name="/chat") for _ in range(3)]
+    assert all("Paris" in answer for answer in answers), answers
 
 
 def test_embedded_chinese_streams_without_replacement_characters(embedded_server):

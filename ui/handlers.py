@@ -75,8 +75,10 @@ def session_salts():
 class PageHandlers:
     """The page's event handlers for one engine; the page's requests are recorded under "gradio"."""
 
-    def __init__(self, engine, metrics: RequestMetrics, default_max_new_tokens: int, salt_sessions: bool = False):
+    def __init__(self, engine, metrics: RequestMetrics, default_max_new_tokens: int, defaults: ChatSettings = DEFAULTS,
+                 salt_sessions: bool = False):
         self.engine, self.metrics = engine, metrics
+        self.defaults = defaults  # the sliders' and the `/chat` API's defaults (the model's, where it has them)
         self.session_salt = session_salts() if salt_sessions else (lambda request: None)
         self.default_max_new_tokens = default_max_new_tokens
         self.visitors = VisitorStreams()
@@ -110,12 +112,12 @@ class PageHandlers:
 
     def api_chat(self):
         """The `/chat` API function (its signature and docstring are what gradio_client shows)."""
-        engine, metrics, session_salt = self.engine, self.metrics, self.session_salt
+        engine, metrics, defaults, session_salt = self.engine, self.metrics, self.defaults, self.session_salt
 
-        def chat(message: str, history: list[dict] | None = None, system_prompt: str = DEFAULTS.system_prompt,
-                 temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
-                 top_k: int = DEFAULTS.top_k, max_new_tokens: int = self.default_max_new_tokens,
-                 repetition_penalty: float = DEFAULTS.repetition_penalty, request: gr.Request = None) -> str:
+        def chat(message: str, history: list[dict] | None = None, system_prompt: str = defaults.system_prompt,
+                 temperature: float = defaults.temperature, top_p: float = defaults.top_p,
+                 top_k: int = defaults.top_k, max_new_tokens: int = self.default_max_new_tokens,
+                 repetition_penalty: float = defaults.repetition_penalty, request: gr.Request = None) -> str:
             """Streams the assistant's answer to `message` (the text so far on each update).
 
             history: earlier messages, [{"role": "user" | "assistant", "content": "..."}] (oldest first).

@@ -5,9 +5,13 @@ from types import SimpleNamespace
 
 import gradio as gr
 
+from frontend.sampling_defaults import model_sampling_defaults, with_model_defaults
 from frontend.telemetry import RequestMetrics
-from ui.chat import OUTPUT_FORMATS
+from ui.chat import OUTPUT_FORMATS, ChatSettings
+from ui.conversations import conversation_bar, edited, wire_conversations
+from ui.feedback import FeedbackLog, feedback_folder
 from ui.handlers import DEFAULTS, IDLE, PageHandlers
+from ui.mcp_tools import hide_from_mcp, register_mcp_tools
 
 EXAMPLES = [
     "Explain continuous batching to a five-year-old.",
@@ -29,12 +33,13 @@ def _header(engine, model_name: str) -> str:
             "Answers stream as they are generated; **Stop** aborts the request in the engine.")
 
 
-def _chat_tab(model_name: str, context: int, default_max_new: int, thinks: bool) -> SimpleNamespace:
-    """The chat tab's components (inside an open `gr.Tab`)."""
-    ui = SimpleNamespace()
+def _chat_tab(model_name: str, context: int, default_max_new: int, thinks: bool,
+              defaults: ChatSettings, feedback: bool) -> SimpleNamespace:
+    """The chat tab's components (inside an open `gr.Tab`); thumbs on answers when `feedback` is kept."""
+    ui = SimpleNamespace(conversations=conversation_bar())
     ui.chatbot = gr.Chatbot(
-        label=model_name, elem_id="rill-chatbot", height=520, layout="bubble",
-        buttons=["copy", "copy_all"], feedback_options=None,
+        label=model_name, elem_id="rill-chatbot", height=520, layout="bubble", editable="user",
+        buttons=["copy", "copy_all"], feedback_options=("Like", "Dislike") if feedback else None,
         placeholder=f"**{model_name}** is ready. Ask anything, or pick an example.",
         examples=[{"text": text} for text in EXAMPLES],
         sanitize_html=True, render_markdown=True,
@@ -47,26 +52,26 @@ def _chat_tab(model_name: str, context: int, default_max_new: int, thinks: bool)
         ui.stop = gr.Button("Stop", variant="stop", scale=1, min_width=80, visible=False, elem_id="rill-stop")
     ui.answer_stats = gr.Markdown("", elem_id="rill-answer-stats")
     with gr.Accordion("System prompt and sampling", open=False, elem_id="rill-settings"):
-        _settings(ui, context, default_max_new, thinks)
+        _settings(ui, context, default_max_new, thinks, defaults)
     return ui
 
 
-def _settings(ui: SimpleNamespace, context: int, default_max_new: int, thinks: bool) -> None:
+def _settings(ui: SimpleNamespace, context: int, default_max_new: int, thinks: bool, defaults: ChatSettings) -> None:
     """The system prompt and sampling settings (in the order `PageHandlers.respond` takes them)."""
-    ui.system_prompt = gr.Textbox(label="System prompt", value=DEFAULTS.system_prompt, lines=2,
+    ui.system_prompt = gr.Textbox(label="System prompt", value=defaults.system_prompt, lines=2,
                                   placeholder="Empty = the model's default system prompt")
     with gr.Row():
-        ui.temperature = gr.Slider(0.0, 2.0, value=DEFAULTS.temperature, step=0.05, label="Temperature",
+        ui.temperature = gr.Slider(0.0, 2.0, value=defaults.temperature, step=0.05, label="Temperature",
                                    info="0 = greedy (deterministic)", elem_id="rill-temperature")
-        ui.top_p = gr.Slider(0.05, 1.0, value=DEFAULTS.top_p, step=0.05, label="Top-p",
+        ui.top_p = gr.Slider(0.05, 1.0, value=defaults.top_p, step=0.05, label="Top-p",
                              info="nucleus: keep the smallest set with this probability mass")
     with gr.Row():
-        ui.top_k = gr.Slider(0, 200, value=DEFAULTS.top_k, step=1, label="Top-k",
+        ui.top_k = gr.Slider(0, 200, value=defaults.top_k, step=1, label="Top-k",
                              info="keep the k most likely tokens; 0 = off")
         ui.max_new_tokens = gr.Slider(1, max(1, min(context, 4096)), value=default_max_new, step=1,
                                       label="Max new tokens", info=f"context: {context} tokens",
                                       elem_id="rill-max-new-tokens")
-        ui.repetition_penalty = gr.Slider(1.0, 2.0, value=DEFAULTS.repetition_penalty, step=0.05,
+        ui.repetition_penalty = gr.Slider(1.0, 2.0, value=defaults.repetition_penalty, step=0.05,
                                           label="Repetition penalty", info="1 = off",
                                           elem_id="rill-repetition-penalty")
     with gr.Row():
@@ -97,8 +102,9 @@ def _status_tab() -> SimpleNamespace:
     return ui
 
 
-def _wire_chat(ui: SimpleNamespace, handlers: PageHandlers, concurrency: int) -> None:
-    """Send, examples, retry, undo, clear and stop; an answer streams through `handlers.respond`."""
+def _wire_chat(ui: SimpleNamespace, handlers: PageHandlers, concurrency: int, save: dict) -> None:
+    """Send, examples, retry, edit, undo, clear and stop; an answer streams through `handlers.respond`;
+    `save` (ui/conversations.py) keeps the conversation in the browser after each change."""
     chatbot, private = ui.chatbot, dict(api_visibility="private", queue=False)
     buttons = [ui.send, ui.stop, ui.textbox]
     respond = dict(fn=handlers.respond, inputs=[chatbot] + ui.settings_inputs, outputs=[chatbot, ui.answer_stats],
@@ -111,12 +117,13 @@ def _wire_chat(ui: SimpleNamespace, handlers: PageHandlers, concurrency: int) ->
             gr.on([ui.textbox.submit, ui.send.click], handlers.add_user_message, [ui.textbox, chatbot],
                   [chatbot] + buttons, **private),
             chatbot.example_select(handlers.add_example, [chatbot], [chatbot] + buttons, **private),
-            chatbot.retry(handlers.pop_answer, [chatbot], [chatbot] + buttons, **private)):
+            chatbot.retry(handlers.pop_answer, [chatbot], [chatbot] + buttons, **private),
+            chatbot.edit(edited, [chatbot], [chatbot] + buttons, **private)):
         answer = started.success(**respond)
-        answer.then(**restore)
+        answer.then(**restore).then(**save)
         answers.append(answer)
-    chatbot.undo(handlers.undo, [chatbot], [chatbot, ui.textbox, ui.answer_stats], **private)
-    chatbot.clear(lambda: "", None, [ui.answer_stats], **private)
+    chatbot.undo(handlers.undo, [chatbot], [chatbot, ui.textbox, ui.answer_stats], **private).then(**save)
+    chatbot.clear(lambda: "", None, [ui.answer_stats], **private).then(**save)
     ui.stop.click(lambda: IDLE, None, buttons, cancels=answers, **private)
 
 
@@ -150,20 +157,28 @@ def build_demo(engine, settings=None, metrics: RequestMetrics | None = None) -> 
     context = int(engine.max_model_len)
     default_max_new = max(1, min(default_max_new, context // 2))
     model_name = getattr(engine, "model_name", None) or getattr(settings, "model_id", None) or "model"
-    handlers = PageHandlers(engine, metrics, default_max_new,
+    defaults = with_model_defaults(DEFAULTS, model_sampling_defaults(engine))  # the sliders show the model's
+    handlers = PageHandlers(engine, metrics, default_max_new, defaults,
                             salt_sessions=bool(getattr(settings, "cache_salt_per_session", False)))
+    folder = feedback_folder(getattr(settings, "feedback_dir", None))
+    feedback = FeedbackLog(folder, model_name) if folder is not None else None
 
     # delete_cache: files in Gradio's cache (uploads) older than an hour are deleted every hour
     with gr.Blocks(title=f"rill · {model_name}", fill_height=False, delete_cache=(3600, 3600)) as demo:
         gr.Markdown(_header(engine, model_name), elem_id="rill-header")
         with gr.Tabs():
             with gr.Tab("Chat", id="chat") as chat_tab:
-                chat_ui = _chat_tab(model_name, context, default_max_new, handlers.thinks)
+                chat_ui = _chat_tab(model_name, context, default_max_new, handlers.thinks, defaults,
+                                    feedback is not None)
             with gr.Tab("Status", id="status") as status_tab:
                 status_ui = _status_tab()
-        _wire_chat(chat_ui, handlers, concurrency)
+        save = wire_conversations(demo, chat_ui.conversations, chat_ui.chatbot, chat_ui.answer_stats)
+        _wire_chat(chat_ui, handlers, concurrency, save)
+        if feedback is not None:
+            chat_ui.chatbot.like(feedback.record, [chat_ui.chatbot], None, api_visibility="private", queue=False)
         _wire_status(chat_tab, status_tab, status_ui, handlers)
-        gr.api(handlers.api_chat(), api_name="chat", concurrency_limit=concurrency, concurrency_id="chat")
+        register_mcp_tools(engine, metrics, defaults, default_max_new)  # first: the MCP tool `chat` is its
+        gr.api(hide_from_mcp(handlers.api_chat()), api_name="chat", concurrency_limit=concurrency, concurrency_id="chat")
         demo.unload(handlers.visitors.abort_session)  # a closed tab stops generating what nobody will read
 
     demo.max_threads = max(40, concurrency + 16)  # each streaming answer holds a worker thread
