@@ -12,7 +12,7 @@ import threading
 import pytest
 
 from engine.async_engine import AsyncEngine
-from engine.loading import load_model
+from engine.model.loading import load_model
 from engine.request import Constraint, FinishReason, SamplingParams
 
 OTHER_TOKENS = 24

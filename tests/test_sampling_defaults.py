@@ -11,7 +11,7 @@ from transformers import GenerationConfig
 
 from frontend.sampling_defaults import SamplingDefaults, model_sampling_defaults, with_model_defaults
 from server.chat import _sampling_params
-from server.openai_api import _params
+from server.chat_path import sampling_params as _params
 from server.schemas import ChatBody, ChatCompletionRequest
 from ui.chat import ChatSettings
 
