@@ -16,7 +16,7 @@ waiting queue's head (often the victim itself), only to be taken back the next s
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
 from engine.fair_share import VirtualTokenCounter
@@ -71,6 +71,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         plan: list[ScheduledChunk] = []
         scheduled: set[int] = set()
+        self._make_room_for_a_waiting_client()
         num_preemptions = self.num_preemptions
         i = 0
         while i < len(self.running) and budget > 0:
@@ -132,6 +133,20 @@ class Scheduler:
                 in_flight.update(self._uncomputed_hashes(seq))
         self.waiting.extendleft(reversed(held))
         return plan
+
+    def _make_room_for_a_waiting_client(self) -> None:
+        """All slots taken and a client waiting with nothing running: the client running the most
+        beyond its share of the slots gives one up (its most recently admitted sequence, preempted
+        and recomputed later), which the waiting client's lower counter then takes this step.
+        Otherwise a newcomer would wait for a flood's running sequences to finish (whole answers)."""
+        if len(self.running) < self.max_num_seqs or len(self.fair.active) < 2 or not self.fair.waiting:
+            return
+        running_by = Counter(s.client for s in self.running)
+        if all(client in running_by for client in self.fair.waiting):
+            return
+        client, held = running_by.most_common(1)[0]
+        if held > self.max_num_seqs / len(running_by.keys() | self.fair.waiting.keys()):
+            self._preempt(next(s for s in reversed(self.running) if s.client == client))
 
     def _draft(self, seq: Sequence, num_new: int, budget: int) -> tuple[int, ...]:
         """The draft a decode-ready sequence verifies this step: what fits the budget and the free

@@ -41,15 +41,33 @@ def admissions(sched: Scheduler, finish_each: int = 3) -> list[str]:
     return order
 
 
-def test_a_second_client_goes_ahead_of_the_first_ones_queue():
+def test_a_second_client_goes_ahead_of_the_first_ones_queue_at_the_next_step():
     sched = Scheduler(BlockAllocator(100, 16), max_num_seqs=2, max_num_batched_tokens=256)
-    for i in range(6):
-        sched.add(seq(f"a{i}", "A"))
+    a = [seq(f"a{i}", "A") for i in range(6)]
+    for s in a:
+        sched.add(s)
     assert step(sched) == ["a0", "a1"]  # alone, A takes every slot
     sched.add(seq("b0", "B"))
-    # B comes in at A's level; A's decodes raise A's counter at the next step, before a slot frees
-    assert sched.fair.counters["B"] == sched.fair.counters["A"] == 16
-    assert admissions(sched)[2:] == ["b0", "a2", "a3", "a4", "a5"]  # after a0 and a1, running already
+    assert sched.fair.counters["B"] == sched.fair.counters["A"] == 16  # B comes in at A's level
+    # A runs both slots, over its share of one: its latest gives its slot up, B takes it at once
+    # (A's decode raised A's counter above B's before the pick)
+    assert step(sched) == ["a0", "b0"]
+    assert sched.num_preemptions == 1 and list(sched.waiting)[:2] == [a[1], a[2]]
+    assert step(sched) == ["a0", "b0"]  # B runs: nobody waits with nothing running, no more preemption
+    assert admissions(sched)[2:] == ["a1", "a2", "a3", "a4", "a5"]  # after a0 and b0: A's queue in order
+    assert sched.num_preemptions == 1
+
+
+def test_without_a_waiting_newcomer_or_over_its_share_nobody_is_preempted():
+    sched = Scheduler(BlockAllocator(100, 16), max_num_seqs=4, max_num_batched_tokens=256)
+    for name, client in (("a0", "A"), ("a1", "A"), ("b0", "B"), ("b1", "B")):
+        sched.add(seq(name, client))
+    step(sched)
+    sched.add(seq("c0", "C"))  # A and B hold 2 slots each, C's share is 4 / 3: 2 > 1.33, so one goes
+    assert step(sched)[-1] == "c0" and sched.num_preemptions == 1
+    sched.add(seq("a9", "A"))  # A waits, but it runs already: it waits for a slot to free
+    step(sched)
+    assert sched.num_preemptions == 1
 
 
 def test_clients_alternate_by_tokens_computed_and_fifo_within_each():
