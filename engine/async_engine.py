@@ -30,6 +30,7 @@ from typing import AsyncIterator
 from engine.chat_template import encode_chat
 from engine.config import EngineConfig
 from engine.core import EngineCore, EngineStats
+from engine.fair_share import AdmissionShares
 from engine.host import in_passing_thread
 from engine.request import (
     FinishReason,
@@ -45,6 +46,7 @@ from engine.streams import RequestStream, deliver_batch, OutputSink
 log = logging.getLogger("rill.engine")
 
 RESTART_WINDOW_S = 600.0  # deaths older than this no longer count against config.max_restarts
+FAIR_SHARE_CAP = 2  # past max_num_seqs + max_queue, clients under their fair share are admitted up to this many times it
 
 
 class EngineNotRunning(RuntimeError):
@@ -76,7 +78,7 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._sinks: dict[str, OutputSink] = {}  # request_id -> where its outputs go
         self._compiling: set[str] = set()  # admitted, added to the core once their constraint compiled
-        self._num_admitted = 0  # sequences added and not finished (running + waiting + pending)
+        self._shares = AdmissionShares()  # sequences added and not finished (running + waiting + pending), per client
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.dead: BaseException | None = None  # why the engine died, while it is dead or rebuilding
@@ -147,7 +149,7 @@ class AsyncEngine:
         return None
 
     def _admit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None, sink_factory,
-               prior_output_ids: list[int] = ()):
+               prior_output_ids: list[int] = (), client=None):
         if (error := self._not_running()) is not None:
             raise error
         self.core.check_prompt(prompt_token_ids, params, prior_output_ids)
@@ -164,12 +166,13 @@ class AsyncEngine:
                 raise error
             if request_id in self._sinks:
                 raise InvalidRequest(f"Request id {request_id!r} is already in use.", "request_id")
-            if self._num_admitted + params.n > capacity:
+            if not self._shares.admits(client, params.n, capacity, FAIR_SHARE_CAP * capacity):
                 raise QueueFull(f"The server is at capacity ({self.config.max_num_seqs} running and "
-                                f"{self.config.max_queue} waiting). Retry in a moment.")
-            self._num_admitted += params.n
+                                f"{self.config.max_queue} waiting){self._shares.why_not(client, capacity)}. "
+                                "Retry in a moment.")
+            self._shares.add(request_id, client, params.n)
             self._sinks[request_id] = sink
-            add = lambda: self._add(request_id, list(prompt_token_ids), params, prior)  # noqa: E731
+            add = lambda: self._add(request_id, list(prompt_token_ids), params, prior, client)  # noqa: E731
             if compiled is None or compiled.done():
                 self._commands.append(add)
             else:
@@ -189,7 +192,8 @@ class AsyncEngine:
             self._commands.append(add)
         self._wakeup.set()
 
-    def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prior: list[int]) -> None:
+    def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prior: list[int],
+             client=None) -> None:
         """Engine thread: a request the core refuses ends for its consumer with the reason."""
         if params.constraint is not None and not self.grammars.cached(params.constraint):
             # compiled, then dropped from the cache before its turn came: compile it again, off this thread
@@ -202,10 +206,11 @@ class AsyncEngine:
             with self._lock:
                 self._compiling.add(request_id)
             compiled.add_done_callback(
-                lambda _: self._compiled(request_id, lambda: self._add(request_id, prompt_token_ids, params, prior)))
+                lambda _: self._compiled(request_id, lambda: self._add(request_id, prompt_token_ids, params, prior,
+                                                                       client)))
             return None
         try:
-            self.core.add_request(request_id, prompt_token_ids, params, prior)
+            self.core.add_request(request_id, prompt_token_ids, params, prior, client)
         except Exception as exc:
             log.error("adding %s failed", request_id, exc_info=exc)
             error = str(exc) if isinstance(exc, InvalidRequest) else (
@@ -214,11 +219,12 @@ class AsyncEngine:
                                           error=error) for index in range(params.n)])
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None, prior_output_ids: list[int] = ()) -> RequestStream:
+                    request_id: str | None = None, prior_output_ids: list[int] = (), client=None) -> RequestStream:
         """Queue a request; raises InvalidRequest (400) or QueueFull (429). `prior_output_ids`:
-        continue from output already produced (see `EngineCore.add_request`)."""
+        continue from output already produced (see `EngineCore.add_request`). `client`: who sends it,
+        for fair shares of a full engine (engine/fair_share.py); None: the one anonymous client."""
         return self._admit(prompt_token_ids, params, request_id, lambda rid: RequestStream(self, rid, params.n),
-                           prior_output_ids)
+                           prior_output_ids, client)
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -228,15 +234,16 @@ class AsyncEngine:
             yield out
 
     def text_streamer(self, prompt_token_ids: list[int], params: SamplingParams,
-                      request_id: str | None = None, timeout: float | None = None) -> RequestTextStreamer:
+                      request_id: str | None = None, timeout: float | None = None, client=None) -> RequestTextStreamer:
         check_one_sample(params)
-        return self._admit(prompt_token_ids, params, request_id, lambda rid: RequestTextStreamer(self, rid, timeout))
+        return self._admit(prompt_token_ids, params, request_id, lambda rid: RequestTextStreamer(self, rid, timeout),
+                           client=client)
 
-    def async_text_streamer(self, prompt_token_ids: list[int], params: SamplingParams,
-                            request_id: str | None = None, timeout: float | None = None) -> RequestAsyncTextStreamer:
+    def async_text_streamer(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                            timeout: float | None = None, client=None) -> RequestAsyncTextStreamer:
         check_one_sample(params)
         return self._admit(prompt_token_ids, params, request_id,
-                           lambda rid: RequestAsyncTextStreamer(self, rid, timeout))
+                           lambda rid: RequestAsyncTextStreamer(self, rid, timeout), client=client)
 
     def abort(self, request_id: str) -> bool:
         """End a request; its KV blocks are freed before the next step. False if unknown or done."""
@@ -265,14 +272,14 @@ class AsyncEngine:
 
     def stats(self) -> EngineStats:
         core = self.core.stats()
-        pending = max(0, self._num_admitted - core.num_running - core.num_waiting)  # adds not yet applied
+        pending = max(0, self._shares.total - core.num_running - core.num_waiting)  # adds not yet applied
         core.num_waiting += pending
         return core
 
     @property
     def num_admitted(self) -> int:
         """Sequences admitted and not yet finished: what counts against max_num_seqs + max_queue."""
-        return self._num_admitted
+        return self._shares.total
 
     # ---- the engine thread ----------------------------------------------------------------
 
@@ -299,7 +306,7 @@ class AsyncEngine:
             if out.finished:
                 sink.unfinished.discard(out.index)
                 with self._lock:
-                    self._num_admitted -= 1
+                    self._shares.release(out.request_id, last=not sink.unfinished)
                     if not sink.unfinished:
                         del self._sinks[out.request_id]
         for loop, batch in by_loop.items():
@@ -358,7 +365,7 @@ class AsyncEngine:
             self._sinks.clear()
             self._compiling.clear()
             self._commands.clear()  # adds and aborts of the requests ended here
-            self._num_admitted = 0
+            self._shares.clear()
         error = ("The engine stopped after an internal error and could not finish this "
                  "request; it restarts if it can. Send the request again in a moment.")
         for request_id, sink in sinks:

@@ -157,10 +157,11 @@ class EngineCore:
         return int(getattr(head, "out_features", 0) or getattr(self.model.config, "vocab_size", 0) or self.vocab_size)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prior_output_ids: list[int] = ()) -> list[Sequence]:
+                    prior_output_ids: list[int] = (), client=None) -> list[Sequence]:
         """Queue a request. `prior_output_ids` continues one whose output so far is known (a
         resumed stream): they are recomputed like a preempted sequence's, count towards
-        max_tokens and min_tokens, and their text is not emitted again (n must be 1)."""
+        max_tokens and min_tokens, and their text is not emitted again (n must be 1). `client`:
+        whose it is, for the scheduler's fair shares (None: the anonymous client)."""
         self.check_prompt(prompt_token_ids, params, prior_output_ids)
         if request_id in self.by_request:
             raise InvalidRequest(f"Request id {request_id!r} is already running; ids must be unique.", "request_id")
@@ -168,7 +169,7 @@ class EngineCore:
         for index in range(params.n):
             seq = Sequence(seq_id=f"{request_id}#{index}", request_id=request_id, index=index,
                            token_ids=list(prompt_token_ids) + list(prior_output_ids),
-                           num_prompt_tokens=len(prompt_token_ids), params=params)
+                           num_prompt_tokens=len(prompt_token_ids), params=params, client=client)
             made.append((seq, self.output.prepare(seq, list(prior_output_ids))))
         for seq, detok in made:
             self.seqs[seq.seq_id] = seq

@@ -342,6 +342,7 @@ class Sequence:
     num_prompt_tokens: int
     params: SamplingParams
     arrival_time: float = field(default_factory=time.monotonic)
+    client: object = None  # who sent it, for fair shares (engine/fair_share.py); None: the anonymous client
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_prompt_tokens_computed: int = 0  # high-water mark: recomputed prompt tokens count once

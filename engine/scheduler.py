@@ -5,7 +5,9 @@ has not computed yet (one for a decode, a chunk of its prompt otherwise); then w
 sequences are admitted while the budget, `max_num_seqs` and free KV blocks allow; a waiting
 sequence first takes the cached blocks of its longest known prefix (`BlockAllocator.match_prefix`)
 and only computes the rest; one whose next block a running sequence is computing right now
-waits for it (the others behind it go on). When a running sequence cannot get a block, the most recently
+waits for it (the others behind it go on). Between clients the next waiting sequence is the
+first of the client with the smallest virtual token counter (engine/fair_share.py); with one
+client that is plain FIFO. When a running sequence cannot get a block, the most recently
 admitted one is preempted: its blocks are freed and it goes back to the front of the queue to
 be recomputed later. A step that preempted admits nobody: the free blocks it left would go to the
 waiting queue's head (often the victim itself), only to be taken back the next step (thrashing).
@@ -14,9 +16,10 @@ waiting queue's head (often the victim itself), only to be taken back the next s
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
+from engine.fair_share import VirtualTokenCounter
 from engine.kv_cache import BlockAllocator
 from engine.request import RequestStatus, Sequence
 
@@ -53,10 +56,13 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
+        self.fair = VirtualTokenCounter()  # which client's waiting sequence goes next
 
     def add(self, seq: Sequence) -> None:
         seq.status = RequestStatus.WAITING
         self.waiting.append(seq)
+        self.fair.activate(seq.client)
+        self.fair.queued(seq.client)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -65,6 +71,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         plan: list[ScheduledChunk] = []
         scheduled: set[int] = set()
+        self._make_room_for_a_waiting_client()
         num_preemptions = self.num_preemptions
         i = 0
         while i < len(self.running) and budget > 0:
@@ -82,6 +89,7 @@ class Scheduler:
                     break
             else:
                 plan.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new, draft))
+                self.fair.charge(seq.client, num_new)
                 scheduled.add(id(seq))
                 budget -= num_new
                 i += 1
@@ -92,7 +100,8 @@ class Scheduler:
         in_flight = self._in_flight() if self.allocator.prefix_caching and self.waiting else set()
         held: list[Sequence] = []  # waiting for prompt blocks that a running sequence computes now
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+            index = self.fair.pick(self.waiting)
+            seq = self.waiting[index]
             looked_up = seq.num_computed_tokens == 0
             if looked_up:  # reuse the cached blocks of a known prefix
                 seq.num_computed_tokens = self.allocator.match_prefix(seq.token_ids, seq.block_hashes, seq.block_table,
@@ -101,26 +110,43 @@ class Scheduler:
                 if matched < len(seq.block_hashes) and seq.block_hashes[matched] in in_flight:
                     self.allocator.free(seq.block_table)  # it takes them, and the ones on the way, later
                     seq.num_computed_tokens = 0
-                    held.append(self.waiting.popleft())
+                    del self.waiting[index]
+                    held.append(seq)  # still counted as waiting by self.fair
                     continue
             num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             if not self.allocator.allocate(seq.block_table, seq.num_computed_tokens + num_new):
                 self.allocator.free(seq.block_table)  # it waits holding nothing
                 seq.num_computed_tokens = 0
-                break  # FIFO: nobody jumps the queue
+                break  # nobody jumps the queue past the one whose turn it is
             if looked_up:
                 self.allocator.count_lookup(len(seq.token_ids), seq.num_computed_tokens)
-            self.waiting.popleft()
+            del self.waiting[index]
+            self.fair.unqueued(seq.client)
             seq.status = RequestStatus.RUNNING
             if seq.scheduled_time is None:
                 seq.scheduled_time = time.monotonic()
             self.running.append(seq)
             plan.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new))
+            self.fair.charge(seq.client, num_new)
             budget -= num_new
             if self.allocator.prefix_caching:  # its prompt blocks from here on are on the way too
                 in_flight.update(self._uncomputed_hashes(seq))
         self.waiting.extendleft(reversed(held))
         return plan
+
+    def _make_room_for_a_waiting_client(self) -> None:
+        """All slots taken and a client waiting with nothing running: the client running the most
+        beyond its share of the slots gives one up (its most recently admitted sequence, preempted
+        and recomputed later), which the waiting client's lower counter then takes this step.
+        Otherwise a newcomer would wait for a flood's running sequences to finish (whole answers)."""
+        if len(self.running) < self.max_num_seqs or len(self.fair.active) < 2 or not self.fair.waiting:
+            return
+        running_by = Counter(s.client for s in self.running)
+        if all(client in running_by for client in self.fair.waiting):
+            return
+        client, held = running_by.most_common(1)[0]
+        if held > self.max_num_seqs / len(running_by.keys() | self.fair.waiting.keys()):
+            self._preempt(next(s for s in reversed(self.running) if s.client == client))
 
     def _draft(self, seq: Sequence, num_new: int, budget: int) -> tuple[int, ...]:
         """The draft a decode-ready sequence verifies this step: what fits the budget and the free
@@ -149,17 +175,22 @@ class Scheduler:
         seq.num_preemptions += 1
         seq.status = RequestStatus.WAITING
         self.waiting.appendleft(seq)
+        self.fair.queued(seq.client)
         self.num_preemptions += 1
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence from either queue and free its blocks."""
         if seq.status is RequestStatus.RUNNING:
             self.running.remove(seq)
+            self.fair.deactivate(seq.client)
         elif seq.status is RequestStatus.WAITING:
             try:
                 self.waiting.remove(seq)
             except ValueError:
                 pass
+            else:
+                self.fair.unqueued(seq.client)
+            self.fair.deactivate(seq.client)
         self.allocator.free(seq.block_table)
         seq.num_cached_blocks = 0
         seq.status = RequestStatus.FINISHED

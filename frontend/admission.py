@@ -69,7 +69,8 @@ _MAX_SESSION_CHARS = 256
 
 
 def admission(request, route: str) -> dict:
-    """The keyword arguments every route passes to `Generation` (timeout, metrics, test hook, session)."""
+    """The keyword arguments every route passes to `Generation` (timeout, metrics, test hook, session,
+    client)."""
     state = request.app.state
     on_admit = None
     if state.settings.test_hooks:
@@ -77,7 +78,8 @@ def admission(request, route: str) -> dict:
 
         on_admit = fault_hook(request)
     return dict(timeout=state.settings.request_timeout, on_admit=on_admit,
-                metrics=getattr(state, "metrics", None), route=route, session=session_from(request))
+                metrics=getattr(state, "metrics", None), route=route, session=(session := session_from(request)),
+                client=client_of(request, session))
 
 
 def session_from(request) -> str | None:
@@ -91,19 +93,32 @@ def session_from(request) -> str | None:
     return value
 
 
+def client_of(request, session: str | None) -> str | None:
+    """Who sends the request, for the engine's fair shares: its `x-session-id`, else its address (the
+    one `--api-key` is shared, so it names nobody). Prefixed, so a header never passes for an address
+    or a page session (ui/handlers.py `page_client`)."""
+    if session is not None:
+        return f"session:{session}"
+    peer = getattr(request, "client", None)
+    return f"addr:{peer.host}" if peer is not None and peer.host else None
+
+
 RETRY_AFTER_S = 1  # a 429's Retry-After: slots free as requests finish (many per second under load)
 
 
 def admit(engine, prompt_token_ids: list[int], params: SamplingParams, request_id: str, *, text: bool = False,
           timeout: float | None = None, prior_output_ids: list[int] = (), session: str | None = None,
-          on_admit=None):
+          client: str | None = None, on_admit=None):
     """The one admission path of `/chat`, `/v1` and the page: the engine checks the prompt and the
     parameters once (context, vocabulary, KV cache, capacity) and queues the request; its refusals
     come out as `InvalidRequest` (400) or `ApiError` (429, 503). Returns the request's
-    `RequestStream`, or with `text=True` a `TextIteratorStreamer` for a worker thread (the page)."""
+    `RequestStream`, or with `text=True` a `TextIteratorStreamer` for a worker thread (the page).
+    `session` picks a replica (remote backends); `client` is whom the local engine shares between."""
     if not engine.alive:
         raise ApiError(503, _down_reason(engine), code="engine_dead")
     extra = {"session": session} if session is not None else {}
+    if client is not None:
+        extra["client"] = client
     try:
         if text:
             if timeout is not None:
@@ -143,14 +158,14 @@ async def compile_constraint(engine, params: SamplingParams) -> None:
 
 
 def admit_text(engine, prompt_token_ids: list[int], params: SamplingParams, *, timeout: float | None = None,
-               metrics=None, route: str = "ui", session: str | None = None):
+               metrics=None, route: str = "ui", session: str | None = None, client: str | None = None):
     """A worker thread's admission (the page's generator): the constraint compiled, then `admit`
     with a text streamer; a refusal is counted in the metrics under its status and raised as
     `ApiError` (400, 429 or 503) whose message the page shows as it is."""
     try:
         compile_constraint_now(engine, params)
         return admit(engine, prompt_token_ids, params, new_engine_request_id(), text=True, timeout=timeout,
-                     session=session)
+                     session=session, client=client)
     except (ApiError, InvalidRequest) as exc:
         error = exc if isinstance(exc, ApiError) else ApiError(400, str(exc), param=exc.param)
         if metrics is not None:
@@ -179,7 +194,7 @@ class Generation:
 
     def __init__(self, engine, prompt_token_ids: list[int], params: SamplingParams, label: str,
                  timeout: float = 0.0, on_admit=None, metrics=None, route: str = "chat",
-                 prior_output_ids: list[int] = (), session: str | None = None):
+                 prior_output_ids: list[int] = (), session: str | None = None, client: str | None = None):
         self.engine = engine
         self.session = session  # the conversation's key for replica affinity (x-session-id), or None
         self.metrics = metrics  # frontend.telemetry.RequestMetrics, or None
@@ -195,7 +210,7 @@ class Generation:
         self._tick: asyncio.TimerHandle | None = None  # wakes the reader every second (see _next)
         self._stopped = False
         self.stream = admit(engine, prompt_token_ids, params, self.request_id, prior_output_ids=prior_output_ids,
-                            session=session, on_admit=on_admit)  # errors: see the route handlers
+                            session=session, client=client, on_admit=on_admit)  # errors: see the route handlers
         self._remaining = set(range(params.n))
 
     async def ready(self) -> "Generation":

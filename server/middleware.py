@@ -153,7 +153,8 @@ class PageLoginGuard:
     (cancels a session's job), `stream/<event>` and `stream/<event>/close`, `reset`,
     `startup-events`. Without the login, whoever learns a visitor's session hash could end its
     answers. This middleware, wrapped around Gradio's app, answers 401 (Gradio's own body) to any
-    `/gradio_api/` request without a valid login, except the few the login form needs."""
+    `/gradio_api/` request without a valid login, except the few the login form needs and the MCP
+    endpoint (its clients cannot log in: ApiGuard asks them for the Bearer key instead)."""
 
     def __init__(self, app, gradio_app):
         self.app = app
@@ -166,6 +167,8 @@ class PageLoginGuard:
         root = scope.get("root_path", "")
         if root and path.startswith(root):
             path = path[len(root):]
+        if path.startswith(_MCP_PREFIX):  # ApiGuard's: the Bearer key (or a 401 with a page login and no key)
+            return await self.app(scope, receive, send)
         if path.startswith(_GRADIO_API) and path[len(_GRADIO_API):].rstrip("/") not in _GRADIO_OPEN:
             if not self._logged_in(scope):
                 body = json.dumps({"detail": {"error": "Not authenticated",

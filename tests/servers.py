@@ -298,12 +298,13 @@ def usage_of(events: list[SSEEvent]) -> dict:
     return json.loads(usage[0].data)
 
 
-def wait_idle(url: str, timeout: float = 30.0) -> dict:
-    """Poll /health until the engine runs and waits for nothing and the KV cache is free; returns it."""
+def wait_idle(url: str, timeout: float = 30.0, headers: dict | None = None) -> dict:
+    """Poll /health until the engine runs and waits for nothing and the KV cache is free; returns it.
+    `headers`: the key, on a server that has one (/health shows its counters only to key holders)."""
     deadline = time.monotonic() + timeout
     engine = {}
     while time.monotonic() < deadline:
-        engine = httpx.get(f"{url}/health", timeout=10).json()["engine"]
+        engine = httpx.get(f"{url}/health", timeout=10, headers=headers).json()["engine"]
         if engine["num_running"] == 0 and engine["num_waiting"] == 0 and engine["num_free_kv_blocks"] == engine["num_kv_blocks"]:
             return engine
         time.sleep(0.05)

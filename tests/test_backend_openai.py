@@ -47,7 +47,7 @@ def shown_url(remote) -> str:
 
 
 def test_health_shows_the_backend_url_without_its_credentials(front, remote):
-    response = httpx.get(f"{front.url}/health", timeout=10)
+    response = httpx.get(f"{front.url}/health", timeout=10, headers=KEY)  # the details are for the key holder
     assert response.status_code == 200
     assert SECRET not in response.text and "admin" not in response.text
     assert response.json()["backend_url"] == shown_url(remote)
@@ -150,7 +150,7 @@ def test_a_stopped_remote_is_a_503_and_a_page_message_never_a_hang(front, remote
     assert f"The model server behind this app ({shown_url(remote)}) is not reachable" in refused.json()["error"]
     assert SECRET not in refused.text and SECRET not in json.dumps(events[-2].data)
     deadline = time.monotonic() + 10
-    while (health := httpx.get(f"{front.url}/health", timeout=10)).status_code != 503:  # noticed within a second
+    while (health := httpx.get(f"{front.url}/health", timeout=10, headers=KEY)).status_code != 503:  # noticed within a second
         assert time.monotonic() < deadline
         time.sleep(0.2)
     assert SECRET not in health.text and shown_url(remote) in health.text

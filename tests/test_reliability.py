@@ -321,7 +321,7 @@ def test_request_timeout_ends_a_long_request_with_a_clear_error(guarded):
         plain = httpx.post(f"{url}/v1/completions", json={"prompt": "Talk.", "max_tokens": 1000, "ignore_eos": True},
                            headers=auth, timeout=60)
         assert plain.status_code == 504 and "timeout" in plain.json()["error"]["message"]
-    wait_idle(url)
+    wait_idle(url, headers=auth)
 
 
 def test_a_stuck_engine_answers_503_and_ends_its_requests_instead_of_hanging(server_with):

@@ -116,6 +116,7 @@ class FakeChatEngine:
         self.max_running = 0
         self.prompts = []  # the messages of each encode_chat call
         self.streamers = []
+        self.clients = []  # the client each text_streamer call named (the page: its session)
 
     def encode_chat(self, messages, add_generation_prompt=True):
         self.prompts.append([dict(m) for m in messages])
@@ -125,7 +126,8 @@ class FakeChatEngine:
             words.extend(message["content"].split())
         return list(range(len(words)))
 
-    def text_streamer(self, prompt_token_ids, params, request_id=None):
+    def text_streamer(self, prompt_token_ids, params, request_id=None, client=None):
+        self.clients.append(client)
         if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
             raise InvalidRequest(f"prompt + max_tokens > {self.max_model_len}")
         streamer = FakeStreamer(self, prompt_token_ids, params, request_id or new_request_id())
@@ -287,6 +289,7 @@ def test_chat_api_streams_the_growing_text_and_counts_it(page):
     assert len(set(outputs)) >= 3
     assert all(engine.reply.startswith(text) for text in outputs)
     assert [m["content"] for m in engine.prompts[-1]] == ["hi", "hey", "hello there"]
+    assert engine.clients[-1].startswith("page:") and len(engine.clients[-1]) > 8  # its session: its fair share
     assert _value(metrics, "rill_generation_tokens_total", route="gradio") - before_tokens == 8
     assert _value(metrics, "rill_prompt_tokens_total", route="gradio") - before_prompt == 7  # 3 roles + 4 words
     assert _value(metrics, "rill_requests_finished_total", route="gradio", finish_reason="stop") - before_stop == 1

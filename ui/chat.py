@@ -195,13 +195,15 @@ class _Progress:
 
 def stream_answer(engine, metrics, route: str, history: list[dict], message: str, settings: ChatSettings,
                   warn: Callable[[str], None] | None = None,
-                  watch: Callable[[object], Callable[[], None]] | None = None) -> Iterator[tuple[str, AnswerStats]]:
+                  watch: Callable[[object], Callable[[], None]] | None = None,
+                  client: str | None = None) -> Iterator[tuple[str, AnswerStats]]:
     """Yields (text so far, stats) as the engine streams the answer to `message` after `history`.
 
     The engine request is aborted when the generator is closed before the end (Stop, a cancelled
     client job, a dropped connection). Raises `ChatError` for requests the engine refuses.
     `watch(streamer)` is called once the request is admitted (e.g. to abort it when the visitor's
-    tab closes); what it returns is called when the request ends.
+    tab closes); what it returns is called when the request ends. `client`: the visitor, for the
+    engine's fair shares (ui/handlers.py `page_client`).
     """
     max_new_tokens = _checked_max_new_tokens(message, settings, history)
     arrival = time.monotonic()
@@ -214,7 +216,7 @@ def stream_answer(engine, metrics, route: str, history: list[dict], message: str
              f"(asked: {max_new_tokens}); it may be cut short.")
     params = settings.sampling_params(fitted.max_tokens)
     try:
-        streamer = admit_text(engine, fitted.prompt_token_ids, params, metrics=metrics, route=route)
+        streamer = admit_text(engine, fitted.prompt_token_ids, params, metrics=metrics, route=route, client=client)
     except ApiError as exc:
         raise ChatError(exc.message) from exc
     streamer.timeout = WAIT_POLL_S  # TextIteratorStreamer raises queue.Empty past it; we wait again

@@ -58,6 +58,13 @@ class VisitorStreams:
             streamer.abort()
 
 
+def page_client(request) -> str | None:
+    """The visitor the engine shares itself between (engine/fair_share.py): its page session, named
+    apart from the API's `x-session-id` and addresses (frontend/admission.py `client_of`)."""
+    session = getattr(request, "session_hash", None)
+    return f"page:{session}" if session else None
+
+
 def session_salts():
     """--cache-salt-per-session: a page session's prefix-cache salt, from its session hash under a
     secret of this process (so no API client can send the same `cache_salt` and share its blocks)."""
@@ -105,7 +112,8 @@ class PageHandlers:
         fmt = self.calls_format if chat_settings.output_format == "Text" else None  # JSON mode: the JSON as it is
         try:
             for text, stats in stream_answer(self.engine, self.metrics, "gradio", messages, message, chat_settings,
-                                             warn=gr.Warning, watch=self.visitors.watcher(request)):
+                                             warn=gr.Warning, watch=self.visitors.watcher(request),
+                                             client=page_client(request)):
                 yield history + answer_messages(text, stats, fmt), stats.markdown()
         except ChatError as exc:
             raise gr.Error(str(exc)) from None
@@ -129,7 +137,7 @@ class PageHandlers:
             try:
                 messages = to_engine_messages(history, escaped=False)
                 for text, _stats in stream_answer(engine, metrics, "gradio", messages, message, chat_settings,
-                                                  warn=gr.Warning):
+                                                  warn=gr.Warning, client=page_client(request)):
                     yield text
             except ChatError as exc:
                 raise gr.Error(str(exc)) from None

@@ -149,12 +149,16 @@ class RemoteEngine:
         it admits the request (its 400 comes back from `wait_admitted`); nothing to check here."""
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                    prior_output_ids: list[int] = (), session: str | None = None) -> RequestStream:
+                    prior_output_ids: list[int] = (), session: str | None = None,
+                    client: str | None = None) -> RequestStream:
+        """`client` is taken and ignored: the engine behind shares itself between its own callers
+        (this front is one of them), so the local engine's fair shares do not reach through."""
         return self._admit(prompt_token_ids, params, request_id, lambda rid: RequestStream(self, rid, params.n),
                            prior_output_ids, session)
 
     def text_streamer(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                      timeout: float | None = None, session: str | None = None) -> RequestTextStreamer:
+                      timeout: float | None = None, session: str | None = None,
+                      client: str | None = None) -> RequestTextStreamer:
         """For a thread (the page's generator): returns once the remote took the request, or raises
         its refusal (InvalidRequest, QueueFull, RuntimeError) like the local engine does."""
         check_one_sample(params)
