@@ -210,7 +210,7 @@ class AsyncEngine:
                                                                        client)))
             return None
         try:
-            self.core.add_request(request_id, prompt_token_ids, params, prior, client)
+            self.core.add_request(request_id, prompt_token_ids, params, prior, client, checked=True)
         except Exception as exc:
             log.error("adding %s failed", request_id, exc_info=exc)
             error = str(exc) if isinstance(exc, InvalidRequest) else (

@@ -157,12 +157,14 @@ class EngineCore:
         return int(getattr(head, "out_features", 0) or getattr(self.model.config, "vocab_size", 0) or self.vocab_size)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prior_output_ids: list[int] = (), client=None) -> list[Sequence]:
+                    prior_output_ids: list[int] = (), client=None, checked: bool = False) -> list[Sequence]:
         """Queue a request. `prior_output_ids` continues one whose output so far is known (a
         resumed stream): they are recomputed like a preempted sequence's, count towards
         max_tokens and min_tokens, and their text is not emitted again (n must be 1). `client`:
-        whose it is, for the scheduler's fair shares (None: the anonymous client)."""
-        self.check_prompt(prompt_token_ids, params, prior_output_ids)
+        whose it is, for the scheduler's fair shares (None: the anonymous client). `checked`: the
+        caller ran `check_prompt` on these already (AsyncEngine does, before it answers)."""
+        if not checked:
+            self.check_prompt(prompt_token_ids, params, prior_output_ids)
         if request_id in self.by_request:
             raise InvalidRequest(f"Request id {request_id!r} is already running; ids must be unique.", "request_id")
         made = []  # everything is built before anything is registered: a failure leaves no trace
