@@ -29,10 +29,6 @@ MAX_STOP_STRINGS = 16  # stop strings per request
 MAX_STOP_LENGTH = 256  # characters per stop string
 MAX_N = 16  # samples per request
 MAX_STOP_TOKEN_IDS = 1024  # ids in one request's stop_token_ids (vLLM's users send a few; a whole small vocabulary fits)
-
-
-def stop_token_ids_message(given: int) -> str:
-    return f"`stop_token_ids` may hold at most {MAX_STOP_TOKEN_IDS} token ids; {given} given"
 MAX_CACHE_SALT_CHARS = 256  # a request's prefix-cache salt
 MAX_SEED = 2**63 - 1  # seeds are 64-bit signed integers (a sample's generator gets seed + index)
 MIN_SEED = -(2**63)
@@ -40,6 +36,11 @@ MAX_TEMPERATURE = 100.0
 MAX_REPETITION_PENALTY = 100.0
 MAX_TOKEN_ID = 2**31 - 1
 MAX_CHARS_PER_TOKEN = 16  # no real text averages more characters per token than this
+
+
+def stop_token_ids_message(given: int) -> str:
+    """The 400 for too many stop token ids (the HTTP edge and SamplingParams say the same)."""
+    return f"`stop_token_ids` may hold at most {MAX_STOP_TOKEN_IDS} token ids; {given} given"
 
 
 def prompt_char_limit(max_model_len: int) -> int:

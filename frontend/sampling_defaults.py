@@ -34,9 +34,10 @@ class SamplingDefaults:
         value = getattr(self, name)
         return fallback if value is None else value
 
-    def filled(self, **given):
-        """`given` (a request's fields) with each None replaced by the model's value (None when it has none)."""
-        return {name: self.get(name, value) if value is None else value for name, value in given.items()}
+    def filled(self, fallbacks: dict, **given) -> dict:
+        """A request's sampling fields (`given`): each one it left unset (None) takes the model's
+        value, else the route's own fallback."""
+        return {name: self.get(name, fallbacks[name]) if value is None else value for name, value in given.items()}
 
 
 _NAMES = tuple(f.name for f in fields(SamplingDefaults))
@@ -55,8 +56,9 @@ def _checked(name: str, value):
     return float(value) if value > 0 else None
 
 
-def _from_generation_config(config) -> dict:
-    return {name: v for name in _NAMES if (v := _checked(name, getattr(config, name, None))) is not None}
+def _usable(read) -> dict:
+    """The fields `read(name)` gives that the engine can use."""
+    return {name: v for name in _NAMES if (v := _checked(name, read(name))) is not None}
 
 
 def _from_file(folder: str | None) -> dict:
@@ -68,7 +70,7 @@ def _from_file(folder: str | None) -> dict:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
-    return {name: v for name in _NAMES if (v := _checked(name, data.get(name))) is not None}
+    return _usable(data.get)
 
 
 def model_sampling_defaults(engine) -> SamplingDefaults:
@@ -76,7 +78,7 @@ def model_sampling_defaults(engine) -> SamplingDefaults:
     `generation_config.json` beside its tokenizer, then the model card's table for what is still unset."""
     loaded = getattr(engine, "loaded", None)
     config = getattr(getattr(loaded, "model", None), "generation_config", None)
-    found = _from_generation_config(config) if config is not None else {}
+    found = _usable(lambda name: getattr(config, name, None)) if config is not None else {}
     if not found:
         tokenizer = getattr(engine, "tokenizer", None)
         found = _from_file(getattr(tokenizer, "name_or_path", None))

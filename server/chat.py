@@ -56,17 +56,17 @@ def _prompt_token_ids(engine, body: ChatBody) -> list[int]:
     return engine.encode_chat(messages, True, None, **(body.chat_template_kwargs or {}))
 
 
+SEED_FALLBACKS = {"temperature": 0.7, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}  # the seed protocol's
+
+
 def _sampling_params(body: ChatBody, settings, engine, defaults: SamplingDefaults = SamplingDefaults()
                      ) -> SamplingParams:
     """Unset sampling fields: the model's defaults (`defaults`), else the seed protocol's."""
     max_tokens = body.max_new_tokens or settings.default_max_new_tokens
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=defaults.get("temperature", 0.7) if body.temperature is None else body.temperature,
-        top_p=defaults.get("top_p", 1.0) if body.top_p is None else body.top_p,
-        top_k=defaults.get("top_k", 0) if body.top_k is None else body.top_k,
-        repetition_penalty=defaults.get("repetition_penalty", 1.0) if body.repetition_penalty is None
-        else body.repetition_penalty,
+        **defaults.filled(SEED_FALLBACKS, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                          repetition_penalty=body.repetition_penalty),
         stop=tuple(body.stop_list()),
         seed=body.seed,
         ignore_eos=body.ignore_eos,

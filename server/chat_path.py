@@ -29,6 +29,9 @@ def model_defaults(state) -> SamplingDefaults:
     return getattr(state, "sampling_defaults", None) or SamplingDefaults()
 
 
+OPENAI_FALLBACKS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}  # OpenAI's defaults
+
+
 def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None, constraint=None,
                     reasoning: bool = False, defaults: SamplingDefaults = SamplingDefaults()) -> SamplingParams:
     """The engine's parameters of an OpenAI-style body: unset fields take the model's generation
@@ -36,12 +39,9 @@ def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None,
     return SamplingParams(
         max_tokens=max_tokens,
         min_tokens=min(body.min_tokens, max_tokens),
-        temperature=defaults.get("temperature", 1.0) if body.temperature is None else body.temperature,
-        top_p=defaults.get("top_p", 1.0) if body.top_p is None else body.top_p,
-        top_k=defaults.get("top_k", 0) if body.top_k is None else 0 if body.top_k == -1 else body.top_k,
+        **defaults.filled(OPENAI_FALLBACKS, temperature=body.temperature, top_p=body.top_p,
+                          top_k=0 if body.top_k == -1 else body.top_k, repetition_penalty=body.repetition_penalty),
         min_p=body.min_p,
-        repetition_penalty=defaults.get("repetition_penalty", 1.0) if body.repetition_penalty is None
-        else body.repetition_penalty,
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
         seed=body.seed,

@@ -298,6 +298,12 @@ def usage_of(events: list[SSEEvent]) -> dict:
     return json.loads(usage[0].data)
 
 
+def error_text(response: httpx.Response) -> str:
+    """The message of an error response in either shape (`/chat`: {"error": msg}, `/v1`: OpenAI's)."""
+    error = response.json()["error"]
+    return error["message"] if isinstance(error, dict) else error
+
+
 def wait_idle(url: str, timeout: float = 30.0, headers: dict | None = None) -> dict:
     """Poll /health until the engine runs and waits for nothing and the KV cache is free; returns it.
     `headers`: the key, on a server that has one (/health shows its counters only to key holders)."""

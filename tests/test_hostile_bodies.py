@@ -9,12 +9,7 @@ import httpx
 import pytest
 
 from engine.request import MAX_STOP_TOKEN_IDS
-from tests.servers import wait_idle
-
-
-def _error_text(response: httpx.Response) -> str:
-    error = response.json()["error"]
-    return error["message"] if isinstance(error, dict) else error
+from tests.servers import error_text, wait_idle
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +35,7 @@ def test_a_template_kwarg_the_tokenizer_takes_for_itself_is_a_400_naming_it(url,
     body["chat_template_kwargs"] = {"enable_thinking": False, name: value}
     response = httpx.post(url + path, json=body, timeout=30)
     assert response.status_code == 400, response.text
-    text = _error_text(response)
+    text = error_text(response)
     assert f"`chat_template_kwargs.{name}`" in text and "cannot be passed" in text, text
     if path.startswith("/v1"):
         assert response.json()["error"]["param"] == "chat_template_kwargs"
@@ -76,7 +71,7 @@ def test_stop_token_ids_past_the_cap_are_a_400_saying_the_limit_and_the_count(ur
     response = httpx.post(url + path, timeout=30, json={**body, "max_tokens": 4, "n": 16, "min_tokens": 4,
                                                         "stop_token_ids": ids})
     assert response.status_code == 400, response.text
-    text = _error_text(response)
+    text = error_text(response)
     assert f"at most {MAX_STOP_TOKEN_IDS}" in text and f"{MAX_STOP_TOKEN_IDS + 1} given" in text, text
     assert response.json()["error"]["param"] == "stop_token_ids"
 

@@ -14,15 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.request import MAX_STOP_LENGTH, MAX_STOP_STRINGS
-from tests.servers import wait_idle
+from tests.servers import error_text, wait_idle
 from tests.tiny_models import CONTEXT
 
 CHAR_LIMIT = CONTEXT * 16  # engine.request.prompt_char_limit for the tiny model's context
-
-
-def _error_text(response: httpx.Response) -> str:
-    error = response.json()["error"]
-    return error["message"] if isinstance(error, dict) else error
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +38,7 @@ OVERLONG_STOP = ["fine", "x" * (MAX_STOP_LENGTH + 1)]
 def test_an_overlong_stop_string_is_a_400_naming_the_limit_and_its_length(url, path, body):
     response = httpx.post(url + path, json=body, timeout=30)
     assert response.status_code == 400, response.text
-    text = _error_text(response)
+    text = error_text(response)
     assert f"at most {MAX_STOP_LENGTH} characters" in text and f"{MAX_STOP_LENGTH + 1} characters" in text, text
 
 
@@ -69,7 +64,7 @@ def test_the_longest_allowed_stops_with_n_at_its_maximum_are_served(url):
 def test_a_prompt_past_the_character_bound_is_a_400_before_tokenizing(url, path, body, param):
     response = httpx.post(url + path, json=body, timeout=30)
     assert response.status_code == 400, response.text
-    text = _error_text(response)
+    text = error_text(response)
     assert f"`{param}` is too long: it may have at most {CHAR_LIMIT} characters" in text, text
     assert f"context of {CONTEXT} tokens" in text
 
@@ -77,9 +72,9 @@ def test_a_prompt_past_the_character_bound_is_a_400_before_tokenizing(url, path,
 def test_a_completions_prompt_list_is_capped(url):
     response = httpx.post(f"{url}/v1/completions", json={"prompt": ["Hi"] * 65, "max_tokens": 1}, timeout=30)
     assert response.status_code == 400
-    assert "at most 64 prompts in one request. Given: 65 prompts" in _error_text(response)
+    assert "at most 64 prompts in one request. Given: 65 prompts" in error_text(response)
     token_lists = httpx.post(f"{url}/v1/completions", json={"prompt": [[5, 6]] * 65, "max_tokens": 1}, timeout=30)
-    assert token_lists.status_code == 400 and "Given: 65 prompts" in _error_text(token_lists)
+    assert token_lists.status_code == 400 and "Given: 65 prompts" in error_text(token_lists)
     allowed = httpx.post(f"{url}/v1/completions", json={"prompt": ["Hi"] * 64, "max_tokens": 1}, timeout=60)
     assert allowed.status_code == 200 and len(allowed.json()["choices"]) == 64
 
@@ -98,7 +93,7 @@ def test_non_finite_numbers_and_huge_seeds_are_a_400_on_every_route(url, field, 
         response = httpx.post(url + path, content=json.dumps(body), timeout=30,
                               headers={"content-type": "application/json"})
         assert response.status_code == 400, (path, body, response.text)
-        assert message in _error_text(response), response.text
+        assert message in error_text(response), response.text
 
 
 # --------------------------------------------------------------------------- the page's Gradio API, raw
@@ -255,7 +250,7 @@ def test_a_conversation_the_chat_template_refuses_is_a_400_with_the_templates_me
                        ("/v1/chat/completions", {"messages": twice, "max_tokens": 4})):
         response = httpx.post(f"{url}{path}", json=body, timeout=60)
         assert response.status_code == 400, (path, response.text)
-        assert _error_text(response) == f"The model's chat template refused this conversation: {ALTERNATE}"
+        assert error_text(response) == f"The model's chat template refused this conversation: {ALTERNATE}"
     fine = httpx.post(f"{url}/chat", json={"messages": twice[:1], "max_new_tokens": 3, "stream": False}, timeout=60)
     assert fine.status_code == 200 and fine.json()["usage"]["completion_tokens"] == 3
 
