@@ -71,6 +71,17 @@ GGUF_TYPES = {**{kind: (functools.partial(unpack_raw, kind=kind), kind) for kind
               "q4_k": (unpack_q4_k, "q4_1")}
 
 
+def blocks_of_gguf(raw: np.ndarray, ggml_type: str, order: np.ndarray | None = None):
+    """A GGUF tensor's raw blocks (uint8 [out, row bytes]) of type `ggml_type` (lower case, a key of
+    GGUF_TYPES) -> q, d, m and the kernel's kind that holds them; `order`: the rows to keep, in
+    that order (llama.cpp stores q/k rows permuted)."""
+    read, kind = GGUF_TYPES[ggml_type]
+    if order is not None:
+        raw = raw[order]
+    q, d, m = read(raw)
+    return q, d, m, kind
+
+
 def dequantize(q: np.ndarray, d: np.ndarray, m: np.ndarray | None, kind: str) -> torch.Tensor:
     """The float32 weight [out, in] the blocks stand for."""
     values = q.astype(np.float32)
@@ -145,6 +156,15 @@ class QuantLinear(nn.Module):
         self.source = kind  # the file's type of block (Q4_K is held as Q4_1 blocks)
         self.panels = panels_of_blocks(q, d, m, kind, int8)
         self.bias = padded_bias(bias, self.panels.shape[0], self.out_features)
+
+    @classmethod
+    def from_gguf(cls, raw: np.ndarray, ggml_type: str, bias: torch.Tensor | None, kernel: QuantKernel,
+                  int8: bool = False, order: np.ndarray | None = None) -> "QuantLinear":
+        """The layer of a GGUF tensor's raw blocks (see `blocks_of_gguf`), rows in `order`."""
+        q, d, m, kind = blocks_of_gguf(raw, ggml_type, order)
+        layer = cls(q, d, m, kind, bias, kernel, int8)
+        layer.source = ggml_type
+        return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
