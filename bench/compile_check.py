@@ -35,10 +35,11 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from engine import LLM, SamplingParams
-    from engine.model.loading import converted_gguf_dir, embedded_gguf_path
+    from bench.model import gguf_folder
+    from engine.model.loading import embedded_gguf_path
 
-    llm = LLM(None)  # converts the GGUF once if needed
-    folder = converted_gguf_dir(embedded_gguf_path())
+    llm = LLM(None)
+    folder = gguf_folder(embedded_gguf_path())
     prompt = "Tell me a story about a dragon"
     rill = _per_token(lambda n: llm.generate([prompt], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)),
                       args.tokens)

@@ -79,3 +79,32 @@ if __name__ == "__main__":
     import sys
 
     print(ensure_bench_model(sys.argv[1] if len(sys.argv) > 1 else None))
+
+
+def gguf_folder(gguf: Path) -> Path:
+    """A GGUF file as an ordinary transformers folder (float32 safetensors + tokenizer), for the
+    peers and tools that need one (vLLM, `--tokenizer`): rill's own lean load of the file with
+    every tensor de-quantized, saved once into `$RILL_CACHE/bench-gguf` (rill itself writes nothing)."""
+    import hashlib
+    import shutil
+    import tempfile
+
+    gguf = Path(gguf).resolve()
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    cache = Path(os.environ.get("RILL_CACHE", Path.home() / ".cache" / "rill"))
+    folder = cache / "bench-gguf" / f"{gguf.stem}-{key}"
+    if (folder / "config.json").is_file():
+        return folder
+    from engine.model.loading import load_model
+
+    loaded = load_model(str(gguf), quantize="none")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        loaded.model.save_pretrained(tmp)
+        loaded.tokenizer.save_pretrained(tmp)
+        os.rename(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder

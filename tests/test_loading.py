@@ -210,12 +210,12 @@ def test_broken_gguf_is_a_clear_error(tmp_path):
     broken.write_bytes(b"this is not a gguf file")
     with pytest.raises(ModelLoadError) as error:
         load_model(broken, cache_dir=tmp_path / "cache")
-    assert_one_line(error, "could not convert the GGUF file", str(broken))
-    assert not any((tmp_path / "cache").rglob("config.json"))  # nothing half-written is left as a cache
-    assert not any((tmp_path / "cache").rglob("*.tmp"))
-    import gguf  # the parse-once shortcut used while converting is undone, also after a failure
+    assert_one_line(error, "could not load the GGUF file", str(broken), "GGUF magic")
+    import gguf  # the fast-metadata shortcuts used while loading are undone, also after a failure
+    import transformers.modeling_gguf_pytorch_utils as legacy
 
     assert isinstance(gguf.GGUFReader, type) and not hasattr(gguf.get_tensor_name_map, "cache_info")
+    assert legacy._gguf_parse_value.__module__ == "transformers.integrations.ggml"
 
 
 def test_hub_id_while_offline(monkeypatch):
@@ -261,32 +261,25 @@ def embedded_cache(tmp_path_factory):
 
 
 @pytest.mark.embedded
-def test_embedded_default_converts_once_then_loads_the_cache(embedded_cache, monkeypatch):
+def test_embedded_default_loads_lean_and_writes_nothing(embedded_cache):
+    """The GGUF's blocks are read from the file: no converted copy on disk (a Space restart costs
+    no conversion), the same answer from the default and from the file's path."""
     first = load_model(None, cache_dir=embedded_cache)
     assert first.name == "SmolLM2-135M-Instruct"
     assert first.source == str(loading.embedded_gguf_path())
     assert first.context_length == 8192
-    converted = list((embedded_cache / "gguf").iterdir())
-    assert len(converted) == 1 and (converted[0] / "config.json").is_file()
-    assert not [p for p in (embedded_cache / "gguf").iterdir() if p.name.endswith(".tmp")]
-    assert "quantization_config" not in json.loads((converted[0] / "config.json").read_text())
+    assert not (embedded_cache / "gguf").exists()
 
     tokenizer = first.tokenizer
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.chat_template
     text, new_ids = greedy_reply(first, FRANCE)
     assert text == "The capital of France is Paris."
     assert new_ids[-1] == tokenizer.eos_token_id  # it stopped on <|im_end|>, not on max_new_tokens
-
-    def no_conversion(*args, **kwargs):
-        raise AssertionError("converted the GGUF again instead of loading the cache")
-
-    monkeypatch.setattr(loading, "convert_gguf", no_conversion)
-    second = load_model("", cache_dir=embedded_cache)
-    assert second.tokenizer.chat_template == tokenizer.chat_template
-    assert greedy_reply(second, FRANCE) == (text, new_ids)
-    # the GGUF given as a path shares the same converted copy
     by_path = load_model(loading.embedded_gguf_path(), cache_dir=embedded_cache)
     assert by_path.name == "SmolLM2-135M-Instruct.Q4_1" and by_path.context_length == 8192
+    assert by_path.tokenizer.chat_template == tokenizer.chat_template
+    assert greedy_reply(by_path, FRANCE) == (text, new_ids)
+    assert [p.name for p in embedded_cache.iterdir()] == ["kernels"]  # the C kernels built for this CPU, only
 
 
 # ---- app.py turns a load error into exit code 2 --------------------------------------------
@@ -305,23 +298,3 @@ def test_app_exits_2_with_one_clear_line(model, fragment):
     assert "Traceback" not in output, output
     lines = [line for line in output.splitlines() if model in line and fragment in line]
     assert len(lines) == 1, output
-
-
-def test_a_conversion_killed_midway_leaves_nothing_after_the_next_start(tmp_path):
-    """kill -9 during a conversion left its temporary folder (half a model) in the cache for good;
-    the next conversion removes a temporary folder whose process is gone, not one still writing."""
-    import subprocess
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait()  # a process id no longer running
-    folder = tmp_path / "cache" / "gguf"
-    stale = folder / f".SmolLM2-key.{gone.pid}.k2j4x.tmp"
-    (stale / "sub").mkdir(parents=True)
-    (stale / "model.safetensors").write_bytes(b"\0" * 1024)  # half written
-    alive = folder / f".other-key.{os.getpid()}.a1b2c.tmp"  # a conversion running now
-    alive.mkdir()
-    broken = tmp_path / "broken.gguf"
-    broken.write_bytes(b"this is not a gguf file")
-    with pytest.raises(ModelLoadError):
-        load_model(broken, cache_dir=tmp_path / "cache")
-    assert not stale.exists() and alive.is_dir()
-    assert sorted(p.name for p in folder.iterdir()) == [alive.name]

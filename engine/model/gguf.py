@@ -1,158 +1,313 @@
-"""A GGUF file converted once into `$RILL_CACHE/gguf` as an ordinary safetensors folder.
+"""A GGUF file loaded lean: its blocks read where they lie in the file, never copied to float32 on disk.
 
-Transformers de-quantizes a GGUF on every load (tens of seconds), so `engine.model.loading` loads
-the converted folder instead; the folder is named by the file's name, size and a digest of its
-ends, so a reinstalled copy of the same file finds its conversion.
+`load_gguf` builds the transformers module tree with its parameters on the meta device (no memory),
+then walks the file's tensors once. A linear whose type has a block kernel (engine/model/quant.py)
+becomes a `QuantLinear` made straight from its rows in the file (q/k rows in llama.cpp's order put
+back by the same transformers tensor processor the float path uses, applied to row numbers); every
+other tensor (norms, biases, embeddings, types without a kernel, or every tensor with `blocks`
+off: `--quantize none`, a GPU, a 16-bit dtype) is de-quantized in memory by gguf-py, exactly as
+transformers' own GGUF loading computes it. Nothing is written to disk, so a restart costs no
+conversion.
+
+transformers reads a GGUF's metadata with gguf-py's reader, which builds a numpy view for every
+string of the vocabulary (4-7 s for a 49k-token file); `fast_metadata` lends it transformers' newer
+header reader (20 ms) while a file is loaded.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
-import json
 import logging
 import os
-import re
-import shutil
-import tempfile
-import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
-
-from engine.config import rill_cache_dir
+from torch import nn
 
 logger = logging.getLogger("rill.loading")
 
-CACHE_FORMAT = 1  # bump when the layout of a converted folder changes
-GGUF_KEY_BYTES = 16 << 20  # the converted folder is named by a digest of this much of the file's head and tail
+_PARSED = object()  # the `types` of a metadata field whose `parts` hold parsed values
 
 
-def _gguf_cache_key(gguf: Path) -> str:
-    """The converted folder's name: the file's name, size and a digest of its first and last 16 MiB
-    (its header, metadata and tensors at both ends), not its mtime: a reinstalled copy of the same
-    file (a fresh venv, a new clone) finds its conversion instead of adding another."""
-    size = gguf.stat().st_size
-    digest = hashlib.sha256(str(size).encode())
-    with open(gguf, "rb") as f:
-        digest.update(f.read(GGUF_KEY_BYTES))
-        if size > GGUF_KEY_BYTES:
-            f.seek(max(GGUF_KEY_BYTES, size - GGUF_KEY_BYTES))
-            digest.update(f.read())
-    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", gguf.stem)
-    return f"{stem}-{size}-{digest.hexdigest()[:16]}-v{CACHE_FORMAT}"
+class _Field:
+    """What transformers' legacy loader reads of a gguf-py ReaderField: `parts[i]` for `i` in
+    `data`, parsed by `_gguf_parse_value(part, types)` (patched to pass these through)."""
+
+    def __init__(self, name: str, value):
+        self.name = name
+        self.parts = value if isinstance(value, list) else [value]
+        self.data = range(len(self.parts))
+        self.types = _PARSED
+
+
+class _Names:
+    def __init__(self, name: str):
+        self.name = name
+
+
+class _MetadataReader:
+    """gguf-py's `GGUFReader` as transformers' config loading uses it (fields and tensor names),
+    read by transformers' fast header reader."""
+
+    def __init__(self, path, mode: str = "r"):
+        from transformers.integrations.gguf import reader
+
+        metadata, names = reader.read_gguf_metadata(os.fspath(path), ("tokenizer.ggml.tokens",))
+        self.fields = {key: _Field(key, value) for key, value in metadata.items()}
+        self.tensors = [_Names(name) for name in names]
 
 
 @contextlib.contextmanager
-def _parse_gguf_once():
-    """Within one conversion, parse the GGUF once and build gguf's tensor-name map once per shape.
+def fast_metadata():
+    """While open, transformers' GGUF config and tokenizer loading read the header with
+    `_MetadataReader`, each file's header is parsed once, and gguf-py's tensor-name map is built
+    once per architecture (transformers rebuilds it for every module of the model: 10 s for a
+    30-layer model). Pure functions of their arguments; the loading that uses them runs at start."""
+    import gguf as gguf_lib
+    import transformers.modeling_gguf_pytorch_utils as legacy
+    from transformers.integrations.gguf import reader as fast_reader
 
-    transformers parses the file three times (tokenizer, config, weights) and rebuilds the
-    name map for every module of the model: together about two thirds of a conversion. Both are
-    pure functions of their arguments; the patch lasts only while converting (at startup).
-    """
-    try:
-        import gguf as gguf_lib
-    except ImportError:  # transformers raises its own clear error below
-        yield
-        return
-    original_reader, original_name_map = gguf_lib.GGUFReader, gguf_lib.get_tensor_name_map
-    readers: dict[tuple[str, str], object] = {}
+    saved = (gguf_lib.GGUFReader, legacy._gguf_parse_value, fast_reader.read_gguf_metadata,
+             gguf_lib.get_tensor_name_map)
+    parse = saved[1]
 
-    def shared_reader(path, mode="r"):
-        key = (os.path.realpath(os.fspath(path)), mode)
-        if key not in readers:
-            readers[key] = original_reader(path, mode)
-        return readers[key]
+    def parse_value(value, types):
+        return value if types is _PARSED else parse(value, types)
 
-    gguf_lib.GGUFReader = shared_reader
-    gguf_lib.get_tensor_name_map = functools.lru_cache(maxsize=None)(original_name_map)
+    @functools.lru_cache(maxsize=8)
+    def read_metadata(path, string_arrays=()):
+        return saved[2](path, string_arrays)
+
+    def read_metadata_once(path, string_arrays=()):
+        return read_metadata(os.fspath(path), tuple(string_arrays))
+
+    gguf_lib.GGUFReader, legacy._gguf_parse_value = _MetadataReader, parse_value
+    fast_reader.read_gguf_metadata = read_metadata_once
+    gguf_lib.get_tensor_name_map = functools.lru_cache(maxsize=None)(saved[3])
     try:
         yield
     finally:
-        gguf_lib.GGUFReader, gguf_lib.get_tensor_name_map = original_reader, original_name_map
-        readers.clear()
+        (gguf_lib.GGUFReader, legacy._gguf_parse_value, fast_reader.read_gguf_metadata,
+         gguf_lib.get_tensor_name_map) = saved
 
 
-def _write_converted(gguf: Path, folder: Path, steps) -> None:
-    """De-quantize `gguf` and save model + tokenizer into `folder` (3 of the 4 progress steps)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def gguf_config(gguf: Path, trust_remote_code: bool = False):
+    """The transformers config a GGUF file describes, and the parsed dict its tensor processor takes."""
+    from transformers import AutoConfig
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    with _parse_gguf_once():
-        steps.set_postfix_str("reading tokenizer")
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        steps.update()
-        steps.set_postfix_str("de-quantizing weights")
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-        steps.update()
-    # the de-quantized weights are plain tensors: drop the GGUF marker so that they can be saved
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    steps.set_postfix_str("saving")
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    steps.update()
+    with fast_metadata():
+        parsed = load_gguf_checkpoint(str(gguf), return_tensors=False)
+        config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                            trust_remote_code=trust_remote_code)
+    return config, parsed
 
 
-def convert_gguf(gguf: Path, target: Path) -> None:
-    """De-quantize `gguf` once into `target` (safetensors fp32 + tokenizer), written atomically;
-    raises what failed (`load_model` says it as a ModelLoadError)."""
-    from tqdm.auto import tqdm
+def gguf_tokenizer(gguf: Path, trust_remote_code: bool = False):
+    """The tokenizer in a GGUF file's metadata (transformers' conversion of it)."""
+    from transformers import AutoTokenizer
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.{os.getpid()}.", suffix=".tmp", dir=target.parent))
+    with fast_metadata():
+        return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                             trust_remote_code=trust_remote_code)
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Modules built inside get their parameters on the meta device (no memory, no initialization
+    work); buffers (rotary frequencies) are computed as usual."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=False)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def _set_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Put `tensor` where the (meta) parameter or buffer `name` is, checking its shape."""
+    from engine.model.loading import ModelLoadError
+
+    owner, _, leaf = name.rpartition(".")
+    module = model.get_submodule(owner)
+    current = module._parameters.get(leaf, module._buffers.get(leaf))
+    if current is None:
+        raise ModelLoadError(f"the GGUF tensor for {name!r} has no place in the model built from its config")
+    if tuple(current.shape) != tuple(tensor.shape):
+        raise ModelLoadError(f"the GGUF tensor for {name!r} has shape {tuple(tensor.shape)}; the model built from "
+                             f"its config expects {tuple(current.shape)}: the file's metadata and tensors disagree")
+    if leaf in module._parameters:
+        module._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
+    else:
+        module._buffers[leaf] = tensor
+
+
+@dataclass
+class _Blocks:
+    """A linear to make from the file's blocks once every float tensor (its bias) is in place."""
+
+    raw: np.ndarray  # uint8 [out, row bytes], a view of the mapped file
+    ggml_type: str
+    order: np.ndarray | None
+
+
+@dataclass
+class GgufLoad:
+    """What `load_gguf` did with the file's tensors, for the log and `/health`."""
+
+    kept: dict[str, int] = field(default_factory=dict)  # block type -> linears kept as blocks
+    dequantized: dict[str, int] = field(default_factory=dict)  # quantized type -> linears made float
+    seconds: float = 0.0
+
+    def describe(self) -> str:
+        parts = []
+        if self.kept:
+            parts.append(f"{'/'.join(sorted(self.kept))} blocks from the GGUF ({sum(self.kept.values())} linears)")
+        if self.dequantized:
+            parts.append(f"float from {'/'.join(sorted(self.dequantized))} ({sum(self.dequantized.values())} "
+                         f"linears: no block kernel for that type)")
+        return "; ".join(parts) or "float"
+
+
+def _row_order(processor, name: str, rows: int, mapping: dict) -> np.ndarray | None:
+    """The rows of the file's tensor `name`, in the order the model wants them: the tensor
+    processor (llama.cpp's q/k permutation undone) applied to the row numbers; None when it does
+    more than reorder rows."""
+    numbers = np.arange(rows, dtype=np.float64).reshape(rows, 1)
+    result = processor.process(weights=numbers, name=name, tensor_key_mapping=mapping,
+                               parsed_parameters={"tensors": {}, "config": {}})
+    order = np.asarray(result.weights)
+    if result.name != name or order.shape != (rows, 1):
+        return None
+    order = order[:, 0].astype(np.int64)
+    if not np.array_equal(np.sort(order), np.arange(rows)):
+        return None
+    return order
+
+
+def _as_tensor(weights, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    tensor = weights if isinstance(weights, torch.Tensor) else torch.from_numpy(np.array(weights, copy=True))
+    if tensor.is_floating_point():
+        tensor = tensor.to(dtype)
+    return tensor.to(device)
+
+
+def _tie_output(model: nn.Module, embedding: _Blocks | None, pending: dict, linears: dict) -> None:
+    """A tied output head (no `output.weight` in the file) reads the input embedding: its blocks
+    when they were kept, else the embedding's float weight."""
+    output, inputs = model.get_output_embeddings(), model.get_input_embeddings()
+    if not isinstance(output, nn.Linear) or output.weight.device.type != "meta":
+        return
+    name = next((key for key, module in linears.items() if module is output), None)
+    if embedding is not None and name is not None:
+        pending[name] = embedding
+    elif inputs is not None and inputs.weight.device.type != "meta" and inputs.weight.shape == output.weight.shape:
+        output.weight = inputs.weight
+
+
+def _model_kwargs(dtype, trust_remote_code, attn_implementation) -> dict:
+    kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    return kwargs
+
+
+def header_architecture(gguf: Path) -> str:
+    from transformers.integrations.gguf import reader
+
+    return reader.read_gguf_metadata(str(gguf))[0]["general.architecture"]
+
+
+def load_gguf(gguf: Path, *, device: torch.device, dtype: torch.dtype, trust_remote_code: bool = False,
+              attn_implementation: str | None = None, kernel=None, int8: bool = False):
+    """The model of a GGUF file, lean: returns (model, tokenizer, GgufLoad). `kernel`: the block
+    kernel (engine/kernels/qlinear.py) that keeps the linears of the types it has as blocks; None
+    de-quantizes every tensor in memory. Raises ModelLoadError."""
+    import time
+
+    import gguf as gguf_lib
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.gguf.reader import GgufHeader
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+
+    from engine.model.loading import ModelLoadError
+    from engine.model.quant import GGUF_TYPES, QuantLinear
+
     started = time.monotonic()
-    logger.info("converting %s once into %s (later starts load the converted copy)", gguf, target)
-    steps = tqdm(total=4, desc=f"rill: converting {gguf.name} (one time)", unit="step")
-    try:
-        _write_converted(gguf, tmp, steps)
-        (tmp / "rill-source.json").write_text(json.dumps({
-            "gguf": str(gguf), "size": gguf.stat().st_size, "mtime": gguf.stat().st_mtime,
-            "format": CACHE_FORMAT, "seconds": round(time.monotonic() - started, 1)}, indent=1))
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "config.json").is_file():  # not a concurrent conversion that won: a real error
-                raise
-            logger.info("another process converted %s first; using its copy", gguf.name)
-        steps.update()
-    finally:
-        steps.close()
-        shutil.rmtree(tmp, ignore_errors=True)
-    logger.info("converted %s in %.1f s", gguf.name, time.monotonic() - started)
-
-
-def converted_gguf_dir(gguf: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Path:
-    """The cache folder a GGUF converts into (keyed by file name, size and a digest of its ends)."""
-    gguf = Path(gguf).expanduser().resolve()
-    return rill_cache_dir(cache_dir) / "gguf" / _gguf_cache_key(gguf)
-
-
-STALE_TMP_S = 3600.0  # a temporary folder without a process id (an older rill's) is stale after this long
-
-
-def remove_stale_conversions(folder: Path) -> None:
-    """Remove the temporary folders of conversions that died midway (kill -9, a crash): those whose
-    process (the id in the name, `.<key>.<pid>.<random>.tmp`) is gone; one still writing is kept."""
-    if not folder.is_dir():
-        return
-    for tmp in folder.glob(".*.tmp"):
-        parts = tmp.name.split(".")  # ["", key parts..., pid, random, "tmp"]
-        pid = int(parts[-3]) if len(parts) >= 5 and parts[-3].isdigit() else None
-        try:
-            if pid is not None:
-                try:
-                    os.kill(pid, 0)
-                    continue  # still running (or another user's process: not ours to judge)
-                except ProcessLookupError:
-                    pass
-                except PermissionError:
+    with fast_metadata():
+        config, parsed = gguf_config(gguf, trust_remote_code)
+        tokenizer = gguf_tokenizer(gguf, trust_remote_code)
+        with _parameters_on_meta():
+            model = AutoModelForCausalLM.from_config(config, **_model_kwargs(dtype, trust_remote_code,
+                                                                             attn_implementation))
+        processor = TENSOR_PROCESSORS.get(header_architecture(gguf), TensorProcessor)(config=parsed["config"])
+        mapping = get_gguf_hf_weights_map(model, processor)
+    header = GgufHeader.from_file(str(gguf))
+    blob = np.memmap(gguf, mode="r", dtype=np.uint8)
+    architecture = header.architecture
+    linears = {name + ".weight": module for name, module in model.named_modules() if type(module) is nn.Linear}
+    blocks_ok = kernel is not None and device.type == "cpu" and dtype == torch.float32
+    pending: dict[str, _Blocks] = {}
+    state = {"tensors": {}, "config": parsed["config"]}  # what MoE processors collect across tensors
+    report = GgufLoad()
+    embedding: _Blocks | None = None
+    for info in header.tensors:
+        ggml_type = gguf_lib.GGMLQuantizationType(info.ggml_type)
+        type_name = ggml_type.name.lower()
+        start = header.data_start + info.offset
+        data = blob[start:start + info.nbytes]
+        rows = info.shape[0] if info.shape else 1
+        raw = data.reshape(*info.shape[:-1], -1) if len(info.shape) > 1 else data
+        target = mapping.get(info.name)
+        linear = linears.get(target) if target else None
+        quantized = type_name not in ("f32", "f16", "bf16")
+        if info.name == "token_embd.weight" and blocks_ok and type_name in GGUF_TYPES:
+            embedding = _Blocks(raw, type_name, None)  # the output head of a tied model may keep these
+        if linear is not None and len(info.shape) == 2 and tuple(info.shape) == tuple(linear.weight.shape):
+            if blocks_ok and type_name in GGUF_TYPES:
+                order = _row_order(processor, info.name, rows, mapping)
+                if order is not None:
+                    plain = np.array_equal(order, np.arange(rows))
+                    pending[target] = _Blocks(raw, type_name, None if plain else order)
                     continue
-            elif time.time() - tmp.stat().st_mtime < STALE_TMP_S:
-                continue
-        except OSError:
-            continue
-        logger.info("removing %s, left by a conversion that did not finish", tmp)
-        shutil.rmtree(tmp, ignore_errors=True)
+            if quantized:
+                report.dequantized[type_name] = report.dequantized.get(type_name, 0) + 1
+        try:
+            weights = gguf_lib.quants.dequantize(np.asarray(raw), ggml_type)
+        except NotImplementedError as error:
+            raise ModelLoadError(f"the GGUF tensor {info.name!r} is of type {ggml_type.name}, which gguf-py "
+                                 f"{gguf_lib.__version__ if hasattr(gguf_lib, '__version__') else ''} cannot "
+                                 f"de-quantize: {error}") from error
+        result = processor.process(weights=weights, name=info.name, tensor_key_mapping=mapping,
+                                   parsed_parameters=state)
+        if result.name in mapping:
+            _set_tensor(model, mapping[result.name], _as_tensor(result.weights, dtype, device))
+    for name, tensor in state["tensors"].items():  # MoE experts, stacked by their processor
+        _set_tensor(model, name, _as_tensor(tensor, dtype, device))
+    _tie_output(model, embedding, pending, linears)
+    for target, blocks in pending.items():
+        owner, _, leaf = target.removesuffix(".weight").rpartition(".")
+        parent = model.get_submodule(owner)
+        linear = getattr(parent, leaf)
+        bias = linear.bias if linear.bias is not None and linear.bias.device.type != "meta" else None
+        setattr(parent, leaf, QuantLinear.from_gguf(np.asarray(blocks.raw), blocks.ggml_type, bias, kernel, int8,
+                                                    blocks.order))
+        report.kept[blocks.ggml_type] = report.kept.get(blocks.ggml_type, 0) + 1
+    missing = [name for name, param in model.named_parameters() if param.device.type == "meta"]
+    if missing:
+        raise ModelLoadError(f"the GGUF file {str(gguf)!r} has no tensor for {len(missing)} of the model's weights "
+                             f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): the file is "
+                             f"incomplete or its architecture {architecture!r} is read differently by transformers")
+    del blob
+    model.eval()
+    report.seconds = time.monotonic() - started
+    return model, tokenizer, report

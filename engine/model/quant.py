@@ -1,22 +1,19 @@
-"""Block-quantized linears on the CPU: GGUF's Q8_0, Q4_0 and Q4_1 kept as blocks, computed in C.
+"""Block-quantized linears on the CPU: GGUF's blocks kept as blocks, computed in C.
 
-A GGUF model's quantized weights stay quantized in memory: `keep_gguf_blocks` replaces each
-`nn.Linear` whose weight came from a Q8_0/Q4_0/Q4_1 tensor with a `QuantLinear` holding that
-tensor's blocks (rearranged once into panels of 16 outputs, engine/kernels/qlinear.py). A safetensors model
-can be quantized at load the same way (`quantize_linears`, `--quantize q8_0|q4_0`).
+A GGUF model's quantized weights stay quantized in memory: the lean loader (engine/model/gguf.py)
+makes each linear whose tensor has a block type here a `QuantLinear` straight from the file's rows
+(`QuantLinear.from_gguf`, rearranged once into panels of 16 outputs, engine/kernels/qlinear.py). A
+safetensors model can be quantized at load the same way (`quantize_linears`, `--quantize q8_0|q4_0`).
 
 Activations stay float32, so a step computes the same products as the float32 model whose
 weights are the de-quantized blocks, up to the order of the additions: greedy output matches HF
-`generate` on that de-quantized model. Each replacement is checked first: the blocks,
-de-quantized here, must equal the float32 weight that transformers loaded from the same file
-(after llama.cpp's row order for q/k is undone), or the layer stays float32.
+`generate` on that de-quantized model (the parity tests).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -287,26 +284,6 @@ def _quantizable(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
             and child.in_features % 32 == 0]
 
 
-def _row_key(weight: torch.Tensor) -> tuple:
-    """Shape and the sorted row sums: the same for a weight and any order of its rows."""
-    return (*weight.shape, np.sort(weight.detach().double().sum(dim=1).numpy()).tobytes())
-
-
-def _row_order(layer: torch.Tensor, blocks: torch.Tensor) -> np.ndarray | None:
-    """`order` with blocks[order] == layer bit for bit (layer row i is row order[i] of the
-    blocks), or None when the rows differ."""
-    where: dict[bytes, list[int]] = {}
-    for index, row in enumerate(blocks.numpy()):
-        where.setdefault(row.tobytes(), []).append(index)
-    order = []
-    for row in layer.numpy():
-        found = where.get(row.tobytes())
-        if not found:
-            return None
-        order.append(found.pop())
-    return np.asarray(order)
-
-
 def quantize_linears(model: nn.Module, kind: str, kernel: QuantKernel, dequantized: bool = False,
                      int8: bool = False) -> int:
     """Replace every float32 CPU `nn.Linear` (inputs a multiple of 32) with a `QuantLinear` of its
@@ -323,39 +300,3 @@ def quantize_linears(model: nn.Module, kind: str, kernel: QuantKernel, dequantiz
             setattr(parent, name, QuantLinear(q, d, m, kind, linear.bias, kernel, int8))
         count += 1
     return count
-
-
-def keep_gguf_blocks(model: nn.Module, gguf_path: str | Path, kernel: QuantKernel,
-                     int8: bool = False) -> tuple[int, int]:
-    """Replace each float32 `nn.Linear` whose weight transformers de-quantized from a Q8_0, Q4_0,
-    Q4_1 or Q4_K tensor of `gguf_path` with a `QuantLinear` on that tensor's blocks (Q4_K as the
-    Q4_1 blocks it is made of). Other types (Q6_K, Q5_K, ...) stay float32.
-
-    Tensors are matched to layers by content, not by name: the blocks de-quantized here must equal
-    the layer's weight bit for bit, rows possibly reordered (llama.cpp stores q/k rows in another
-    order). So any architecture transformers reads from GGUF works, and a layer that does not
-    match exactly stays float32. Returns (layers replaced, float32 bytes freed)."""
-    import gguf as gguf_lib
-
-    reader = gguf_lib.GGUFReader(str(gguf_path))
-    layers: dict[tuple, list[tuple[nn.Module, str, nn.Linear]]] = {}
-    for target in _quantizable(model):
-        layers.setdefault(_row_key(target[2].weight), []).append(target)
-    replaced, freed = 0, 0
-    for tensor in reader.tensors:
-        if tensor.tensor_type.name.lower() not in GGUF_TYPES:
-            continue
-        read, kind = GGUF_TYPES[tensor.tensor_type.name.lower()]
-        q, d, m = read(np.asarray(tensor.data))
-        weight = dequantize(q, d, m, kind)
-        for parent, name, linear in layers.pop(_row_key(weight), []):
-            order = _row_order(linear.weight.detach(), weight)
-            if order is None:
-                log.info("weights: %s matched no %s tensor row for row; it stays float32", name, kind)
-                continue
-            blocks = QuantLinear(q[order], d[order], None if m is None else m[order], kind, linear.bias, kernel, int8)
-            blocks.source = tensor.tensor_type.name.lower()
-            freed += linear.weight.numel() * 4
-            setattr(parent, name, blocks)
-            replaced += 1
-    return replaced, freed

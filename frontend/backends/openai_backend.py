@@ -59,13 +59,10 @@ def load_tokenizer(model_id: str | None, trust_remote_code: bool = False):
         Path(model_id).expanduser().resolve() if model_id.lower().endswith(".gguf") else None)
     try:
         if gguf is not None:
-            folder = loading.converted_gguf_dir(gguf)
-            if not (folder / "config.json").is_file():
-                loading._convert_gguf(gguf, folder)  # the same converted copy the local backend uses
-            location = str(folder)
-        else:
-            location = model_id or loading.DEFAULT_HUB_ID
-        return AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code)
+            from engine.model.gguf import gguf_tokenizer
+
+            return gguf_tokenizer(gguf, trust_remote_code)  # the one the local backend reads from the file
+        return AutoTokenizer.from_pretrained(model_id or loading.DEFAULT_HUB_ID, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as exc:
         raise loading.ModelLoadError(f"could not load the tokenizer of {model_id or 'the embedded model'!r}: "
                                      f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}; the "
