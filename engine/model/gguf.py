@@ -151,6 +151,28 @@ def _set_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
         module._buffers[leaf] = tensor
 
 
+class GgufEmbedding(nn.Module):
+    """`nn.Embedding` over a GGUF tensor's blocks: a lookup de-quantizes only the rows it reads,
+    with gguf-py, so each row equals the float embedding transformers would hold (a 49152 x 2048
+    Q6_K table: 82 MB instead of 400 MB of float32)."""
+
+    def __init__(self, raw: np.ndarray, ggml_type, embedding_dim: int, dtype: torch.dtype):
+        super().__init__()
+        self.rows = torch.from_numpy(np.array(raw, copy=True))  # uint8 [vocab, row bytes]
+        self.ggml_type, self.dtype = ggml_type, dtype
+        self.num_embeddings, self.embedding_dim = self.rows.shape[0], embedding_dim
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        import gguf as gguf_lib
+
+        rows = self.rows[input_ids.reshape(-1)].numpy()
+        values = torch.from_numpy(gguf_lib.quants.dequantize(rows, self.ggml_type)).to(self.dtype)
+        return values.view(*input_ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.ggml_type.name} blocks"
+
+
 @dataclass
 class _Blocks:
     """A linear to make from the file's blocks once every float tensor (its bias) is in place."""
@@ -194,6 +216,12 @@ def _row_order(processor, name: str, rows: int, mapping: dict) -> np.ndarray | N
     return order
 
 
+def _is_embedding(model: nn.Module, target: str, shape) -> bool:
+    """`target` is the weight of a plain `nn.Embedding` of this shape (and not also a linear's)."""
+    module = model.get_submodule(target.removesuffix(".weight"))
+    return type(module) is nn.Embedding and tuple(module.weight.shape) == tuple(shape)
+
+
 def _as_tensor(weights, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     tensor = weights if isinstance(weights, torch.Tensor) else torch.from_numpy(np.array(weights, copy=True))
     if tensor.is_floating_point():
@@ -201,17 +229,27 @@ def _as_tensor(weights, dtype: torch.dtype, device: torch.device) -> torch.Tenso
     return tensor.to(device)
 
 
-def _tie_output(model: nn.Module, embedding: _Blocks | None, pending: dict, linears: dict) -> None:
-    """A tied output head (no `output.weight` in the file) reads the input embedding: its blocks
-    when they were kept, else the embedding's float weight."""
+def _tie_output(model: nn.Module, embedding: _Blocks | None, pending: dict, linears: dict, blocks_ok: bool,
+                dtype: torch.dtype, device: torch.device) -> None:
+    """A tied output head (no `output.weight` in the file) reads the file's input embedding: as
+    blocks when the kernel has its type, else the float embedding's weight (or its own copy of
+    the de-quantized table, when the input embedding kept its blocks)."""
+    import gguf as gguf_lib
+
+    from engine.model.quant import GGUF_TYPES
+
     output, inputs = model.get_output_embeddings(), model.get_input_embeddings()
-    if not isinstance(output, nn.Linear) or output.weight.device.type != "meta":
+    if not isinstance(output, nn.Linear) or output.weight.device.type != "meta" or embedding is None:
         return
     name = next((key for key, module in linears.items() if module is output), None)
-    if embedding is not None and name is not None:
+    if blocks_ok and embedding.ggml_type in GGUF_TYPES and name is not None:
         pending[name] = embedding
-    elif inputs is not None and inputs.weight.device.type != "meta" and inputs.weight.shape == output.weight.shape:
+    elif isinstance(inputs, nn.Embedding) and inputs.weight.device.type != "meta":
         output.weight = inputs.weight
+    else:
+        kind = gguf_lib.GGMLQuantizationType[embedding.ggml_type.upper()]
+        weights = gguf_lib.quants.dequantize(np.asarray(embedding.raw), kind)
+        output.weight = nn.Parameter(_as_tensor(weights, dtype, device), requires_grad=False)
 
 
 def _model_kwargs(dtype, trust_remote_code, attn_implementation) -> dict:
@@ -270,8 +308,13 @@ def load_gguf(gguf: Path, *, device: torch.device, dtype: torch.dtype, trust_rem
         target = mapping.get(info.name)
         linear = linears.get(target) if target else None
         quantized = type_name not in ("f32", "f16", "bf16")
-        if info.name == "token_embd.weight" and blocks_ok and type_name in GGUF_TYPES:
-            embedding = _Blocks(raw, type_name, None)  # the output head of a tied model may keep these
+        if info.name == "token_embd.weight":
+            embedding = _Blocks(raw, type_name, None)  # a tied output head reads these
+        if (blocks_ok and quantized and target is not None and _is_embedding(model, target, info.shape)
+                and _row_order(processor, info.name, rows, mapping) is not None):
+            owner, _, leaf = target.removesuffix(".weight").rpartition(".")
+            setattr(model.get_submodule(owner), leaf, GgufEmbedding(raw, ggml_type, info.shape[1], dtype))
+            continue
         if linear is not None and len(info.shape) == 2 and tuple(info.shape) == tuple(linear.weight.shape):
             if blocks_ok and type_name in GGUF_TYPES:
                 order = _row_order(processor, info.name, rows, mapping)
@@ -293,7 +336,7 @@ def load_gguf(gguf: Path, *, device: torch.device, dtype: torch.dtype, trust_rem
             _set_tensor(model, mapping[result.name], _as_tensor(result.weights, dtype, device))
     for name, tensor in state["tensors"].items():  # MoE experts, stacked by their processor
         _set_tensor(model, name, _as_tensor(tensor, dtype, device))
-    _tie_output(model, embedding, pending, linears)
+    _tie_output(model, embedding, pending, linears, blocks_ok, dtype, device)
     for target, blocks in pending.items():
         owner, _, leaf = target.removesuffix(".weight").rpartition(".")
         parent = model.get_submodule(owner)
