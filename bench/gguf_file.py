@@ -23,7 +23,13 @@ from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter, LlamaFileType
+from gguf import (
+    GGML_QUANT_SIZES,
+    GGMLQuantizationType,
+    GGUFValueType,
+    GGUFWriter,
+    LlamaFileType,
+)
 from gguf.quants import quantize as gguf_quantize
 
 Q = GGMLQuantizationType

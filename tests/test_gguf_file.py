@@ -10,9 +10,20 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
 from bench import gguf_file
+from bench.gguf_file import (
+    SHAPES,
+    TYPES,
+    LlamaShape,
+    encode,
+    gguf_nbytes,
+    parse_shape,
+    permute_rows,
+    tensor_types,
+    use_more_bits,
+    write_llama_gguf,
+    write_random_gguf,
+)
 from engine.model.loading import embedded_gguf_path
-from bench.gguf_file import (SHAPES, TYPES, LlamaShape, encode, gguf_nbytes, parse_shape, permute_rows,
-                             tensor_types, use_more_bits, write_llama_gguf, write_random_gguf)
 
 QUESTION = "What is the capital of France?"
 SMOLLM2_IDS = [1780, 314, 260, 3575, 282, 4649, 47]  # the question in SmolLM2's tokenizer
