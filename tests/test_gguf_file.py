@@ -3,6 +3,8 @@ weights), its files load in transformers with the weights they hold and SmolLM2'
 Q4_K_M recipe picks llama-quantize's types, and a random file of a real shape computes finite
 numbers. No big files: the models here have hidden sizes of 64 and 256."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -59,7 +61,7 @@ def tiny_llama(hidden: int, ffn: int, tied: bool = True):
     torch.manual_seed(hidden)
     config = LlamaConfig(vocab_size=49152, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         tie_word_embeddings=tied, rms_norm_eps=1e-5)
+                         tie_word_embeddings=tied, rms_norm_eps=1e-6, rope_theta=50000.0)
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():  # norms other than ones, so that a misplaced norm would show
         for name, param in model.named_parameters():
@@ -187,6 +189,8 @@ def test_a_llama_in_every_type_loads_in_transformers_with_smollm2s_tokenizer(tmp
     types = dict.fromkeys(exact, "f32") | {name: list(TYPES)[1 + i % 9] for i, name in enumerate(others)}
     path = write_llama_gguf(model, None, tmp_path / "every-type.gguf", types=types)
     loaded = load_gguf(path)
+    held_shape = LlamaShape.from_config(loaded.config)  # the metadata: sizes, heads, rope theta, epsilon, context
+    assert held_shape.rms_eps == pytest.approx(1e-6) and replace(held_shape, rms_eps=1e-6) == shape
     held = assert_weights_are_the_files(loaded, path, shape)
     assert {q.name.lower() for q in held.values()} == set(TYPES)
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"):
