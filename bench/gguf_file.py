@@ -544,7 +544,7 @@ class _RandomBytes:
         return out
 
 
-def random_tensor(dims: tuple[int, ...], qtype: GGMLQuantizationType, source: _RandomBytes) -> np.ndarray:
+def _random_tensor(dims: tuple[int, ...], qtype: GGMLQuantizationType, source: _RandomBytes) -> np.ndarray:
     """Random data of a tensor: blocks of random bytes whose scale fields are small finite float16
     (x 0.5 to 1.5 per block), or float16 / float32 values of magnitude 1/64 to 1/32 and random sign."""
     if qtype in (Q.F16, Q.F32):
@@ -572,7 +572,7 @@ def write_random_gguf(shape: str | LlamaShape, path: str | os.PathLike, recipe: 
     def producer(dims: tuple[int, ...], qtype: GGMLQuantizationType) -> Callable[[], np.ndarray]:
         if len(dims) == 1:
             return lambda: np.ones(dims, np.float32)
-        return lambda: random_tensor(dims, qtype, source)
+        return lambda: _random_tensor(dims, qtype, source)
 
     tensors = [(name, dims, chosen[name], producer(dims, chosen[name])) for name, dims in tensor_shapes(shape).items()]
     title = f"rill random {shape.key} {recipe}"
