@@ -4,7 +4,7 @@ STAMP := .venv/.setup-done
 HOST ?= 127.0.0.1
 PORT ?= 7860
 
-.PHONY: setup browser run serve test test-fast bench bench-peers-setup bench-peers soak clean constraints
+.PHONY: setup browser run serve test test-fast bench bench-peers-setup bench-peers bench-large soak clean constraints
 
 setup: $(STAMP)
 
@@ -41,6 +41,11 @@ bench-peers-setup: setup
 
 bench-peers: setup
 	$(PY) -m bench.peers table
+
+# rill and llama-server on a random GGUF of a deployed model's shape (SHAPE=llama3-8b for the 8B)
+SHAPE ?= smollm2-1.7b
+bench-large: setup
+	$(PY) -m bench.peers large --shape $(SHAPE)
 
 soak: setup
 	RILL_SOAK_REQUESTS=2000 $(PY) -m pytest -q tests/test_soak.py

@@ -7,9 +7,18 @@ installed once into `$RILL_CACHE/peers/`, then run side by side with rill in one
     python -m bench.peers serve rill|llama-server|vllm [--port P]
     python -m bench.peers table [--clients 1,8,32] [--workloads short,long-prompt,shared-prefix]
                                 [--servers rill,llama-server,vllm]
+    python -m bench.peers large [--shape smollm2-1.7b|llama3-8b|hidden=256,layers=2,...]
+                                [--servers rill,llama-server] [--clients 1,8,32] [--ttft-prompts 1000,4000]
 
 Each peer is optional: one that is not ready is skipped with its reason, never a crash.
-Build and install logs go next to what they built, in the cache. The table runs one server at a
+Build and install logs go next to what they built, in the cache. A fresh llama-server build
+serves one completion on a tiny model first; one that dies by a signal there (AMX code on some
+AMX hosts) is rebuilt without AMX into a folder of its own, which the tables then use.
+
+`large` writes a random GGUF of a deployed model's shape once into `$RILL_CACHE`
+(bench/gguf_file.py: SmolLM2-1.7B's shape in Q4_K_M is 1.06 GB) and measures each server on it:
+ready time, peak RSS of its process tree, tok/s and ITL at 1 / 8 / 32 clients (temperature 1.0,
+64 tokens), TTFT of ~1k- and ~4k-token prompts; bench/results/peers-large-SHAPE.json and .md. The table runs one server at a
 time (rill with its default settings: GGUF blocks + native decode), each over `/v1/completions`
 with `ignore_eos`, greedy, closed loop, after a warm-up (bench/run.py), and writes
 bench/results/peers.json and .md.
@@ -24,6 +33,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -32,6 +42,10 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from bench.gguf_file import LlamaShape
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -122,21 +136,104 @@ class PeerState:
 # ---------------------------------------------------------------------------------------------
 
 
+NO_AMX_FLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+# the model a fresh build serves once before it counts as working (random weights, SmolLM2's tokenizer)
+CHECK_SHAPE = "hidden=256,layers=2,ffn=512,heads=4,kv_heads=2,context=1024"
+
+
+def check_model() -> Path:
+    """A tiny random GGUF in `$RILL_CACHE/peers`, written once, for the start-up check of a build."""
+    from bench.gguf_file import write_random_gguf
+
+    path = peers_dir() / "check-tiny-q4_k_m.gguf"
+    if not path.is_file():
+        write_random_gguf(CHECK_SHAPE, path)
+    return path
+
+
+@dataclass
+class CheckFailure:
+    """Why a built server did not serve a completion on the tiny model."""
+
+    signal: int | None  # the signal that killed it, if one did
+    reason: str
+
+
+def check_serves(argv: list[str], env: dict[str, str], port: int, log_path: Path,
+                 timeout: float = 180.0) -> CheckFailure | None:
+    """Start a server (`argv` listens on `port`), ask it for a 4-token completion, stop it.
+    None when the completion came back; else what happened: a death by a signal (SIGILL, SIGSEGV:
+    code this CPU cannot run), an exit, or no answer within `timeout` seconds."""
+    import httpx
+
+    started = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(argv, env=dict(os.environ, **env), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            while time.monotonic() - started < timeout:
+                if proc.poll() is not None:
+                    break
+                try:
+                    reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                                       json={"prompt": "The capital of France is", "max_tokens": 4})
+                    if reply.status_code == 200 and reply.json().get("choices"):
+                        return None
+                except (httpx.HTTPError, ValueError):
+                    pass
+                time.sleep(0.25)
+            else:
+                return CheckFailure(None, f"no completion within {timeout:.0f} s (log: {log_path})")
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    code = proc.returncode
+    if code < 0:
+        name = signal.Signals(-code).name
+        return CheckFailure(-code, f"killed by {name} right after it started (log: {log_path})")
+    return CheckFailure(None, f"exited with {code} before it served a completion (log: {log_path})")
+
+
 class LlamaServer:
-    """llama.cpp's server, built from the llama-cpp-python sdist with GGML_NATIVE for this CPU."""
+    """llama.cpp's server, built from the llama-cpp-python sdist with GGML_NATIVE for this CPU.
+
+    A fresh build serves one completion on a tiny model before it counts as working. A native
+    build that dies by a signal there (llama.cpp's AMX code on some AMX hosts: SIGILL or SIGSEGV
+    right after its thread pool starts) is marked `crashed.txt`, and a variant built with
+    `-mno-amx-*` goes into a folder of its own (`...-noamx`), which every later run then uses."""
 
     name = "llama-server"
 
-    def __init__(self, cache: Path | None = None, flags: list[str] | None = None):
+    def __init__(self, cache: Path | None = None, flags: list[str] | None = None, variant: str | None = None):
         self.flags = host_cpu_flags() if flags is None else flags
-        self.folder = (cache or peers_dir()) / f"llama-server-{LLAMA_CPP_PYTHON}-{cpu_key(self.flags)}"
+        self.cache = cache or peers_dir()
+        self.native = self.cache / f"llama-server-{LLAMA_CPP_PYTHON}-{cpu_key(self.flags)}"
+        if variant is None:  # the native build, unless it was found to crash on this host
+            variant = "no-amx" if (self.native / "crashed.txt").is_file() else "native"
+        self.variant = variant
+        self.folder = self.native if variant == "native" else self.native.with_name(self.native.name + "-noamx")
         self.binary = self.folder / "bin" / "llama-server"
         self.log = self.folder / "build.log"
         self.failed = self.folder / "failed.txt"  # the reason of the last failed build
+        self.crashed = self.folder / "crashed.txt"  # why this build cannot run here (it died by a signal)
+        self.checked = self.folder / "checked.txt"  # written once it served a completion on the tiny model
+
+    @property
+    def cflags(self) -> str | None:
+        """C and C++ flags added to the native ones (None for the native build)."""
+        return NO_AMX_FLAGS if self.variant == "no-amx" else None
+
+    def _variant_note(self) -> str:
+        if self.variant == "native":
+            return ""
+        return f" (built with {NO_AMX_FLAGS}: the native build {(self.native / 'crashed.txt').read_text().strip()})"
 
     def state(self) -> PeerState:
+        if self.crashed.is_file():
+            return PeerState(self.name, False, f"it cannot run here: {self.crashed.read_text().strip()}")
         if self.binary.is_file() and os.access(self.binary, os.X_OK):
-            return PeerState(self.name, True, str(self.binary))
+            return PeerState(self.name, True, str(self.binary) + self._variant_note())
         if pid := _setup_running(self.folder / "building.txt"):
             return PeerState(self.name, False, f"being built now (pid {pid}, log: {self.log})")
         if self.failed.is_file():
@@ -144,13 +241,48 @@ class LlamaServer:
         tools = missing_build_tools()
         if tools:
             return PeerState(self.name, False, f"not built, and cannot be: {tools}")
-        return PeerState(self.name, False, f"not built for this CPU (key {cpu_key(self.flags)}): run "
+        what = "" if self.variant == "native" else f" {self.variant} variant"
+        return PeerState(self.name, False, f"not built for this CPU{what} (key {cpu_key(self.flags)}): run "
                                            f"`make bench-peers-setup` (about 10 min on 2 cores)")
 
     def setup(self) -> PeerState:
+        """Build if needed, then check once that the build serves a completion (see the class)."""
         state = self.state()
-        if state.ready or _setup_running(self.folder / "building.txt"):
+        if self.crashed.is_file() or _setup_running(self.folder / "building.txt"):
             return state
+        if not state.ready:
+            state = self._build_once()
+            if not state.ready:
+                return state
+        if self.checked.is_file():
+            return state
+        failure = self.check()
+        if failure is None:
+            self.checked.write_text("served a completion on the tiny model\n")
+            return self.state()
+        if failure.signal is None:
+            return PeerState(self.name, False, f"built, but it did not serve a completion on a tiny model: "
+                                               f"{failure.reason}")
+        self.crashed.write_text(failure.reason + "\n")
+        if self.variant != "native":
+            return PeerState(self.name, False, f"the variant built with {NO_AMX_FLAGS} dies too: {failure.reason}")
+        amx = [f for f in self.flags if f.startswith("amx")]
+        other = LlamaServer(self.cache, self.flags, variant="no-amx")
+        print(f"llama-server: the native build was {failure.reason}; this CPU reports "
+              f"{' '.join(amx) if amx else 'no AMX'}: building a variant with {NO_AMX_FLAGS} into {other.folder}, "
+              f"which the tables then use", flush=True)
+        return other.setup()
+
+    def check(self) -> CheckFailure | None:
+        """Serve one short completion on the tiny model (see check_serves)."""
+        from bench.suite import free_port
+
+        port = free_port()
+        argv = [str(self.binary), "-m", str(check_model()), "--host", "127.0.0.1", "--port", str(port),
+                "-t", str(os.cpu_count() or 2), "-c", "1024", "-np", "1"]
+        return check_serves(argv, self._env(), port, self.folder / "check.log")
+
+    def _build_once(self) -> PeerState:
         tools = missing_build_tools()
         if tools:
             return PeerState(self.name, False, f"skipped: {tools}")
@@ -158,27 +290,13 @@ class LlamaServer:
         self.failed.unlink(missing_ok=True)
         (self.folder / "cpu-flags.txt").write_text(" ".join(self.flags) + "\n")
         (self.folder / "building.txt").write_text(f"{os.getpid()}\n")
-        print(f"llama-server: building llama.cpp of llama-cpp-python {LLAMA_CPP_PYTHON} (log: {self.log})", flush=True)
+        extra = f" with {self.cflags}" if self.cflags else ""
+        print(f"llama-server: building llama.cpp of llama-cpp-python {LLAMA_CPP_PYTHON}{extra} (log: {self.log})",
+              flush=True)
         started = time.monotonic()
         try:
-            with open(self.log, "w") as log, tempfile.TemporaryDirectory(prefix="rill-llama-") as tmp:
-                # the sdist only (`--no-binary :all:` would also build its build tools from source,
-                # cmake included, where the cmake on PATH is too old or missing)
-                _run_logged([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python",
-                             f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", tmp], log)
-                sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
-                with tarfile.open(sdist) as archive:
-                    archive.extractall(tmp, filter="data")
-                source = next(Path(tmp).glob("llama_cpp_python-*/vendor/llama.cpp"))
-                _run_logged(["cmake", "-B", "build", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-                             "-DCMAKE_BUILD_TYPE=Release"], log, cwd=source)
-                _run_logged(["cmake", "--build", "build", f"-j{os.cpu_count() or 2}", "--target", "llama-server"], log,
-                            cwd=source)
-                staging = self.folder / "bin.tmp"
-                shutil.rmtree(staging, ignore_errors=True)
-                shutil.copytree(source / "build" / "bin", staging, symlinks=True)  # its .so files sit beside it
-                shutil.rmtree(self.folder / "bin", ignore_errors=True)
-                staging.rename(self.folder / "bin")
+            with open(self.log, "w") as log:
+                self._build(log)
             with open(self.log, "a") as log:  # the build tree is gone: the copy must load on its own
                 _run_logged([str(self.binary), "--version"], log, env=dict(os.environ, **self._env()))
         except (RuntimeError, OSError, StopIteration, tarfile.TarError) as error:
@@ -191,6 +309,32 @@ class LlamaServer:
         print(f"llama-server: built in {(time.monotonic() - started) / 60:.1f} min", flush=True)
         return self.state()
 
+    def configure_command(self) -> list[str]:
+        """cmake's configure step: native, plus this variant's C and C++ flags."""
+        extra = [f"-DCMAKE_C_FLAGS={self.cflags}", f"-DCMAKE_CXX_FLAGS={self.cflags}"] if self.cflags else []
+        return ["cmake", "-B", "build", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+                "-DCMAKE_BUILD_TYPE=Release", *extra]
+
+    def _build(self, log) -> None:
+        """Download the sdist, build llama-server, copy its bin/ folder into `self.folder`."""
+        with tempfile.TemporaryDirectory(prefix="rill-llama-") as tmp:
+            # the sdist only (`--no-binary :all:` would also build its build tools from source,
+            # cmake included, where the cmake on PATH is too old or missing)
+            _run_logged([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python",
+                         f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", tmp], log)
+            sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
+            with tarfile.open(sdist) as archive:
+                archive.extractall(tmp, filter="data")
+            source = next(Path(tmp).glob("llama_cpp_python-*/vendor/llama.cpp"))
+            _run_logged(self.configure_command(), log, cwd=source)
+            _run_logged(["cmake", "--build", "build", f"-j{os.cpu_count() or 2}", "--target", "llama-server"], log,
+                        cwd=source)
+            staging = self.folder / "bin.tmp"
+            shutil.rmtree(staging, ignore_errors=True)
+            shutil.copytree(source / "build" / "bin", staging, symlinks=True)  # its .so files sit beside it
+            shutil.rmtree(self.folder / "bin", ignore_errors=True)
+            staging.rename(self.folder / "bin")
+
     def _env(self) -> dict[str, str]:
         # the binary's RUNPATH names the build tree, which is gone: its .so files sit beside it
         return {"LD_LIBRARY_PATH": os.pathsep.join(filter(None, [str(self.binary.parent),
@@ -200,6 +344,12 @@ class LlamaServer:
         threads = str(os.cpu_count() or 2)
         return ([str(self.binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", threads,
                  "-np", "32", "-c", "65536"], self._env())
+
+    def serve_gguf(self, port: int, gguf: Path, context: int) -> tuple[list[str], dict]:
+        """Serving any GGUF: 32 slots over one KV cache of `context` tokens, each slot up to all of it."""
+        threads = str(os.cpu_count() or 2)
+        return ([str(self.binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", threads,
+                 "-np", "32", "-kvu", "-c", str(context)], self._env())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,6 +428,11 @@ class Rill:
     def command(self, port: int, gguf: Path, model_dir: Path) -> tuple[list[str], dict]:
         return ([sys.executable, str(ROOT / "app.py"), "--host", "127.0.0.1", "--port", str(port),
                  "--log-level", "warning"], {})
+
+    def serve_gguf(self, port: int, gguf: Path, context: int) -> tuple[list[str], dict]:
+        """Serving any GGUF (rill sizes its KV cache itself; the file's context_length bounds a request)."""
+        argv, env = self.command(port, gguf, gguf.parent)
+        return argv + ["--model", str(gguf)], env
 
 
 class RillInt8(Rill):
@@ -591,6 +746,245 @@ def run_table(servers: list[str], workload_keys: list[str], clients: list[int] |
 
 
 # ---------------------------------------------------------------------------------------------
+# The large-model table: a random GGUF of a model people deploy
+# ---------------------------------------------------------------------------------------------
+
+LARGE_SERVERS = ("rill", "rill-int8", "llama-server")  # the servers that take any GGUF
+RANDOM_GGUF_FORMAT = 1  # in the cached file's name: bump when bench/gguf_file.py's random files change
+
+
+@dataclass(frozen=True)
+class LargePlan:
+    """What `large` measures on one random GGUF, for each server."""
+
+    shape: LlamaShape
+    recipe: str = "q4_k_m"
+    clients: tuple[int, ...] = (1, 8, 32)  # closed-loop levels of ~20-token prompts
+    max_tokens: int = 64  # per request of those levels
+    ttft_prompts: tuple[int, ...] = (1000, 4000)  # prompt tokens of the TTFT runs (one client, 4 tokens out)
+    ttft_requests: int = 3
+    requests_per_client: int = 2
+    min_requests: int = 8
+    temperature: float = 1.0
+    ready_timeout: float = 3600.0  # rill converts a GGUF to float32 folder at its first start today
+    timeout: float = 1800.0  # per request
+    progress: bool = False
+
+
+# the 8B: how it starts, what it holds, one client (2 cores)
+LARGE_DEFAULTS = {"llama3-8b": {"clients": (1,), "ttft_prompts": ()}}
+
+
+def large_plan(shape: LlamaShape, **given) -> LargePlan:
+    """The plan of `shape`: LargePlan's defaults, the shape's own (LARGE_DEFAULTS), then what was
+    given (None: not given)."""
+    return LargePlan(shape=shape, **(LARGE_DEFAULTS.get(shape.name, {}) | {k: v for k, v in given.items()
+                                                                          if v is not None}))
+
+
+def large_gguf(shape: LlamaShape, recipe: str) -> Path:
+    """The random GGUF of `shape` in `$RILL_CACHE`, written once (bench/gguf_file.py)."""
+    from bench.gguf_file import write_random_gguf
+
+    path = peers_dir().parent / f"bench-{shape.key}-{recipe}-v{RANDOM_GGUF_FORMAT}.gguf"
+    if not path.is_file():
+        started = time.monotonic()
+        write_random_gguf(shape, path, recipe)
+        print(f"wrote {path} ({path.stat().st_size / 1e9:.2f} GB) in {time.monotonic() - started:.1f} s", flush=True)
+    return path
+
+
+def wait_serving(proc, timeout: float) -> float:
+    """Seconds from the server process's start until it answered a one-token completion."""
+    import httpx
+
+    while time.perf_counter() - proc.started < timeout:
+        if proc.proc.poll() is not None:
+            raise RuntimeError(f"exited with {proc.proc.returncode} before it served a completion:\n{proc.log_tail()}")
+        try:
+            reply = httpx.post(proc.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 1}, timeout=300)
+            if reply.status_code == 200:
+                return time.perf_counter() - proc.started
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise RuntimeError(f"no completion after {timeout:.0f} s:\n{proc.log_tail()}")
+
+
+def _large_args(plan: LargePlan, url: str, tokenizer_dir: Path, model_name: str | None, pid: int,
+                clients: tuple[int, ...], prompt_tokens: int, max_tokens: int, requests: int | None = None,
+                warmup: int = 2):
+    from bench.run import build_parser
+
+    argv = ["--url", url, "--api", "openai", "--concurrency", ",".join(map(str, clients)), "--workload", "short",
+            "--prompt-tokens", str(prompt_tokens), "--max-tokens", str(max_tokens), "--ignore-eos",
+            "--temperature", str(plan.temperature), "--tokenizer", str(tokenizer_dir),
+            "--requests-per-client", str(plan.requests_per_client), "--min-requests", str(plan.min_requests),
+            "--server-pid", str(pid), "--timeout", str(plan.timeout), "--warmup", str(warmup)]
+    if requests:
+        argv += ["--requests", str(requests)]
+    if model_name:
+        argv += ["--model-name", model_name]
+    if not plan.progress:
+        argv += ["--no-progress"]
+    return build_parser().parse_args(argv)
+
+
+def measure_large(name: str, plan: LargePlan, gguf: Path, tokenizer_dir: Path, tokenizer) -> dict:
+    """Start one server on `gguf` and measure it: ready time, the process tree's peak RSS over its
+    whole life (loading included), the decode levels, the TTFT runs. A failure is recorded in the
+    result (`error`) with what was measured before it, never raised."""
+    from bench.run import RssSampler, make_api, run_benchmark
+    from bench.suite import Server, ServerProcess, free_port
+
+    port = free_port()
+    command, env = make(name).serve_gguf(port, gguf, plan.shape.context)
+    proc = ServerProcess(Server(name, command, "/health", env=env), tokenizer_dir,
+                         RESULTS / "logs" / f"large-{name}.log", port=port)
+    result: dict = {"server": name, "command": " ".join(command), "env": env, "ready_s": None, "runs": {}}
+    try:
+        with RssSampler(proc.proc.pid) as rss:
+            try:
+                result["ready_s"] = wait_serving(proc, plan.ready_timeout)
+                model_name = model_name_of(proc.url)
+                print(f"== {name}: serving {model_name!r} {result['ready_s']:.1f} s after its start; peak RSS so far "
+                      f"{rss.peak / 2**30:.2f} GiB", flush=True)
+                pid = proc.proc.pid
+                if plan.clients:
+                    args = _large_args(plan, proc.url, tokenizer_dir, model_name, pid, plan.clients, 20, plan.max_tokens)
+                    result["runs"]["decode"] = asyncio.run(run_benchmark(args, tokenizer, make_api(args),
+                                                                         label=f"{name} decode"))
+                for tokens in plan.ttft_prompts:
+                    args = _large_args(plan, proc.url, tokenizer_dir, model_name, pid, (1,), tokens, 4,
+                                       requests=plan.ttft_requests, warmup=0 if plan.clients else 1)
+                    result["runs"][f"ttft-{tokens}"] = asyncio.run(run_benchmark(args, tokenizer, make_api(args),
+                                                                                 label=f"{name} ttft {tokens}"))
+            except Exception as error:  # noqa: BLE001 - the table shows what failed and what was measured
+                result["error"] = str(error) or type(error).__name__
+                print(f"!! {name} failed: {result['error']}", flush=True)
+        result["peak_rss_bytes"] = rss.peak or None
+    finally:
+        proc.stop()
+    return result
+
+
+def _large_level(result: dict | None, clients: int) -> dict | None:
+    return _level({"runs": {"decode": (result or {}).get("runs", {}).get("decode")}}, "decode", clients)
+
+
+def _ttft(result: dict | None, tokens: int) -> float | None:
+    level = _level(result, f"ttft-{tokens}", 1)
+    return level["ttft_s"]["p50"] if level else None
+
+
+def _ratio(a, b, bold: bool = False) -> str:
+    if not a or not b:
+        return "-"
+    text = f"{a / b:.2f}x"
+    return f"**{text}**" if bold else text
+
+
+def large_markdown(results: dict[str, dict], plan: LargePlan) -> str:
+    """The large-model table: ready time, peak RSS, tok/s (ITL p50) per client count, TTFT p50
+    per prompt length; then each rill's ratios to llama-server."""
+    head = (["ready", "peak RSS"] + [f"{c} client{'s' * (c > 1)}" for c in plan.clients]
+            + [f"TTFT ~{t:,}-token prompt" for t in plan.ttft_prompts])
+    out = ["| server | " + " | ".join(head) + " |", "|---|" + "---|" * len(head)]
+    for name, result in results.items():
+        cells = ["-" if result.get("ready_s") is None else f"{result['ready_s']:,.1f} s",
+                 "-" if not result.get("peak_rss_bytes") else f"{result['peak_rss_bytes'] / 2**30:.2f} GiB"]
+        for clients in plan.clients:
+            s = _large_level(result, clients)
+            cells.append("-" if s is None else f"{s['output_tokens_per_s']:,.1f} tok/s (ITL {_ms(s['itl_s']['p50'])} ms)")
+        cells += ["-" if _ttft(result, t) is None else f"{_ms(_ttft(result, t))} ms" for t in plan.ttft_prompts]
+        error = result.get("error")
+        label = name + (f" (failed: {error.splitlines()[0][:120]})" if error else "")
+        out.append(f"| {label} | " + " | ".join(cells) + " |")
+    peer = results.get("llama-server")
+    for name in (n for n in results if n.startswith("rill") and peer):
+        ours = results[name]
+        cells = [_ratio(ours.get("ready_s"), peer.get("ready_s")), _ratio(ours.get("peak_rss_bytes"),
+                                                                           peer.get("peak_rss_bytes"))]
+        for clients in plan.clients:
+            a, b = _large_level(ours, clients), _large_level(peer, clients)
+            cells.append("-" if not a or not b else
+                         f"{_ratio(a['output_tokens_per_s'], b['output_tokens_per_s'], bold=True)} "
+                         f"(ITL {_ratio(a['itl_s']['p50'], b['itl_s']['p50'])})")
+        cells += [_ratio(_ttft(ours, t), _ttft(peer, t)) for t in plan.ttft_prompts]
+        out.append(f"| {name} / llama-server | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def run_large(shape_text: str, servers: list[str], *, setup: bool = False, out: Path | None = None,
+              **given) -> int:
+    """Write the shape's random GGUF once, measure each ready server on it one at a time, print and
+    save the table. `given`: LargePlan fields (None: the shape's default). Returns 0, or 1 when a
+    server failed."""
+    from bench.gguf_file import parse_shape
+
+    try:
+        shape = parse_shape(shape_text)
+    except ValueError as error:
+        raise SystemExit(f"--shape: {error}") from None
+    plan = large_plan(shape, **given)
+    from bench.gguf_file import RECIPES, TYPES
+
+    if plan.recipe not in TYPES and plan.recipe not in RECIPES:
+        raise SystemExit(f"--recipe: {', '.join(RECIPES)} or one of {', '.join(TYPES)}; got {plan.recipe!r}")
+    print(f"\n== large-model table, {shape.key} ({plan.recipe}, random weights): {cpu_line()}", flush=True)
+    skipped: dict[str, str] = {}
+    ready = []
+    for name in servers:
+        peer = make(name)
+        state = peer.setup() if setup else peer.state()
+        if state.ready:
+            ready.append(name)
+        else:
+            skipped[name] = state.detail
+            print(f"-- {name} skipped: {state.detail}", flush=True)
+    if not ready:
+        print("large-model table skipped: no server is ready", flush=True)
+        return 0
+    try:
+        _, tokenizer_dir = embedded_model()  # SmolLM2's tokenizer: the random file's
+    except (RuntimeError, subprocess.CalledProcessError) as error:
+        print(f"large-model table skipped: {error}", flush=True)
+        return 0
+    gguf = large_gguf(shape, plan.recipe)
+    from transformers import AutoTokenizer
+
+    from bench.run import machine_info
+    from bench.suite import git_commit
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    out = out or RESULTS / f"peers-large-{shape.key}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict] = {}
+    document = {"commit": git_commit(), "cpu": cpu_line(), "machine": machine_info(), "gguf": str(gguf),
+                "gguf_bytes": gguf.stat().st_size, "shape": shape.__dict__,
+                "plan": {k: v for k, v in plan.__dict__.items() if k != "shape"}, "skipped": skipped,
+                "results": results}
+    for name in ready:
+        results[name] = measure_large(name, plan, gguf, tokenizer_dir, tokenizer)
+        if name == "llama-server":
+            results[name]["variant"] = make(name).variant
+        out.write_text(json.dumps(document, indent=2))
+    ttft = f"; TTFT: one client, {plan.ttft_requests} prompts of each length, 4 tokens out" if plan.ttft_prompts else ""
+    md = (f"{shape.key}-shaped llama, random weights, {plan.recipe.upper()} ({gguf.stat().st_size / 1e9:.2f} GB), "
+          f"SmolLM2's tokenizer; `/v1/completions`, `ignore_eos`, temperature {plan.temperature:g}, "
+          f"~20-token prompts, {plan.max_tokens} tokens out, closed loop, one server at a time{ttft}; "
+          f"{document['cpu']}; commit {document['commit']}\n\n"
+          f"Ready: from the process's start until it answered a completion. Peak RSS: the server's process "
+          f"tree over its whole run. Ratios: rill's over llama-server's (tok/s: above 1 is rill faster; ready, "
+          f"RSS, ITL, TTFT: below 1 is rill lower).\n\n{large_markdown(results, plan)}\n\n"
+          + "".join(f"- skipped {n}: {why}\n" for n, why in skipped.items()))
+    out.with_suffix(".md").write_text(md)
+    print("\n" + md)
+    print(f"wrote {out} and {out.with_suffix('.md')}", flush=True)
+    return 1 if any("error" in r for r in results.values()) else 0
+
+
+# ---------------------------------------------------------------------------------------------
 # CLI
 # ---------------------------------------------------------------------------------------------
 
@@ -601,6 +995,21 @@ def parse_names(text: str, allowed, flag: str) -> list[str]:
     if bad:
         raise SystemExit(f"{flag}: unknown {', '.join(bad)}; allowed: {', '.join(allowed)}")
     return names
+
+
+def parse_counts(text: str | None, flag: str) -> tuple[int, ...] | None:
+    """`1,8,32` -> (1, 8, 32); `none` -> (); None -> None (the default)."""
+    if text is None:
+        return None
+    if text.strip().lower() == "none":
+        return ()
+    try:
+        counts = tuple(int(c) for c in text.split(",") if c.strip())
+    except ValueError:
+        raise SystemExit(f"{flag}: comma-separated positive integers or 'none'; got {text!r}") from None
+    if not counts or min(counts) < 1:
+        raise SystemExit(f"{flag}: comma-separated positive integers or 'none'; got {text!r}")
+    return counts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -622,6 +1031,20 @@ def main(argv: list[str] | None = None) -> int:
     p_table.add_argument("--progress", action="store_true")
     p_table.add_argument("--rounds", type=int, default=1,
                          help="measure every server this many times, alternating the order; medians (default 1)")
+    p_large = sub.add_parser("large", help="rill and llama-server on a random GGUF of a deployed model's shape")
+    p_large.add_argument("--shape", default="smollm2-1.7b",
+                         help="smollm2-1.7b, llama3-8b, or key=value pairs (e.g. hidden=256,layers=2,ffn=512,heads=4,"
+                              "kv_heads=2)")
+    p_large.add_argument("--recipe", default=None, help="q4_k_m (default) or one type for every matrix (q8_0, q4_0, ...)")
+    p_large.add_argument("--servers", default="rill,llama-server", help=f"of {', '.join(LARGE_SERVERS)}")
+    p_large.add_argument("--clients", help="decode levels (default 1,8,32; llama3-8b: 1; 'none': no decode runs)")
+    p_large.add_argument("--max-tokens", type=int, help="tokens out per decode request (default 64)")
+    p_large.add_argument("--ttft-prompts", help="prompt tokens of the TTFT runs (default 1000,4000; llama3-8b: none)")
+    p_large.add_argument("--ttft-requests", type=int, help="requests per TTFT run (default 3)")
+    p_large.add_argument("--requests-per-client", type=int, help="decode requests per client (default 2)")
+    p_large.add_argument("--setup", action="store_true", help="build llama-server first if it is not ready")
+    p_large.add_argument("--out", help="results JSON (default bench/results/peers-large-SHAPE.json)")
+    p_large.add_argument("--progress", action="store_true")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -644,6 +1067,13 @@ def main(argv: list[str] | None = None) -> int:
         command, env = peer.command(args.port, gguf, model_dir)
         print(" ".join(f"{k}={v}" for k, v in env.items()), *command, flush=True)
         os.execvpe(command[0], command, dict(os.environ, **env))
+    if args.command == "large":
+        return run_large(args.shape, parse_names(args.servers, LARGE_SERVERS, "--servers"), setup=args.setup,
+                         out=Path(args.out) if args.out else None, recipe=args.recipe,
+                         clients=parse_counts(args.clients, "--clients"), max_tokens=args.max_tokens,
+                         ttft_prompts=parse_counts(args.ttft_prompts, "--ttft-prompts"),
+                         ttft_requests=args.ttft_requests, requests_per_client=args.requests_per_client,
+                         progress=args.progress or None)
     servers = parse_names(args.servers, (*RILLS, *PEERS), "--servers")
     workloads = parse_names(args.workloads, tuple(WORKLOADS), "--workloads")
     clients = [int(c) for c in args.clients.split(",")] if args.clients else None

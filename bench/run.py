@@ -168,7 +168,8 @@ class OpenAIApi:
 
     name = "openai"
 
-    def __init__(self, url: str, max_tokens: int, ignore_eos: bool, endpoint: str = "completions", model: str | None = None):
+    def __init__(self, url: str, max_tokens: int, ignore_eos: bool, endpoint: str = "completions", model: str | None = None,
+                 temperature: float = 0.0):
         base = url.rstrip("/")
         if not base.endswith("/v1"):
             base += "/v1"
@@ -176,9 +177,10 @@ class OpenAIApi:
         self.url = base + ("/completions" if endpoint == "completions" else "/chat/completions")
         self.ignore_eos = ignore_eos
         self.model = model
+        self.temperature = temperature
 
     async def run(self, client, prompt: str, max_tokens: int, record: RequestRecord) -> None:
-        body: dict = {"stream": True, "max_tokens": max_tokens, "temperature": 0}
+        body: dict = {"stream": True, "max_tokens": max_tokens, "temperature": self.temperature}
         if self.model:
             body["model"] = self.model
         if self.endpoint == "completions":
@@ -459,13 +461,13 @@ async def run_benchmark(args, tokenizer, api, *, label: str = "", log=print) -> 
         shared = args.shared_prefix_tokens
     dataset = load_dataset(args.dataset) if args.dataset else None
 
-    warm = make_prompts(tokenizer, 2, prompt_tokens, shared, seed=999)
+    warm = make_prompts(tokenizer, args.warmup, prompt_tokens, shared, seed=999)
     if isinstance(api, GradioApi):
         api.open(max(levels))
     warm_records, *_ = await run_level(api, warm, [min(max_tokens_default, 8)] * len(warm), 1, timeout=args.timeout,
                                          progress=False, label="warmup")
     failed = [r.error for r in warm_records if r.error]
-    if len(failed) == len(warm_records):
+    if warm_records and len(failed) == len(warm_records):
         raise RuntimeError(f"{label or api.name}: every warm-up request failed, e.g. {failed[0]}")
 
     results = []
@@ -501,7 +503,7 @@ async def run_benchmark(args, tokenizer, api, *, label: str = "", log=print) -> 
             "shared_prefix_tokens": None if dataset else shared,
             "max_tokens": max_tokens_default,
             "ignore_eos": bool(args.ignore_eos),
-            "temperature": 0,
+            "temperature": args.temperature if api.name == "openai" else 0,
         },
         "peak_rss_bytes": rss_run.peak or None,
         "levels": results,
@@ -554,7 +556,8 @@ def make_api(args):
     if args.api == "chat":
         return ChatApi(args.url, args.max_tokens, args.ignore_eos)
     if args.api == "openai":
-        return OpenAIApi(args.url, args.max_tokens, args.ignore_eos, endpoint=args.openai_endpoint, model=args.model_name)
+        return OpenAIApi(args.url, args.max_tokens, args.ignore_eos, endpoint=args.openai_endpoint, model=args.model_name,
+                         temperature=args.temperature)
     if args.api == "gradio":
         return GradioApi(args.url, args.max_tokens, args.ignore_eos, api_name=args.gradio_api_name)
     raise SystemExit(f"--api must be chat, openai or gradio; got {args.api!r}")
@@ -575,6 +578,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=int, default=None, help="prompt length in tokens (overrides the workload)")
     p.add_argument("--shared-prefix-tokens", type=int, default=None, help="shared prefix length (overrides the workload)")
     p.add_argument("--max-tokens", type=int, default=None, help="output tokens per request (overrides the workload)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature on the OpenAI API (default 0: greedy)")
+    p.add_argument("--warmup", type=int, default=2, help="warm-up requests before the levels (default 2)")
     p.add_argument("--ignore-eos", action="store_true", help="ask the server to ignore EOS (sent as ignore_eos; servers without it ignore the field)")
     p.add_argument("--dataset", help="JSONL file, one {\"prompt\": ..., \"max_tokens\"?: ...} per line, used instead of generated prompts")
     p.add_argument("--tokenizer", help="tokenizer (model folder or id) used to build prompts and count output tokens")

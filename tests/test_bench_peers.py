@@ -1,9 +1,13 @@
-"""bench/peers.py's pure logic: the CPU key of a native build, what `status` says, the table.
+"""bench/peers.py's logic: the CPU key of a native build, what `status` says, the tables, the
+start-up check of a build (stub binaries that crash, exit or serve) and the large-model table's
+plan, commands and file.
 
-Builds, downloads and starts nothing."""
+Builds and downloads nothing; starts only stub servers."""
 
 import os
 import shutil
+
+import pytest
 
 from bench import peers
 
@@ -130,3 +134,206 @@ def test_rounds_combine_into_medians_per_cell():
     assert "**1.23x**" in table[4]  # 80 / 65
     assert peers.target_lines(combined)[0].startswith("MET    short, 1 clients: rill 1.23x llama-server")
     assert peers.combine_rounds(rounds[:1]) is rounds[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# The start-up check of a llama-server build (stub binaries: nothing is built)
+# ---------------------------------------------------------------------------------------------
+
+CRASHING_STUB = """#!/bin/sh
+if [ "$1" = "--version" ]; then echo "version: stub"; exit 0; fi
+ulimit -c 0
+kill -{signal} $$
+"""
+
+SERVING_STUB = """#!{python}
+import http.server, json, sys
+if "--version" in sys.argv:
+    print("version: stub")
+    sys.exit(0)
+port = int(sys.argv[sys.argv.index("--port") + 1])
+
+
+class Completions(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        body = json.dumps({{"choices": [{{"text": " Paris", "index": 0}}]}}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+http.server.HTTPServer(("127.0.0.1", port), Completions).serve_forever()
+"""
+
+
+def write_stub(path, text: str):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(0o755)
+    return path
+
+
+@pytest.fixture
+def fake_builds(tmp_path, monkeypatch):
+    """LlamaServer builds that write a stub: the native build dies by SIGILL as soon as it serves
+    (as llama.cpp's AMX code on some AMX hosts), the -mno-amx variant serves. Returns the builds made."""
+    import sys
+
+    builds = []
+
+    def build(self, log):
+        builds.append((self.variant, self.cflags))
+        text = SERVING_STUB.format(python=sys.executable) if self.cflags else CRASHING_STUB.format(signal="ILL")
+        write_stub(self.binary, text)
+
+    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(peers.LlamaServer, "_build", build)
+    monkeypatch.setattr(peers, "check_model", lambda: tmp_path / "tiny.gguf")
+    return builds
+
+
+def test_setup_rebuilds_without_amx_when_the_native_build_dies_by_a_signal(tmp_path, fake_builds, capsys):
+    flags = ["amx_bf16", "amx_int8", "amx_tile", "avx512f"]
+    state = peers.LlamaServer(cache=tmp_path, flags=flags).setup()
+    assert fake_builds == [("native", None), ("no-amx", "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16")]
+    native = peers.LlamaServer(cache=tmp_path, flags=flags, variant="native")
+    assert native.crashed.read_text().startswith("killed by SIGILL right after it started (log: ")
+    out = capsys.readouterr().out
+    assert "the native build was killed by SIGILL" in out and "this CPU reports amx_bf16 amx_int8 amx_tile" in out
+    assert f"building a variant with -mno-amx-tile -mno-amx-int8 -mno-amx-bf16 into {native.folder}-noamx" in out
+    # every later run (the tables) takes the variant that works
+    server = peers.LlamaServer(cache=tmp_path, flags=flags)
+    assert server.variant == "no-amx" and server.folder.name == native.folder.name + "-noamx"
+    assert state.ready and state.detail.startswith(f"{server.binary} (built with -mno-amx-tile -mno-amx-int8 "
+                                                   f"-mno-amx-bf16: the native build killed by SIGILL")
+    assert server.state() == state and server.checked.is_file()
+    assert server.command(8123, peers.Path("/m.gguf"), peers.Path("/m"))[0][0] == str(server.binary)
+    assert native.state().detail.startswith("it cannot run here: killed by SIGILL")
+    assert "-DGGML_NATIVE=ON" in native.configure_command() and not any("FLAGS" in a for a in native.configure_command())
+    assert server.configure_command()[-2:] == ["-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
+                                               "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"]
+    # set up again: neither built nor checked again
+    assert peers.LlamaServer(cache=tmp_path, flags=flags).setup() == state and len(fake_builds) == 2
+
+
+def test_setup_keeps_a_native_build_that_serves(tmp_path, fake_builds, monkeypatch):
+    import sys
+
+    def build(self, log):
+        fake_builds.append((self.variant, self.cflags))
+        write_stub(self.binary, SERVING_STUB.format(python=sys.executable))
+
+    monkeypatch.setattr(peers.LlamaServer, "_build", build)
+    state = peers.LlamaServer(cache=tmp_path, flags=["avx2"]).setup()
+    server = peers.LlamaServer(cache=tmp_path, flags=["avx2"])
+    assert fake_builds == [("native", None)] and server.variant == "native"
+    assert state == peers.PeerState("llama-server", True, str(server.binary)) and server.checked.is_file()
+
+
+def test_a_variant_that_dies_too_is_not_ready(tmp_path, fake_builds, monkeypatch):
+    def build(self, log):
+        fake_builds.append((self.variant, self.cflags))
+        write_stub(self.binary, CRASHING_STUB.format(signal="SEGV"))
+
+    monkeypatch.setattr(peers.LlamaServer, "_build", build)
+    state = peers.LlamaServer(cache=tmp_path, flags=["avx2"]).setup()
+    assert len(fake_builds) == 2 and not state.ready
+    assert state.detail.startswith("the variant built with -mno-amx-tile -mno-amx-int8 -mno-amx-bf16 dies too: "
+                                   "killed by SIGSEGV")
+    assert peers.LlamaServer(cache=tmp_path, flags=["avx2"]).state().detail.startswith("it cannot run here: killed by "
+                                                                                       "SIGSEGV")
+
+
+def test_check_serves_tells_a_signal_from_an_exit_and_a_silence(tmp_path):
+    crash = write_stub(tmp_path / "crash", CRASHING_STUB.format(signal="SEGV"))
+    failure = peers.check_serves([str(crash), "--port", "1"], {}, 1, tmp_path / "crash.log")
+    assert failure.signal == 11 and failure.reason.startswith("killed by SIGSEGV")
+    exits = write_stub(tmp_path / "exits", "#!/bin/sh\necho 'error: unknown argument' >&2\nexit 3\n")
+    failure = peers.check_serves([str(exits)], {}, 1, tmp_path / "exits.log")
+    assert failure.signal is None and failure.reason == f"exited with 3 before it served a completion (log: " \
+                                                        f"{tmp_path / 'exits.log'})"
+    assert "unknown argument" in (tmp_path / "exits.log").read_text()
+    silent = write_stub(tmp_path / "silent", "#!/bin/sh\nexec sleep 30\n")
+    failure = peers.check_serves([str(silent)], {}, 1, tmp_path / "silent.log", timeout=1.0)
+    assert failure.signal is None and failure.reason.startswith("no completion within 1 s")
+
+
+# ---------------------------------------------------------------------------------------------
+# The large-model table
+# ---------------------------------------------------------------------------------------------
+
+
+def test_large_plans_per_shape():
+    from bench.gguf_file import SHAPES, parse_shape
+
+    plan = peers.large_plan(SHAPES["smollm2-1.7b"])
+    assert (plan.clients, plan.ttft_prompts, plan.max_tokens, plan.temperature) == ((1, 8, 32), (1000, 4000), 64, 1.0)
+    plan = peers.large_plan(SHAPES["llama3-8b"], clients=None, max_tokens=None)
+    assert (plan.clients, plan.ttft_prompts) == ((1,), ())  # ready time, peak RSS, one client
+    plan = peers.large_plan(parse_shape("hidden=256,layers=2,ffn=512,heads=4,kv_heads=2"), clients=(1, 4),
+                            ttft_prompts=(), recipe="q8_0")
+    assert (plan.clients, plan.ttft_prompts, plan.recipe) == ((1, 4), (), "q8_0")
+    assert peers.parse_counts("1,8", "--clients") == (1, 8) and peers.parse_counts("none", "--clients") == ()
+    assert peers.parse_counts(None, "--clients") is None
+    with pytest.raises(SystemExit, match="--clients: comma-separated positive integers or 'none'; got '0'"):
+        peers.parse_counts("0", "--clients")
+
+
+def test_the_servers_serve_any_gguf():
+    gguf = peers.Path("/c/bench-x.gguf")
+    argv, _ = peers.Rill().serve_gguf(8123, gguf, 8192)
+    assert argv[-2:] == ["--model", str(gguf)] and "--activations" not in argv
+    argv, _ = peers.RillInt8().serve_gguf(8123, gguf, 8192)
+    assert argv[argv.index("--activations") + 1] == "int8" and argv[-2:] == ["--model", str(gguf)]
+    argv, env = peers.LlamaServer(cache=peers.Path("/c"), flags=[]).serve_gguf(8123, gguf, 8192)
+    assert argv[1:3] == ["-m", str(gguf)] and argv[-5:] == ["-np", "32", "-kvu", "-c", "8192"]  # 4k prompts fit a slot
+    assert "LD_LIBRARY_PATH" in env
+
+
+def _run(levels=(), ttft=()):
+    runs = {}
+    if levels:
+        runs["decode"] = {"levels": [_level(c, tok_s, itl, 0.1) for c, tok_s, itl in levels]}
+    for tokens, seconds in ttft:
+        runs[f"ttft-{tokens}"] = {"levels": [_level(1, 10.0, 0.05, seconds)]}
+    return runs
+
+
+def test_large_table_and_ratios():
+    from bench.gguf_file import SHAPES
+
+    plan = peers.large_plan(SHAPES["smollm2-1.7b"], clients=(1, 8), ttft_prompts=(1000, 4000))
+    results = {
+        "rill": {"ready_s": 40.0, "peak_rss_bytes": 3 * 2**30,
+                 "runs": _run([(1, 20.0, 0.05), (8, 90.0, 0.08)], [(1000, 2.0), (4000, 9.0)])},
+        "rill-int8": {"ready_s": None, "peak_rss_bytes": 21 * 2**30, "runs": {},
+                      "error": "exited with -9 before it served a completion:\nKilled"},
+        "llama-server": {"ready_s": 2.0, "peak_rss_bytes": 1.5 * 2**30,
+                         "runs": _run([(1, 25.0, 0.04), (8, 60.0, 0.12)], [(1000, 1.0), (4000, 6.0)])},
+    }
+    table = peers.large_markdown(results, plan).splitlines()
+    assert table[0] == ("| server | ready | peak RSS | 1 client | 8 clients | TTFT ~1,000-token prompt | "
+                        "TTFT ~4,000-token prompt |")
+    assert table[2] == "| rill | 40.0 s | 3.00 GiB | 20.0 tok/s (ITL 50.0 ms) | 90.0 tok/s (ITL 80.0 ms) | 2,000 ms | 9,000 ms |"
+    assert table[3] == "| rill-int8 (failed: exited with -9 before it served a completion:) | - | 21.00 GiB | - | - | - | - |"
+    assert table[5] == ("| rill / llama-server | 20.00x | 2.00x | **0.80x** (ITL 1.25x) | **1.50x** (ITL 0.67x) | "
+                        "2.00x | 1.50x |")
+    assert table[6] == "| rill-int8 / llama-server | - | 14.00x | - | - | - | - |"
+    assert len(table) == 7
+
+
+def test_the_random_gguf_is_written_once_into_the_cache(tmp_path, monkeypatch):
+    from bench.gguf_file import parse_shape
+
+    monkeypatch.setattr(peers, "peers_dir", lambda: tmp_path / "peers")
+    shape = parse_shape("hidden=64,layers=1,ffn=128,heads=2,kv_heads=1,context=512")
+    path = peers.large_gguf(shape, "q8_0")
+    assert path == tmp_path / "bench-h64-l1-f128-a2-kv1-v49152-q8_0-v1.gguf" and path.stat().st_size > 49152 * 64
+    written = path.stat().st_mtime_ns
+    assert peers.large_gguf(shape, "q8_0") == path and path.stat().st_mtime_ns == written

@@ -11,6 +11,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 from transformers import AutoModelForCausalLM
 
+from bench.gguf_file import encode_q4_k
 from engine import LLM, EngineConfig, SamplingParams
 from engine.model.loading import ModelLoadError, embedded_gguf_path, load_model, rill_cache_dir
 from engine.kernels import quant_kernel
@@ -40,39 +41,17 @@ def test_blocks_are_ggml_blocks(kind):
     assert torch.equal(dequantize(*ours, kind), dequantize(q, d, m, kind))
 
 
-def q4_k_blocks(weight: torch.Tensor) -> np.ndarray:
-    """A plain Q4_K encoder for the tests (ggml's layout; min/max rounding, not llama.cpp's search):
-    weight [out, in] (in a multiple of 256) -> raw super-blocks [out, in / 256 * 144] uint8."""
-    out = weight.shape[0]
-    w = weight.double().numpy().reshape(out, -1, 8, 32)  # [out, super, sub, 32]
-    low, high = np.minimum(w.min(-1), 0), w.max(-1)
-    scale, minimum = (high - low) / 15, -low
-    d = (scale.max(-1) / 63).astype(np.float16).astype(np.float64)
-    dmin = (minimum.max(-1) / 63).astype(np.float16).astype(np.float64)
-    sc = np.clip(np.round(scale / np.where(d == 0, 1, d)[..., None]), 0, 63).astype(np.uint8)
-    mn = np.clip(np.round(minimum / np.where(dmin == 0, 1, dmin)[..., None]), 0, 63).astype(np.uint8)
-    step = (d[..., None] * sc)[..., None]
-    q = np.clip(np.round((w + (dmin[..., None] * mn)[..., None]) / np.where(step == 0, 1, step)), 0, 15).astype(np.uint8)
-    packed = np.empty((*sc.shape[:2], 12), np.uint8)
-    packed[..., 0:4] = (sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6)
-    packed[..., 4:8] = (mn[..., :4] & 63) | ((mn[..., 4:] >> 4) << 6)
-    packed[..., 8:12] = (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4)
-    nibbles = (q[:, :, 0::2] | (q[:, :, 1::2] << 4)).reshape(*sc.shape[:2], 128)  # sub 2j low, 2j + 1 high
-    halves = np.stack([d, dmin], axis=-1).astype(np.float16).view(np.uint8).reshape(*sc.shape[:2], 4)
-    return np.concatenate([halves, packed, nibbles], axis=-1).reshape(out, -1)
-
-
 def test_q4_k_is_read_as_the_q4_1_blocks_it_is_made_of(kernel):
     """Q4_K (the most common 4-bit download) de-quantizes bit for bit as gguf-py (and so
     transformers) reads it, and a layer made from its raw rows computes with those blocks."""
     from engine.model.quant import unpack_q4_k
 
     weight = torch.randn(40, 512, generator=torch.Generator().manual_seed(3)) * 0.05
-    raw = q4_k_blocks(weight)
+    raw = encode_q4_k(weight.numpy())
     expected = torch.from_numpy(gguf_dequantize(raw, GGMLQuantizationType.Q4_K))
     q, d, m = unpack_q4_k(raw)
     assert torch.equal(dequantize(q, d, m, "q4_1"), expected)
-    assert (expected - weight).abs().max() < 0.02  # the encoder above is a real one
+    assert (expected - weight).abs().max() < 0.02  # the encoder is a real one
     order = np.random.default_rng(0).permutation(40)
     for int8 in (False, True):
         layer = QuantLinear.from_gguf(raw, "q4_k", None, kernel, int8, order)
