@@ -64,12 +64,14 @@ def step_bytes(model: nn.Module) -> int:
 def file_step_bytes(gguf: Path) -> int:
     """Bytes llama.cpp reads per step: every tensor of the file once, the token table as one row
     unless it is also the (tied) output head."""
-    from transformers.integrations.gguf.reader import GgufHeader
+    import numpy as np
 
-    header = GgufHeader.from_file(str(gguf))
-    tied = all(info.name != "output.weight" for info in header.tensors)
+    from engine.model.gguf import tensor_table
+
+    tensors = tensor_table(np.memmap(gguf, mode="r", dtype=np.uint8))
+    tied = all(info.name != "output.weight" for info in tensors)
     total = 0
-    for info in header.tensors:
+    for info in tensors:
         if info.name == "token_embd.weight" and not tied:
             total += info.nbytes // info.shape[0]
         else:

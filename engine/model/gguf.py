@@ -151,6 +151,66 @@ def _set_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
         module._buffers[leaf] = tensor
 
 
+_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value type -> bytes
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]  # in torch order (rows first)
+    ggml_type: int
+    start: int  # byte offset in the file
+    nbytes: int
+
+
+def tensor_table(blob: np.ndarray) -> list[TensorInfo]:
+    """The tensors of a mapped GGUF file (v2/v3): the metadata walked past, the table read."""
+    import struct
+
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    if bytes(blob[:4]) != b"GGUF":
+        raise ValueError("the file does not start with the GGUF magic bytes: it is not a GGUF file")
+    _, tensor_count, kv_count = struct.unpack_from("<IQQ", blob, 4)
+    pos, alignment = 24, 32
+
+    def skip(pos: int, kind: int) -> int:
+        if kind in _SCALAR_SIZES:
+            return pos + _SCALAR_SIZES[kind]
+        if kind == 8:
+            return pos + 8 + struct.unpack_from("<Q", blob, pos)[0]
+        element, count = struct.unpack_from("<IQ", blob, pos)
+        pos += 12
+        if element in _SCALAR_SIZES:
+            return pos + count * _SCALAR_SIZES[element]
+        for _ in range(count):
+            pos = skip(pos, element)
+        return pos
+
+    for _ in range(kv_count):
+        length = struct.unpack_from("<Q", blob, pos)[0]
+        key = bytes(blob[pos + 8:pos + 8 + length])
+        pos += 8 + length
+        kind = struct.unpack_from("<I", blob, pos)[0]
+        if key == b"general.alignment":
+            alignment = struct.unpack_from("<I", blob, pos + 4)[0]
+        pos = skip(pos + 4, kind)
+    entries = []
+    for _ in range(tensor_count):
+        length = struct.unpack_from("<Q", blob, pos)[0]
+        name = bytes(blob[pos + 8:pos + 8 + length]).decode()
+        pos += 8 + length
+        dims = struct.unpack_from(f"<{struct.unpack_from('<I', blob, pos)[0]}Q", blob, pos + 4)
+        pos += 4 + 8 * len(dims)
+        ggml_type, offset = struct.unpack_from("<IQ", blob, pos)
+        pos += 12
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+        entries.append((name, tuple(reversed(dims)), ggml_type, offset, int(np.prod(dims)) // block * size))
+    data_start = -(-pos // alignment) * alignment
+    return [TensorInfo(name, shape, kind, data_start + offset, nbytes)
+            for name, shape, kind, offset, nbytes in entries]
+
+
 class GgufEmbedding(nn.Module):
     """`nn.Embedding` over a GGUF tensor's blocks: a lookup de-quantizes only the rows it reads,
     with gguf-py, so each row equals the float embedding transformers would hold (a 49152 x 2048
@@ -274,7 +334,6 @@ def load_gguf(gguf: Path, *, device: torch.device, dtype: torch.dtype, trust_rem
 
     import gguf as gguf_lib
     from transformers import AutoModelForCausalLM
-    from transformers.integrations.gguf.reader import GgufHeader
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
     from engine.model.loading import ModelLoadError
@@ -287,22 +346,20 @@ def load_gguf(gguf: Path, *, device: torch.device, dtype: torch.dtype, trust_rem
         with _parameters_on_meta():
             model = AutoModelForCausalLM.from_config(config, **_model_kwargs(dtype, trust_remote_code,
                                                                              attn_implementation))
-        processor = TENSOR_PROCESSORS.get(header_architecture(gguf), TensorProcessor)(config=parsed["config"])
+        architecture = header_architecture(gguf)
+        processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed["config"])
         mapping = get_gguf_hf_weights_map(model, processor)
-    header = GgufHeader.from_file(str(gguf))
     blob = np.memmap(gguf, mode="r", dtype=np.uint8)
-    architecture = header.architecture
     linears = {name + ".weight": module for name, module in model.named_modules() if type(module) is nn.Linear}
     blocks_ok = kernel is not None and device.type == "cpu" and dtype == torch.float32
     pending: dict[str, _Blocks] = {}
     state = {"tensors": {}, "config": parsed["config"]}  # what MoE processors collect across tensors
     report = GgufLoad()
     embedding: _Blocks | None = None
-    for info in header.tensors:
+    for info in tensor_table(blob):
         ggml_type = gguf_lib.GGMLQuantizationType(info.ggml_type)
         type_name = ggml_type.name.lower()
-        start = header.data_start + info.offset
-        data = blob[start:start + info.nbytes]
+        data = blob[info.start:info.start + info.nbytes]
         rows = info.shape[0] if info.shape else 1
         raw = data.reshape(*info.shape[:-1], -1) if len(info.shape) > 1 else data
         target = mapping.get(info.name)
@@ -322,7 +379,7 @@ def load_gguf(gguf: Path, *, device: torch.device, dtype: torch.dtype, trust_rem
                     plain = np.array_equal(order, np.arange(rows))
                     pending[target] = _Blocks(raw, type_name, None if plain else order)
                     continue
-            if quantized:
+            if quantized and blocks_ok:  # a type the kernel lacks (else every tensor is float by choice)
                 report.dequantized[type_name] = report.dequantized.get(type_name, 0) + 1
         try:
             weights = gguf_lib.quants.dequantize(np.asarray(raw), ggml_type)
