@@ -126,6 +126,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("--ray-address", ("RAY_ADDRESS",), "ray_address", str, None,
            "--backend ray: an existing Ray cluster (auto, or ray://host:10001); without it a local Ray instance "
            "is started", "ADDR"),
+    Option("--ray-auth-token", ("RAY_AUTH_TOKEN",), "ray_auth_token", str, None,
+           "--ray-address: the cluster's token when it has token authentication on (`ray get-auth-token` on its "
+           "head prints it); sets RAY_AUTH_MODE=token unless that is set. A file holding it: RAY_AUTH_TOKEN_PATH",
+           "TOKEN"),
     Option("--backend-url", ("BACKEND_URL",), "backend_url", str, None,
            "--backend openai: the remote's base URL, e.g. http://host:8000 (its /v1/completions serves the page, "
            "/chat and /v1)", "URL"),
@@ -134,8 +138,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("--test-hooks", ("RILL_TEST_HOOKS",), "test_hooks", "bool", False, "test suite only", hidden=True),
 )
 
-_BACKEND_FLAGS = ("--backend", "--replicas", "--max-replicas", "--replica-cpus", "--ray-address", "--backend-url",
-                  "--backend-key")
+_BACKEND_FLAGS = ("--backend", "--replicas", "--max-replicas", "--replica-cpus", "--ray-address", "--ray-auth-token",
+                  "--backend-url", "--backend-key")
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "KIB": 2**10, "M": 1e6, "MB": 1e6, "MIB": 2**20,
@@ -303,6 +307,9 @@ def _check_backend(parser: argparse.ArgumentParser, settings: Settings) -> None:
                      f"Given: {settings.max_replicas}")
     if not settings.replica_cpus > 0:
         parser.error(f"--replica-cpus must be > 0. Given: {settings.replica_cpus}")
+    if settings.ray_auth_token is not None and not settings.ray_auth_token.strip():
+        parser.error("--ray-auth-token is empty; give the Ray cluster's token (`ray get-auth-token` on its head "
+                     "prints it), or leave the flag out to send none")
     if settings.backend == "openai":
         url = settings.backend_url or ""
         if not url.startswith(("http://", "https://")):

@@ -37,6 +37,7 @@ class Settings:
     max_replicas: int = 0  # --backend ray: autoscale up to this many by ongoing requests; 0 = no autoscaling
     replica_cpus: float = 1.0  # --backend ray: CPUs (and torch threads) per replica
     ray_address: str | None = None  # --backend ray: an existing cluster ("auto" or an address); None = start one
+    ray_auth_token: str | None = None  # --ray-address: the cluster's token (Ray's token authentication); None = none sent
     backend_url: str | None = None  # --backend openai: the remote's base URL
     backend_key: str | None = None  # --backend openai: the remote's API key
     # HTTP

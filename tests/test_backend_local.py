@@ -13,6 +13,9 @@ def test_backend_flags_and_their_environment_variables():
                                                "REPLICA_CPUS": "2", "RAY_ADDRESS": "auto"})
     assert (settings.backend, settings.replicas, settings.max_replicas, settings.replica_cpus,
             settings.ray_address) == ("ray", 3, 6, 2.0, "auto")
+    settings = app.parse_settings(["--ray-address", "10.0.0.5:6379"], environ={"RAY_AUTH_TOKEN": "t0k"})
+    assert (settings.ray_address, settings.ray_auth_token) == ("10.0.0.5:6379", "t0k")  # Ray's own variable
+    assert app.parse_settings(["--ray-auth-token", "t1"], environ={"RAY_AUTH_TOKEN": "t0k"}).ray_auth_token == "t1"
     settings = app.parse_settings(["--backend", "openai", "--backend-url", "http://10.0.0.2:8000",
                                    "--backend-key", "k1"], environ={"BACKEND": "ray"})
     assert (settings.backend, settings.backend_url, settings.backend_key) == ("openai", "http://10.0.0.2:8000", "k1")
@@ -31,6 +34,8 @@ def test_bad_backend_settings_exit_2_with_one_line_saying_what_is_allowed():
         (("--backend", "openai", "--backend-url", "10.0.0.2:8000"), "starting with http:// or https://"),
         (("--backend", "ray", "--replicas", "0"), "--replicas must be >= 1. Given: 0"),
         (("--backend", "ray", "--replicas", "3", "--max-replicas", "2"), "--max-replicas must be 0"),
+        (("--backend", "ray", "--ray-address", "127.0.0.1:6379", "--ray-auth-token", " "),
+         "--ray-auth-token is empty; give the Ray cluster's token"),
     ]
     for flags, message in cases:
         result = run_app(*flags)

@@ -31,6 +31,7 @@ from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 from ray.serve.exceptions import BackPressureError
 
 from frontend.backends import BackendError
+from frontend.backends.ray_auth import check_cluster, use_token
 from frontend.backends.ray_replica import build_app, stats_board
 from frontend.backends.remote import Admitted, Refused, RemoteEngine
 
@@ -53,6 +54,10 @@ def _start_ray(settings) -> bool:
         return False
     quiet = dict(include_dashboard=False, namespace=NAMESPACE, logging_level=logging.WARNING,
                  log_to_driver=settings.log_level == "debug")
+    token_source = None
+    if settings.ray_address:  # a wrong or missing token, or no cluster there: one line now, not Ray's retries
+        token_source = use_token(settings.ray_auth_token)
+        check_cluster(settings.ray_address, token_source)
     try:
         if settings.ray_address:
             # The replicas import rill: ship this checkout to the cluster (an image with rill installed works too).
@@ -66,8 +71,11 @@ def _start_ray(settings) -> bool:
         ray.init(num_cpus=cpus, **quiet)
         return True
     except Exception as exc:  # noqa: BLE001 - one line for the operator
-        raise BackendError(f"Ray did not start ({'--ray-address ' + settings.ray_address if settings.ray_address else 'a local instance'}): "
-                           f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
+        where = f"--ray-address {settings.ray_address}" if settings.ray_address else "a local instance"
+        hint = ("; if the cluster has token authentication on, give its token with --ray-auth-token "
+                "(docs/scale-out.md)") if settings.ray_address and token_source is None else ""
+        raise BackendError(f"Ray did not start ({where}): {type(exc).__name__}: "
+                           f"{str(exc).splitlines()[0] if str(exc) else ''}{hint}") from exc
 
 
 def _existing_app():
