@@ -28,7 +28,7 @@ def kernel():
     return found
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", list(GGML))  # the kinds quantized at load
 def test_blocks_are_ggml_blocks(kind):
     """Our reading of ggml's blocks de-quantizes exactly as gguf-py does, and quantizing here gives
     ggml's blocks for the same weights (so a model quantized at load is what llama.cpp would hold)."""
