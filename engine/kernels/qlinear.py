@@ -74,8 +74,10 @@ class QuantKernel:
 def _quant_agrees(kernel: QuantKernel) -> bool:
     """The kernels against F.linear on the de-quantized weight, for each kind: 1 to 13 rows (the
     row-by-row path and the tiles of 6 with every partial one), a partial panel, bias or none;
-    the int8-activation kernel against F.linear of the rounded activations (`quantize_activations`)."""
-    from engine.model.quant import QuantLinear, dequantize, quantize_activations, quantize_blocks
+    the int8-activation kernel against F.linear of the rounded activations (`quantize_activations`);
+    `repack` against numpy's panels for every GGUF type, rows reordered or not, both layouts."""
+    from engine.model.quant import (GGUF_BLOCKS, GGUF_TYPES, QuantLinear, blocks_of_gguf, dequantize, panels_of_blocks,
+                                    quantize_activations, quantize_blocks, random_gguf_blocks)
 
     gen = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(21, 64, generator=gen), torch.randn(21, generator=gen)
@@ -90,6 +92,14 @@ def _quant_agrees(kernel: QuantKernel) -> bool:
                 expected = torch.nn.functional.linear(quantize_activations(x) if int8 else x, reference, b)
                 if not torch.allclose(layer(x), expected, atol=1e-4, rtol=1e-4):
                     return False
+    order = np.array([5, 0, 17, 3, 3, 20, 9, 1, 11, 2, 8, 4, 6, 7, 10, 12, 13])  # a partial panel, a row twice
+    for ggml_type in GGUF_TYPES:
+        raw = random_gguf_blocks(ggml_type, 21, GGUF_BLOCKS[ggml_type][0], seed=1)
+        for rows, int8 in ((None, False), (order, False), (None, True), (order, True)):
+            expected = panels_of_blocks(*blocks_of_gguf(raw, ggml_type, rows), int8)
+            kind = GGUF_TYPES[ggml_type][1]
+            if not torch.equal(kernel.repack(raw, ggml_type, kind, GGUF_BLOCKS[ggml_type][0], rows, int8), expected):
+                return False
     return True
 
 

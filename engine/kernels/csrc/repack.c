@@ -17,6 +17,9 @@
 #ifdef __SSE2__
 #include <emmintrin.h>
 #endif
+#ifdef __SSSE3__
+#include <tmmintrin.h>
+#endif
 
 /* ggml's type numbers (ggml.h) */
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13,
@@ -60,8 +63,44 @@ static float half_at(const uint8_t *p) {  /* the float16 at p (little-endian) as
     return f;
 }
 
-/* element k of 32 packed as 16 bytes: k < 16 the low nibble of byte k, else the high one of k - 16 */
-static inline int nibble(const uint8_t *packed, int k) { return k < 16 ? packed[k] & 15 : packed[k - 16] >> 4; }
+/* 32 values packed as 16 bytes: value k < 16 the low nibble of byte k, k + 16 its high nibble */
+static inline __attribute__((always_inline)) void nibbles(const uint8_t *packed, uint8_t *q) {
+#ifdef __SSE2__
+    const __m128i p = _mm_loadu_si128((const __m128i *)packed), low4 = _mm_set1_epi8(15);
+    _mm_storeu_si128((__m128i *)q, _mm_and_si128(p, low4));
+    _mm_storeu_si128((__m128i *)(q + 16), _mm_and_si128(_mm_srli_epi16(p, 4), low4));
+#else
+    for (int k = 0; k < 16; k++) q[k] = packed[k] & 15, q[k + 16] = packed[k] >> 4;
+#endif
+}
+
+/* q[k] |= bit k of the little-endian uint32 at bits, moved to bit 4 (the fifth bits of Q5_0, Q5_1) */
+static inline __attribute__((always_inline)) void fifth_bits(const uint8_t *bits, uint8_t *q) {
+#ifdef __SSSE3__
+    const __m128i select = _mm_set1_epi64x((long long)0x8040201008040201ULL), fifth = _mm_set1_epi8(16);
+    for (int half = 0; half < 2; half++) {  /* byte k of 16: bit k % 8 of byte k / 8 of this half's two */
+        const __m128i spread = _mm_shuffle_epi8(_mm_cvtsi32_si128(bits[2 * half] | bits[2 * half + 1] << 8),
+                                                _mm_set_epi64x(0x0101010101010101LL, 0));
+        const __m128i set = _mm_cmpeq_epi8(_mm_and_si128(spread, select), select);
+        __m128i *out = (__m128i *)(q + 16 * half);
+        _mm_storeu_si128(out, _mm_or_si128(_mm_loadu_si128(out), _mm_and_si128(set, fifth)));
+    }
+#else
+    for (int k = 0; k < 32; k++) q[k] |= ((bits[k / 8] >> (k % 8)) & 1) << 4;
+#endif
+}
+
+/* the same nibbles as IQ4_NL's 16 int8 values (a table lookup per byte: pshufb where there is one) */
+static inline __attribute__((always_inline)) void iq4_values(const uint8_t *packed, uint8_t *q) {
+#ifdef __SSSE3__
+    const __m128i table = _mm_loadu_si128((const __m128i *)IQ4_VALUES), p = _mm_loadu_si128((const __m128i *)packed);
+    const __m128i low4 = _mm_set1_epi8(15);
+    _mm_storeu_si128((__m128i *)q, _mm_shuffle_epi8(table, _mm_and_si128(p, low4)));
+    _mm_storeu_si128((__m128i *)(q + 16), _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(p, 4), low4)));
+#else
+    for (int k = 0; k < 16; k++) q[k] = (uint8_t)IQ4_VALUES[packed[k] & 15], q[k + 16] = (uint8_t)IQ4_VALUES[packed[k] >> 4];
+#endif
+}
 
 /* Q4_K's and Q5_K's six-bit scale and minimum of sub-block j from their 12 bytes */
 static inline void scale_min_k4(const uint8_t *s, int j, int *scale, int *minimum) {
@@ -88,22 +127,23 @@ static inline __attribute__((always_inline)) void decode(const uint8_t *src, con
             const int at = type == T_Q4_1 ? 4 : 2;
             d[0] = d[1] = half_at(src);
             if (type == T_Q4_1) m[0] = half_at(src + 2);
-            for (int k = 0; k < 32; k++) q[k] = (uint8_t)nibble(src + at, k);
+            nibbles(src + at, q);
             break;
         }
         case T_Q5_0:
         case T_Q5_1: {  /* the fifth bits as a little-endian uint32: bit k is weight k's */
-            const int at = type == T_Q5_1 ? 4 : 2, offset = type == T_Q5_0 ? 16 : 0;  /* Q5_0 as Q6_K: q + 16 */
-            const uint32_t high = (uint32_t)src[at] | (uint32_t)src[at + 1] << 8 | (uint32_t)src[at + 2] << 16 |
-                                  (uint32_t)src[at + 3] << 24;
+            const int at = type == T_Q5_1 ? 4 : 2;
             d[0] = d[1] = half_at(src);
             if (type == T_Q5_1) m[0] = half_at(src + 2);
-            for (int k = 0; k < 32; k++) q[k] = (uint8_t)(nibble(src + at + 4, k) | ((high >> k) & 1) << 4) + offset;
+            nibbles(src + at + 4, q);
+            fifth_bits(src + at, q);
+            if (type == T_Q5_0)  /* as Q6_K: q + 16 */
+                for (int k = 0; k < 32; k++) q[k] += 16;
             break;
         }
         case T_IQ4_NL:
             d[0] = d[1] = half_at(src);
-            for (int k = 0; k < 32; k++) q[k] = (uint8_t)IQ4_VALUES[nibble(src + 2, k)];
+            iq4_values(src + 2, q);
             break;
         case T_Q4_K:
         case T_Q5_K: {  /* sub-block j: nibbles j % 2 of bytes 32 (j / 2).. ; Q5_K: bit j of its byte e of qh */
@@ -156,7 +196,7 @@ static inline __attribute__((always_inline)) void decode(const uint8_t *src, con
             for (int i = 0; i < 8; i++) {
                 const int scale = ((src[4 + i / 2] >> (4 * (i % 2))) & 15) | ((high >> (2 * i)) & 3) << 4;
                 d[2 * i] = d[2 * i + 1] = dall * (float)(scale - 32);
-                for (int k = 0; k < 32; k++) q[i * 32 + k] = (uint8_t)IQ4_VALUES[nibble(src + 8 + i * 16, k)];
+                iq4_values(src + 8 + i * 16, q + i * 32);
             }
             break;
         }
