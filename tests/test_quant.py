@@ -14,9 +14,9 @@ from transformers import AutoModelForCausalLM
 from engine import LLM, EngineConfig, SamplingParams
 from engine.model.loading import ModelLoadError, embedded_gguf_path, load_model, rill_cache_dir
 from engine.kernels import quant_kernel
-from engine.model.quant import (GGUF_BLOCKS, GGUF_TYPES, KINDS, FusedPart, FusedProjections, QuantLinear,
-                                blocks_of_gguf, dequantize, panels_of_blocks, quantize_activations, quantize_blocks,
-                                quantize_linears, random_gguf_blocks, unpack_raw)
+from engine.model.quant import (GGUF_TYPES, KINDS, FusedPart, FusedProjections, QuantLinear, blocks_of_gguf,
+                                dequantize, panels_of_blocks, quantize_activations, quantize_blocks, quantize_linears,
+                                random_gguf_blocks, unpack_raw)
 from tests.test_engine_parity import PROMPT_LENGTHS, engine_outputs, make_prompts, reference_outputs
 
 GGML = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1}

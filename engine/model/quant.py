@@ -1,9 +1,13 @@
-"""Block-quantized linears on the CPU: GGUF's Q8_0, Q4_0 and Q4_1 kept as blocks, computed in C.
+"""Block-quantized linears on the CPU: GGUF's quantized tensors kept as blocks, computed in C.
 
-A GGUF model's quantized weights stay quantized in memory: `keep_gguf_blocks` replaces each
-`nn.Linear` whose weight came from a Q8_0/Q4_0/Q4_1 tensor with a `QuantLinear` holding that
-tensor's blocks (rearranged once into panels of 16 outputs, engine/kernels/qlinear.py). A safetensors model
-can be quantized at load the same way (`quantize_linears`, `--quantize q8_0|q4_0`).
+A GGUF model's quantized weights stay quantized in memory: each type of GGUF_TYPES (Q8_0, Q4_0,
+Q4_1, Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS) is read as blocks of 32 weights of one
+of the kernels' five kinds (q8_0, q4_0, q4_1, q5_1, q6_k: csrc/blocks.h), whose de-quantized
+weights are gguf-py's (and so transformers') bit for bit, and rearranged once into panels of 16
+outputs (`panels_of_blocks` here, `rill_repack` in C from the raw rows: byte for byte the same).
+`QuantLinear.from_gguf` makes a layer from a tensor's raw rows; `keep_gguf_blocks` replaces each
+`nn.Linear` whose weight came from such a tensor with one. A safetensors model can be quantized
+at load the same way (`quantize_linears`, `--quantize q8_0|q4_0|q4_1`).
 
 Activations stay float32, so a step computes the same products as the float32 model whose
 weights are the de-quantized blocks, up to the order of the additions: greedy output matches HF
