@@ -1,7 +1,7 @@
 /* The block kernels of two builds side by side (bench/qlinear_ab.py compiles this with the
  * sources of a git revision renamed *_a and those of the working tree): one shape, weights from
  * memory (30 different ones, as a model's layers), 40 alternations, medians in microseconds.
- * argv: out in rows threads kind(0 Q8_0, 1 Q4_0, 2 Q4_1) int8(0/1) */
+ * argv: out in rows threads kind(0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q5_1, 4 Q6_K) int8(0/1) */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -37,15 +37,17 @@ int main(int argc, char **argv) {
     }
     const int64_t out = atoll(argv[1]), in = atoll(argv[2]), rows = atoll(argv[3]);
     const int threads = atoi(argv[4]), kind = atoi(argv[5]), int8 = atoi(argv[6]);
-    const int64_t block = kind == 0 ? 32 * 16 + 64 : kind == 1 ? 32 * 8 + 64 : 32 * 8 + 128;
+    const int64_t block = kind == 0 ? 32 * 16 + 64 : kind == 1 ? 32 * 8 + 64 : kind == 2 ? 32 * 8 + 128
+                        : kind == 3 ? 32 * 8 + 64 + 128 : 32 * 8 + 128 + 128;  /* csrc/blocks.h */
     const int64_t blocks = ((out + 15) / 16) * (in / 32);
     uint8_t *weights[LAYERS];
     for (int l = 0; l < LAYERS; l++) {
         weights[l] = malloc((size_t)(blocks * block));
         for (int64_t i = 0; i < blocks * block; i++) weights[l][i] = (uint8_t)rand();
         for (int64_t b = 0; b < blocks; b++) { /* sane scales: the floats after each block's weights */
-            float *scales = (float *)(weights[l] + b * block + (kind == 0 ? 32 * 16 : 32 * 8));
-            for (int j = 0; j < (kind == 2 ? 32 : 16); j++) scales[j] = 0.01f;
+            float *scales = (float *)(weights[l] + b * block + (kind == 0 ? 32 * 16 : kind == 3 ? 32 * 8 + 64
+                                                                 : kind == 4 ? 32 * 8 + 128 : 32 * 8));
+            for (int j = 0; j < (kind >= 2 ? 32 : 16); j++) scales[j] = 0.01f;
         }
     }
     float *x = malloc(sizeof(float) * (size_t)(rows * in)), *y = malloc(sizeof(float) * (size_t)(rows * out));

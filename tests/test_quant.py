@@ -15,8 +15,9 @@ from bench.gguf_file import encode_q4_k
 from engine import LLM, EngineConfig, SamplingParams
 from engine.model.loading import ModelLoadError, embedded_gguf_path, load_model, rill_cache_dir
 from engine.kernels import quant_kernel
-from engine.model.quant import (KINDS, FusedPart, FusedProjections, QuantLinear, dequantize, quantize_activations,
-                                quantize_blocks, quantize_linears, unpack_raw)
+from engine.model.quant import (GGUF_TYPES, KINDS, FusedPart, FusedProjections, QuantLinear, blocks_of_gguf,
+                                dequantize, panels_of_blocks, quantize_activations, quantize_blocks, quantize_linears,
+                                random_gguf_blocks, unpack_raw)
 from tests.test_engine_parity import PROMPT_LENGTHS, engine_outputs, make_prompts, reference_outputs
 
 GGML = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1}
@@ -29,7 +30,7 @@ def kernel():
     return found
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", list(GGML))  # the kinds quantized at load
 def test_blocks_are_ggml_blocks(kind):
     """Our reading of ggml's blocks de-quantizes exactly as gguf-py does, and quantizing here gives
     ggml's blocks for the same weights (so a model quantized at load is what llama.cpp would hold)."""
@@ -59,6 +60,75 @@ def test_q4_k_is_read_as_the_q4_1_blocks_it_is_made_of(kernel):
         x = torch.randn(3, 512, generator=torch.Generator().manual_seed(1))
         reference = F.linear(quantize_activations(x) if int8 else x, expected[order])
         torch.testing.assert_close(layer(x), reference, atol=1e-4, rtol=1e-4)
+
+
+# every GGUF type kept as blocks, and the kernels' kind of block that holds it
+HELD_AS = {"q8_0": "q8_0", "q4_0": "q4_0", "q4_1": "q4_1", "q5_0": "q6_k", "q5_1": "q5_1", "q3_k": "q6_k",
+           "q4_k": "q4_1", "q5_k": "q5_1", "q6_k": "q6_k", "iq4_nl": "q8_0", "iq4_xs": "q8_0"}
+
+
+def gguf_weight(raw: np.ndarray, ggml_type: str) -> torch.Tensor:
+    """What gguf-py (and so transformers) de-quantizes from raw blocks."""
+    return torch.from_numpy(gguf_dequantize(raw, GGMLQuantizationType[ggml_type.upper()]))
+
+
+def test_every_common_gguf_type_is_kept_as_blocks():
+    assert {t: GGUF_TYPES[t][1] for t in GGUF_TYPES} == HELD_AS
+
+
+@pytest.mark.parametrize("ggml_type", list(HELD_AS))
+def test_gguf_blocks_dequantize_as_gguf_py_does_bit_for_bit(ggml_type):
+    """Random bytes with moderate float16 scales are valid blocks of any type: every bit pattern of
+    the quants, scales and minimums read (subnormal scales too), against gguf-py's reading."""
+    raw = random_gguf_blocks(ggml_type, 37, 2 * 256, seed=11)
+    q, d, m, kind = blocks_of_gguf(raw, ggml_type)
+    expected = gguf_weight(raw, ggml_type)
+    assert kind == HELD_AS[ggml_type] and expected.abs().max() > 0.05
+    assert torch.equal(dequantize(q, d, m, kind), expected)
+    order = np.array([3, 0, 36, 5, 5])
+    assert torch.equal(dequantize(*blocks_of_gguf(raw, ggml_type, order)), expected[order])
+
+
+@pytest.mark.parametrize("ggml_type", list(HELD_AS))
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 13, 64])
+def test_the_kernel_on_gguf_blocks_equals_the_float_product_with_gguf_pys_weight(kernel, ggml_type, rows):
+    """Float32 activations: F.linear with the weight transformers reads from the same blocks, and
+    int8 activations: the same product of the rounded inputs (the int8 kernel exists for every kind)."""
+    gen = torch.Generator().manual_seed(rows)
+    raw = random_gguf_blocks(ggml_type, 45, 512, seed=rows)  # a partial panel; two super-blocks per row
+    weight, bias = gguf_weight(raw, ggml_type), torch.randn(45, generator=gen)
+    x = torch.randn(rows, 530, generator=gen)[:, :512]  # rows with a stride
+    layer = QuantLinear.from_gguf(raw, ggml_type, bias, kernel)
+    assert (layer.kind, layer.source, layer.out_features, layer.in_features) == (HELD_AS[ggml_type], ggml_type, 45, 512)
+    torch.testing.assert_close(layer(x), F.linear(x, weight, bias), atol=1e-4, rtol=1e-4)
+    rounded = quantize_activations(x.contiguous())
+    layer8 = QuantLinear.from_gguf(raw, ggml_type, bias, kernel, int8=True)
+    assert "int8 activations" in repr(layer8)
+    torch.testing.assert_close(layer8(x), F.linear(rounded, weight, bias), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("ggml_type", list(HELD_AS))
+def test_the_c_repack_lays_out_the_panels_numpy_does_byte_for_byte(kernel, ggml_type):
+    """rill_repack (what from_gguf uses with the kernel library) against the numpy reference (the
+    readers, then panels_of_blocks), in both layouts, with llama.cpp's rows put back in another order."""
+    raw = random_gguf_blocks(ggml_type, 70, 3 * 256, seed=4)
+    order = np.random.default_rng(2).permutation(70)
+    for rows in (None, order, order[:33]):  # 33: a partial panel
+        for int8 in (False, True):
+            reference = panels_of_blocks(*blocks_of_gguf(raw, ggml_type, rows), int8)
+            layer = QuantLinear.from_gguf(raw, ggml_type, None, kernel, int8, rows)
+            assert layer.panels.shape == reference.shape and torch.equal(layer.panels, reference), (rows, int8)
+            assert torch.equal(QuantLinear.from_gguf(raw, ggml_type, None, None, int8, rows).panels, reference)
+
+
+def test_from_gguf_says_what_it_cannot_take(kernel):
+    raw = random_gguf_blocks("q6_k", 16, 256)
+    with pytest.raises(ValueError, match=r"kept as blocks: q8_0, .*iq4_xs. Given: 'q2_k'"):
+        QuantLinear.from_gguf(raw, "q2_k", None, kernel)
+    with pytest.raises(ValueError, match=r"q6_k rows are whole blocks of 210 bytes; given raw of shape \(16, 200\)"):
+        QuantLinear.from_gguf(raw[:, :200], "q6_k", None, kernel)
+    with pytest.raises(ValueError, match=r"order must list rows of the tensor \(0 to 15\)"):
+        QuantLinear.from_gguf(raw, "q6_k", None, kernel, order=np.array([0, 16]))
 
 
 def test_the_kernel_is_built_for_the_widest_vectors_this_cpu_has(kernel, caplog):
@@ -116,6 +186,11 @@ def _dequantized_reference(path, kind, int8=False):
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_quantized_at_load_greedy_equals_generate_on_the_dequantized_model(tiny_model, kind, monkeypatch):
+    """Every kind of block through the engine (q5_1 and q6_k, which hold GGUF's Q5/Q6_K/Q3_K, quantized
+    at load here only to have a model made of them)."""
+    from engine.model import loading
+
+    monkeypatch.setattr(loading, "QUANTIZE_CHOICES", (*loading.QUANTIZE_CHOICES, "q5_1", "q6_k"))
     path = tiny_model("llama")
     loaded = load_model(str(path), quantize=kind)
     layers = [m for m in loaded.model.modules() if isinstance(m, (QuantLinear, FusedPart))]

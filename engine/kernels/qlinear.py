@@ -1,22 +1,33 @@
 """`rill_qlinear` and `rill_qlinear_i8` (csrc/qlinear.c, csrc/qlinear_i8.c): linears over GGUF's
-Q8_0, Q4_0 and Q4_1 blocks, with float32 or int8 activations. The blocks' layout and the modules
-that hold them are in engine/model/quant.py."""
+blocks (the kinds Q8_0, Q4_0, Q4_1, Q5_1 and Q6_K, of csrc/blocks.h, hold every type of
+engine/model/quant.py's GGUF_TYPES), with float32 or int8 activations; `rill_repack`
+(csrc/repack.c): a GGUF tensor's raw rows straight into those panels. The blocks' layout and the
+modules that hold them are in engine/model/quant.py."""
 
 from __future__ import annotations
 
 import ctypes
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from engine.kernels.build import checked_kernel
 from engine.kernels.linear import call_panel_kernel
 
-KINDS = {"q8_0": 0, "q4_0": 1, "q4_1": 2}  # the kernels' `kind` argument
+KINDS = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q5_1": 3, "q6_k": 4}  # the kernels' `kind` argument
+INT8_KIND = 16  # rill_lin's kind of blocks with int8 activations: INT8_KIND + KINDS[kind] (csrc/blocks.h)
+# bytes of a panel's block (32 inputs of 16 outputs) of each kind, the same in both layouts (csrc/blocks.h)
+BLOCK_BYTES = {"q8_0": 32 * 16 + 64, "q4_0": 32 * 8 + 64, "q4_1": 32 * 8 + 128, "q5_1": 32 * 8 + 64 + 128,
+               "q6_k": 32 * 8 + 128 + 128}
+# ggml's numbers of the GGUF types rill_repack reads (ggml.h)
+GGML_TYPE_NUMBERS = {"q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "q3_k": 11, "q4_k": 12, "q5_k": 13,
+                     "q6_k": 14, "iq4_nl": 20, "iq4_xs": 23}
 
 
 class QuantKernel:
-    """`rill_qlinear` (float32 activations) and `rill_qlinear_i8` (int8) from the compiled library."""
+    """`rill_qlinear` (float32 activations) and `rill_qlinear_i8` (int8) from the compiled library, and
+    `rill_repack` (`repack`: a GGUF tensor's rows into their panels)."""
 
     def __init__(self, library: ctypes.CDLL, path: Path):
         self.path = path
@@ -25,6 +36,9 @@ class QuantKernel:
         for fn in self._fns:
             fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int, ctypes.c_int]
             fn.restype = ctypes.c_int
+        self._repack = library.rill_repack
+        self._repack.argtypes = [ptr, i64, ptr, i64, i64, ctypes.c_int, ctypes.c_int, ptr, ctypes.c_int]
+        self._repack.restype = ctypes.c_int
         self.threads = torch.get_num_threads()
         library.rill_qlinear_vector_bits.restype = ctypes.c_int
         bits = library.rill_qlinear_vector_bits()  # fixed when the library was built for this CPU
@@ -37,12 +51,33 @@ class QuantKernel:
             raise MemoryError(f"the quantized C linear could not allocate its buffers for {x.shape[0]} rows")
         return y
 
+    def repack(self, raw: np.ndarray, ggml_type: str, kind: str, in_features: int, order: np.ndarray | None = None,
+               int8: bool = False) -> torch.Tensor:
+        """A GGUF tensor's raw blocks (uint8 [rows, row bytes], e.g. the file's memory map) of
+        `ggml_type` -> the panels of `kind` that engine/model/quant.py's panels_of_blocks makes from
+        its reader's blocks, byte for byte; output r is the file's row order[r] (None: row r)."""
+        raw = np.ascontiguousarray(raw)  # a memory map's rows stay where they are
+        if order is not None:
+            order = np.ascontiguousarray(order, dtype=np.int64)
+            if order.ndim != 1 or len(order) == 0 or order.min() < 0 or order.max() >= raw.shape[0]:
+                raise ValueError(f"order must list rows of the tensor (0 to {raw.shape[0] - 1}); given {order!r}")
+        out = raw.shape[0] if order is None else len(order)
+        panels = torch.empty(-(-out // 16), in_features // 32 * BLOCK_BYTES[kind], dtype=torch.uint8)
+        status = self._repack(raw.ctypes.data, raw.shape[1], None if order is None else order.ctypes.data, out,
+                              in_features, GGML_TYPE_NUMBERS[ggml_type], int(int8), panels.data_ptr(), self.threads)
+        if status != 0:
+            raise ValueError(f"rill_repack does not read {ggml_type} rows of {raw.shape[1]} bytes as "
+                             f"{in_features} inputs")
+        return panels
+
 
 def _quant_agrees(kernel: QuantKernel) -> bool:
     """The kernels against F.linear on the de-quantized weight, for each kind: 1 to 13 rows (the
     row-by-row path and the tiles of 6 with every partial one), a partial panel, bias or none;
-    the int8-activation kernel against F.linear of the rounded activations (`quantize_activations`)."""
-    from engine.model.quant import QuantLinear, dequantize, quantize_activations, quantize_blocks
+    the int8-activation kernel against F.linear of the rounded activations (`quantize_activations`);
+    `repack` against numpy's panels for every GGUF type, rows reordered or not, both layouts."""
+    from engine.model.quant import (GGUF_BLOCKS, GGUF_TYPES, QuantLinear, blocks_of_gguf, dequantize, panels_of_blocks,
+                                    quantize_activations, quantize_blocks, random_gguf_blocks)
 
     gen = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(21, 64, generator=gen), torch.randn(21, generator=gen)
@@ -57,6 +92,14 @@ def _quant_agrees(kernel: QuantKernel) -> bool:
                 expected = torch.nn.functional.linear(quantize_activations(x) if int8 else x, reference, b)
                 if not torch.allclose(layer(x), expected, atol=1e-4, rtol=1e-4):
                     return False
+    order = np.array([5, 0, 17, 3, 3, 20, 9, 1, 11, 2, 8, 4, 6, 7, 10, 12, 13])  # a partial panel, a row twice
+    for ggml_type in GGUF_TYPES:
+        raw = random_gguf_blocks(ggml_type, 21, GGUF_BLOCKS[ggml_type][0], seed=1)
+        for rows, int8 in ((None, False), (order, False), (None, True), (order, True)):
+            expected = panels_of_blocks(*blocks_of_gguf(raw, ggml_type, rows), int8)
+            kind = GGUF_TYPES[ggml_type][1]
+            if not torch.equal(kernel.repack(raw, ggml_type, kind, GGUF_BLOCKS[ggml_type][0], rows, int8), expected):
+                return False
     return True
 
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from engine.kernels.decode_step import DecodeStepKernel, Layer, Lin
-from engine.kernels.qlinear import KINDS
+from engine.kernels.qlinear import INT8_KIND, KINDS
 from engine.model.linears import PanelLinear
 from engine.model.quant import FusedPart, FusedProjections, QuantLinear, panels_of_blocks, q8_0_blocks_of_panels
 from engine.runner.step_output import StepOutput
@@ -37,7 +37,7 @@ def _lin(module) -> tuple[Lin, int, object]:
     """The C description of a projection module: (struct, the width the kernel writes, owner kept alive)."""
     if not isinstance(module, (PanelLinear, QuantLinear, FusedProjections)):
         raise TypeError(type(module).__name__)
-    kind = -1 if isinstance(module, PanelLinear) else KINDS[module.kind] + (3 if module.int8 else 0)
+    kind = -1 if isinstance(module, PanelLinear) else KINDS[module.kind] + (INT8_KIND if module.int8 else 0)
     bias = module.bias.data_ptr() if module.bias is not None else None
     width = module.out_features  # for a fused group: its padded parts end to end
     return Lin(module.panels.data_ptr(), bias, width, module.in_features, kind), width, module
@@ -134,7 +134,7 @@ def _screen(head) -> tuple | None:
     norms = np.zeros(head.panels.shape[0] * 16)
     norms[:out] = np.sqrt((squares * d.astype(np.float64) ** 2).sum(axis=1)) * (1 + 1e-6)
     head8 = panels_of_blocks(q, d, None, "q8_0", int8=True)
-    lin = Lin(head8.data_ptr(), None, out, head.in_features, KINDS["q8_0"] + 3)
+    lin = Lin(head8.data_ptr(), None, out, head.in_features, KINDS["q8_0"] + INT8_KIND)
     norms = torch.from_numpy(norms.astype(np.float32))
     return lin, norms, (head8, norms)
 

@@ -1,6 +1,18 @@
 /* What csrc/qlinear.c and csrc/qlinear_i8.c share about the GGUF blocks they compute from: the
- * kinds, the bytes of one panel's block (its weights, then float d[16], Q4_1: and m[16]), the
- * prefetch of the block ahead, where each thread's sums go and how a panel's sums reach y. */
+ * kinds, the bytes of one panel's block (its weights, then float scales d[16] (Q6_K: d[2][16], one
+ * per 16 inputs), Q4_1/Q5_1: and m[16]), the prefetch of the block ahead, where each thread's sums
+ * go and how a panel's sums reach y.
+ *
+ * The kinds of block, each holding 32 inputs of a panel's 16 outputs (w: one de-quantized weight):
+ *   Q8_0  int8 q                                  w = d q                 576 bytes (1.125 per weight)
+ *   Q4_0  4-bit q                                 w = d (q - 8)           320 bytes (0.625)
+ *   Q4_1  4-bit q                                 w = d q + m             384 bytes (0.75)
+ *   Q5_1  5-bit q: Q4's nibbles, then a plane of  w = d q + m             448 bytes (0.875)
+ *         fifth bits (64 bytes)
+ *   Q6_K  6-bit q: Q4's nibbles, then a plane of  w = d[k / 16] (q - 32)  512 bytes (1.0)
+ *         two-bit highs (128 bytes)
+ * GGUF's Q8_0, IQ4_NL and IQ4_XS are held as Q8_0; Q4_K as Q4_1; Q5_1 and Q5_K as Q5_1; Q6_K, Q5_0
+ * (q + 16) and Q3_K (q + 32) as Q6_K (engine/model/quant.py, csrc/repack.c). */
 #ifndef RILL_BLOCKS_H
 #define RILL_BLOCKS_H
 #include <math.h>
@@ -9,10 +21,37 @@
 #include <immintrin.h>
 #endif
 
-enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2 };
+enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q5_1 = 3, Q6_K = 4, NUM_KINDS = 5 };
+/* rill_lin's kind for the int8-activation kernel: INT8_KIND + the kind (engine/runner/native.py) */
+enum { INT8_KIND = 16 };
+
+/* CALL(K) with the kind K a constant, so that each kind's inner loops are compiled for it */
+#define PER_KIND(kind, CALL)        \
+    switch (kind) {                 \
+        case Q8_0: CALL(Q8_0); break; \
+        case Q4_0: CALL(Q4_0); break; \
+        case Q4_1: CALL(Q4_1); break; \
+        case Q5_1: CALL(Q5_1); break; \
+        default: CALL(Q6_K); break;   \
+    }
 
 /* bytes of one panel's block of 32 inputs */
-static inline int64_t block_bytes(int kind) { return kind == Q8_0 ? 32 * 16 + 64 : kind == Q4_0 ? 32 * 8 + 64 : 32 * 8 + 128; }
+static inline int64_t block_bytes(int kind) {
+    return kind == Q8_0 ? 32 * 16 + 64 : kind == Q4_0 ? 32 * 8 + 64 : kind == Q4_1 ? 32 * 8 + 128
+         : kind == Q5_1 ? 32 * 8 + 64 + 128 : 32 * 8 + 128 + 128;
+}
+/* where a block's float scales start: after its weights */
+static inline int64_t scales_at(int kind) {
+    return kind == Q8_0 ? 32 * 16 : kind == Q5_1 ? 32 * 8 + 64 : kind == Q6_K ? 32 * 8 + 128 : 32 * 8;
+}
+/* the 4-bit kinds, whose weights are nibbles only */
+static inline int is_q4(int kind) { return kind == Q4_0 || kind == Q4_1; }
+/* the kinds with a minimum m per output */
+static inline int has_min(int kind) { return kind == Q4_1 || kind == Q5_1; }
+/* the offset taken off q: w = d (q - offset) */
+static inline int q_offset(int kind) { return kind == Q4_0 ? 8 : kind == Q6_K ? 32 : 0; }
+/* scales per output in a block: Q6_K's are per 16 inputs */
+static inline int scale_parts(int kind) { return kind == Q6_K ? 2 : 1; }
 
 /* The panel's block PREFETCH_BLOCKS ahead, asked for while this one is computed: at one row the
  * widening takes about as long as reading the weights, and without it the two took turns (the

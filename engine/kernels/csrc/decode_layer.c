@@ -34,10 +34,10 @@ static int linear(const rill_lin *lin, const float *x, int64_t x_row, float *y, 
         return 0;
     }
     int status;
-    if (lin->kind < 3) status = rill_qlinear(x, x_row, (const uint8_t *)lin->panels, lin->bias, y, rows, lin->out,
-                                             lin->in, threads, (int)lin->kind);
+    if (lin->kind < INT8_KIND) status = rill_qlinear(x, x_row, (const uint8_t *)lin->panels, lin->bias, y, rows,
+                                                     lin->out, lin->in, threads, (int)lin->kind);
     else status = rill_qlinear_i8(x, x_row, (const uint8_t *)lin->panels, lin->bias, y, rows, lin->out, lin->in,
-                                  threads, (int)lin->kind - 3);
+                                  threads, (int)lin->kind - INT8_KIND);
     return status ? -2 : 0;
 }
 

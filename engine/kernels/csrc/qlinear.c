@@ -1,18 +1,23 @@
 /* y = x w^T + bias for block-quantized weights and float32 activations (built by engine/kernels/build.py).
  *
- * The weights keep their GGUF blocks of 32 inputs (Q8_0: int8 q and a scale d, w = d q; Q4_0:
- * 4-bit q, w = d (q - 8); Q4_1: 4-bit q, a scale d and a minimum m, w = d q + m), rearranged once
- * at load into panels of 16 output features as csrc/linear.c does with float32 weights:
+ * The weights keep their GGUF blocks of 32 inputs (the kinds in blocks.h: Q8_0 w = d q, Q4_0
+ * w = d (q - 8), Q4_1 and Q5_1 w = d q + m, Q6_K w = d (q - 32) with a d per 16 inputs), rearranged
+ * once at load into panels of 16 output features as csrc/linear.c does with float32 weights:
  *
- *   Q8_0  panel p, block b: int8 q[32][16] (input-major), then float d[16]            544 bytes
+ *   Q8_0  panel p, block b: int8 q[32][16] (input-major), then float d[16]            576 bytes
  *   Q4_x  panel p, block b: uint8 q[32][8], byte j of input k holding output j in its low
  *         nibble and output j + 8 in its high nibble, then float d[16] (Q4_1: and m[16])
+ *   Q5_1  Q4's nibbles (the low 4 bits), then uint8 h[8][8]: byte j of inputs 4G..4G+3, bit 2g
+ *         the fifth bit of output j at input 4G + g, bit 2g + 1 output j + 8's; float d[16], m[16]
+ *   Q6_K  Q4's nibbles, then uint8 h[16][8]: byte j of inputs 2P, 2P + 1, bits 4o..4o+1 the two
+ *         high bits of output j at input 2P + o, bits 4o+2..4o+3 output j + 8's; float d[2][16]
  *
  * A tile of up to 6 rows of x times one panel keeps 6 x 16 running sums in registers (AVX2; with
  * AVX-512, tiles of up to 16 rows and a panel in one register: the section further down). Within a
  * block the integer weights are widened to float and multiplied with x in float32; each block's
- * sum is then scaled by d (and Q4_1 adds m times the block's sum of x), so the result equals the
- * float32 product with the de-quantized weights up to the order of the additions.
+ * sum (Q6_K: each half's) is then scaled by d, and m (Q4_0: -8 d, Q6_K: -32 d) times the block's
+ * sum of x is added, so the result equals the float32 product with the de-quantized weights up to
+ * the order of the additions (and Q4_1/Q5_1's fused multiply-add).
  *
  * x [rows, in] (row stride x_row, rows contiguous); in a multiple of 32; bias [ceil(out / 16) * 16]
  * (zero-padded) or NULL; y [rows, out] contiguous.
@@ -39,56 +44,90 @@ enum { FEW_ROWS = 3, CHUNK = 4 };
 #endif
 
 /* 16 weights of input k, as two vectors of 8 floats (outputs 0-7 and 8-15) */
-static inline void widen_q8(const uint8_t *p, v8 *w0, v8 *w1) {
-#ifdef __AVX2__
-    const __m128i q = _mm_loadu_si128((const __m128i *)p);
-    *w0 = (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
-    *w1 = (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)));
-#else
-    for (int j = 0; j < 8; j++) (*w0)[j] = (float)(int8_t)p[j], (*w1)[j] = (float)(int8_t)p[j + 8];
-#endif
+/* the integer weight q of output j at input k of a block (the layouts above), one at a time: the
+ * generic vectors' widening */
+static inline __attribute__((always_inline)) int q_at(const uint8_t *blk, int k, int j, const int kind) {
+    if (kind == Q8_0) return (int8_t)blk[k * 16 + j];
+    const int low = j < 8 ? blk[k * 8 + j] & 15 : blk[k * 8 + j - 8] >> 4;
+    if (kind == Q5_1) return low | ((blk[256 + (k / 4) * 8 + j % 8] >> (2 * (k % 4) + j / 8)) & 1) << 4;
+    if (kind == Q6_K) return low | ((blk[256 + (k / 2) * 8 + j % 8] >> (4 * (k % 2) + 2 * (j / 8))) & 3) << 4;
+    return low;
 }
 
-static inline void widen_q4(const uint8_t *p, v8 *w0, v8 *w1) {
 #ifdef __AVX2__
-    /* each byte widened to 32 bits once: its low nibble is output j, the rest (>> 4) output j + 8 */
-    const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    *w0 = (v8)_mm256_cvtepi32_ps(_mm256_and_si256(q, _mm256_set1_epi32(15)));
-    *w1 = (v8)_mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4));
+/* h's bit `from` of each lane moved to bit `to` (the bits around it move too, and are masked off) */
+static inline __attribute__((always_inline)) __m256i move_bits(__m256i h, int from, int to) {
+    return from < to ? _mm256_slli_epi32(h, to - from) : from > to ? _mm256_srli_epi32(h, from - to) : h;
+}
+
+/* Q5_1 and Q6_K: the 16 integer weights of input k, outputs 0-7 in i0 and 8-15 in i1: Q4's
+ * nibbles (widened as widen's), each lane's bits above them moved into place from the byte of the
+ * high plane that holds its output's (bit 4 of a Q5_1 weight, bits 4-5 of a Q6_K one) */
+static inline __attribute__((always_inline)) void widen_high(const uint8_t *blk, int k, __m256i *i0, __m256i *i1,
+                                                             const int kind) {
+    const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + k * 8)));
+    const __m256i low = _mm256_and_si256(q, _mm256_set1_epi32(15)), high = _mm256_srli_epi32(q, 4);
+    const int q5 = kind == Q5_1, first = q5 ? 2 * (k % 4) : 4 * (k % 2);  /* output j's bit(s) in the byte */
+    const __m256i h = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 256 + (q5 ? k / 4 : k / 2) * 8)));
+    const __m256i mask = _mm256_set1_epi32(q5 ? 16 : 48);
+    *i0 = _mm256_or_si256(low, _mm256_and_si256(move_bits(h, first, 4), mask));
+    *i1 = _mm256_or_si256(high, _mm256_and_si256(move_bits(h, first + (q5 ? 1 : 2), 4), mask));
+}
+#endif
+
+/* the 16 integer weights of input k as two vectors of 8 floats (outputs 0-7 and 8-15) */
+static inline __attribute__((always_inline)) void widen(const uint8_t *blk, int k, v8 *w0, v8 *w1, const int kind) {
+#ifdef __AVX2__
+    if (kind == Q8_0) {
+        const __m128i q = _mm_loadu_si128((const __m128i *)(blk + k * 16));
+        *w0 = (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+        *w1 = (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)));
+    } else if (is_q4(kind)) {
+        /* each byte widened to 32 bits once: its low nibble is output j, the rest (>> 4) output j + 8 */
+        const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + k * 8)));
+        *w0 = (v8)_mm256_cvtepi32_ps(_mm256_and_si256(q, _mm256_set1_epi32(15)));
+        *w1 = (v8)_mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4));
+    } else {
+        __m256i i0, i1;
+        widen_high(blk, k, &i0, &i1, kind);
+        *w0 = (v8)_mm256_cvtepi32_ps(i0);
+        *w1 = (v8)_mm256_cvtepi32_ps(i1);
+    }
 #else
-    for (int j = 0; j < 8; j++) (*w0)[j] = (float)(p[j] & 15), (*w1)[j] = (float)(p[j] >> 4);
+    for (int j = 0; j < 8; j++) (*w0)[j] = (float)q_at(blk, k, j, kind), (*w1)[j] = (float)q_at(blk, k, j + 8, kind);
 #endif
 }
 
 /* input k of a block: its 16 de-quantized weights, as the de-quantized model's are (the same
- * operations wherever the kernels de-quantize, so the same floats) */
-typedef struct { v8 d0, d1, m0, m1; } block_scales;
+ * operations wherever the kernels de-quantize, so the same floats; Q4_1/Q5_1 with one rounding) */
+typedef struct { v8 d0, d1, m0, m1, e0, e1; } block_scales;  /* e: Q6_K's d of inputs 16-31 */
 
 static inline __attribute__((always_inline)) block_scales scales_of(const uint8_t *blk, const int kind) {
-    const float *scales = (const float *)(blk + (kind == Q8_0 ? 32 * 16 : 32 * 8));
-    block_scales s = {load8(scales), load8(scales + 8), {0}, {0}};
-    if (kind == Q4_1) s.m0 = load8(scales + 16), s.m1 = load8(scales + 24);
+    const float *scales = (const float *)(blk + scales_at(kind));
+    block_scales s = {load8(scales), load8(scales + 8), {0}, {0}, {0}, {0}};
+    if (has_min(kind)) s.m0 = load8(scales + 16), s.m1 = load8(scales + 24);
+    if (kind == Q6_K) s.e0 = load8(scales + 16), s.e1 = load8(scales + 24);
     return s;
 }
 
 static inline __attribute__((always_inline)) void dequant_input(const uint8_t *blk, int k, const block_scales *s,
                                                                 v8 *w0, v8 *w1, const int kind) {
-    if (kind == Q8_0) widen_q8(blk + k * 16, w0, w1);
-    else widen_q4(blk + k * 8, w0, w1);
-    if (kind == Q4_0) {
-        *w0 -= 8.0f;
-        *w1 -= 8.0f;
+    widen(blk, k, w0, w1, kind);
+    if (q_offset(kind)) {
+        *w0 -= (float)q_offset(kind);
+        *w1 -= (float)q_offset(kind);
     }
 #ifdef __FMA__
-    if (kind == Q4_1) { /* one rounding, written out: GCC contracted it in some callers only */
+    if (has_min(kind)) { /* one rounding, written out: GCC contracted it in some callers only */
         *w0 = (v8)_mm256_fmadd_ps((__m256)*w0, (__m256)s->d0, (__m256)s->m0);
         *w1 = (v8)_mm256_fmadd_ps((__m256)*w1, (__m256)s->d1, (__m256)s->m1);
         return;
     }
 #endif
-    *w0 *= s->d0;
-    *w1 *= s->d1;
-    if (kind == Q4_1) {
+    const int second = kind == Q6_K && k >= 16;
+    *w0 *= second ? s->e0 : s->d0;
+    *w1 *= second ? s->e1 : s->d1;
+    if (has_min(kind)) {
         *w0 += s->m0;
         *w1 += s->m1;
     }
@@ -184,36 +223,40 @@ static inline __attribute__((always_inline)) void lead_tile(const float *x, int6
     tile_store(acc, acc_row, MR, 2, a, c);
 }
 
-/* one row of x times one panel, weights widened in registers: y[j] = sum over blocks of
- * d[j] (q x) + m[j] sum(x); four independent chains over k hide the latency of the additions */
+/* one row of x times one panel, weights widened in registers: y[j] = sum over blocks (Q6_K: halves
+ * of blocks, each with its d) of d[j] (q x) + m[j] sum(x) (Q4_0: m = -8 d, Q6_K: -32 d); four
+ * independent chains over k hide the latency of the additions. xsum: the row's sums of x per
+ * block (Q6_K: per 16 inputs) */
 static inline __attribute__((always_inline)) void row_panel(const float *x, const float *xsum, const uint8_t *panel,
                                                             int64_t blocks, float *acc, const int kind) {
+    const int parts = scale_parts(kind), span = 32 / parts;
     v8 y0 = {0}, y1 = {0};
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *blk = panel + b * block_bytes(kind);
         prefetch_ahead(blk, kind);
-        const float *xb = x + b * 32;
-        v8 p0[4] = {{0}, {0}, {0}, {0}}, p1[4] = {{0}, {0}, {0}, {0}};
-        for (int k = 0; k < 32; k += 4)
-            for (int c = 0; c < 4; c++) {
-                v8 w0, w1;
-                if (kind == Q8_0) widen_q8(blk + (k + c) * 16, &w0, &w1);
-                else widen_q4(blk + (k + c) * 8, &w0, &w1);
-                const float xi = xb[k + c];
-                const v8 xv = {xi, xi, xi, xi, xi, xi, xi, xi};
-                p0[c] += xv * w0;
-                p1[c] += xv * w1;
+        const float *xb = x + b * 32, *scales = (const float *)(blk + scales_at(kind));
+        for (int part = 0; part < parts; part++) {
+            v8 p0[4] = {{0}, {0}, {0}, {0}}, p1[4] = {{0}, {0}, {0}, {0}};
+            for (int k = part * span; k < (part + 1) * span; k += 4)
+                for (int c = 0; c < 4; c++) {
+                    v8 w0, w1;
+                    widen(blk, k + c, &w0, &w1, kind);
+                    const float xi = xb[k + c];
+                    const v8 xv = {xi, xi, xi, xi, xi, xi, xi, xi};
+                    p0[c] += xv * w0;
+                    p1[c] += xv * w1;
+                }
+            const v8 d0 = load8(scales + 16 * part), d1 = load8(scales + 16 * part + 8);
+            y0 += d0 * ((p0[0] + p0[1]) + (p0[2] + p0[3]));
+            y1 += d1 * ((p1[0] + p1[1]) + (p1[2] + p1[3]));
+            if (kind != Q8_0) {
+                const float xs = xsum[b * parts + part];
+                const v8 s = {xs, xs, xs, xs, xs, xs, xs, xs};
+                const v8 m0 = has_min(kind) ? load8(scales + 16) : d0 * (float)-q_offset(kind);
+                const v8 m1 = has_min(kind) ? load8(scales + 24) : d1 * (float)-q_offset(kind);
+                y0 += m0 * s;
+                y1 += m1 * s;
             }
-        const float *scales = (const float *)(blk + (kind == Q8_0 ? 32 * 16 : 32 * 8));
-        const v8 d0 = load8(scales), d1 = load8(scales + 8);
-        y0 += d0 * ((p0[0] + p0[1]) + (p0[2] + p0[3]));
-        y1 += d1 * ((p1[0] + p1[1]) + (p1[2] + p1[3]));
-        if (kind != Q8_0) {
-            const float xs = xsum[b];
-            const v8 s = {xs, xs, xs, xs, xs, xs, xs, xs};
-            const v8 m0 = kind == Q4_1 ? load8(scales + 16) : d0 * -8.0f, m1 = kind == Q4_1 ? load8(scales + 24) : d1 * -8.0f;
-            y0 += m0 * s;
-            y1 += m1 * s;
         }
     }
     store8(acc, y0);
@@ -232,17 +275,22 @@ enum { WIDE_TILE = 16 };
  * in its low nibble and output j + 8 in its high one) */
 static inline __attribute__((always_inline)) __m512 widen16(const uint8_t *blk, int k, const int kind) {
     if (kind == Q8_0) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + k * 16))));
+    if (!is_q4(kind)) {  /* Q5_1, Q6_K: AVX2's two halves side by side */
+        __m256i i0, i1;
+        widen_high(blk, k, &i0, &i1, kind);
+        return _mm512_cvtepi32_ps(_mm512_inserti64x4(_mm512_castsi256_si512(i0), i1, 1));
+    }
     const __m128i b = _mm_loadl_epi64((const __m128i *)(blk + k * 8)), low4 = _mm_set1_epi8(15);
     const __m128i nibbles = _mm_unpacklo_epi64(_mm_and_si128(b, low4), _mm_and_si128(_mm_srli_epi16(b, 4), low4));
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(nibbles));
 }
 
 /* integer weights q as floats -> de-quantized, the same operations per lane as dequant_input (so the
- * same floats) */
+ * same floats); d: Q6_K's of the half that input is in */
 static inline __attribute__((always_inline)) __m512 scale16(__m512 q, __m512 d, __m512 m, const int kind) {
-    if (kind == Q8_0) return _mm512_mul_ps(q, d);
-    if (kind == Q4_0) return _mm512_mul_ps(_mm512_sub_ps(q, _mm512_set1_ps(8.0f)), d);
-    return _mm512_fmadd_ps(q, d, m);
+    if (has_min(kind)) return _mm512_fmadd_ps(q, d, m);
+    if (q_offset(kind)) return _mm512_mul_ps(_mm512_sub_ps(q, _mm512_set1_ps((float)q_offset(kind))), d);
+    return _mm512_mul_ps(q, d);
 }
 
 #ifdef __AVX512VBMI__
@@ -289,22 +337,24 @@ static inline __attribute__((always_inline)) void wide_tile(const float *xp, con
     }
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = chunk + b * block_bytes(kind);
-        const float *scales = (const float *)(blk + (kind == Q8_0 ? 32 * 16 : 32 * 8));
-        __m512 d = _mm512_setzero_ps(), m = d;
+        const float *scales = (const float *)(blk + scales_at(kind));
+        __m512 d = _mm512_setzero_ps(), m = d, e = d;  /* e: Q6_K's d of inputs 16-31 */
         if (from_blocks) {
             prefetch_ahead(blk, kind);
             d = _mm512_loadu_ps(scales);
-            if (kind == Q4_1) m = _mm512_loadu_ps(scales + 16);
+            if (has_min(kind)) m = _mm512_loadu_ps(scales + 16);
+            if (kind == Q6_K) e = _mm512_loadu_ps(scales + 16);
         }
         for (int k4 = 0; k4 < 32; k4 += 4) {
-            const int by4 = from_blocks && kind != Q8_0 && BYTE_PERMUTE && MR <= BYTE_PERMUTE_ROWS;
+            const int by4 = from_blocks && is_q4(kind) && BYTE_PERMUTE && MR <= BYTE_PERMUTE_ROWS;
             const __m512i nibbles = by4 ? nibbles4(blk, k4) : _mm512_setzero_si512();
             for (int g = 0; g < 4; g++) {
                 const int k = k4 + g, s = S == 2 ? g % 2 : 0;
                 float *wk = w + b * 512 + k * 16;
                 __m512 wv;
                 if (from_blocks) {
-                    wv = scale16(by4 ? _mm512_cvtepi32_ps(q4_lanes(nibbles, g)) : widen16(blk, k, kind), d, m, kind);
+                    wv = scale16(by4 ? _mm512_cvtepi32_ps(q4_lanes(nibbles, g)) : widen16(blk, k, kind),
+                                 kind == Q6_K && k >= 16 ? e : d, m, kind);
                     if (keep) _mm512_store_ps(wk, wv);
                 } else {
                     wv = _mm512_load_ps(wk);
@@ -325,33 +375,36 @@ static inline __attribute__((always_inline)) void wide_tile(const float *xp, con
 static inline __attribute__((always_inline)) void row_panel16(const float *x, const float *xsum,
                                                               const uint8_t *panel, int64_t blocks, float *acc,
                                                               const int kind) {
+    const int parts = scale_parts(kind), span = 32 / parts;
     __m512 y = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *blk = panel + b * block_bytes(kind);
         prefetch_ahead(blk, kind);
-        const float *xb = x + b * 32;
-        __m512 p[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-        for (int k = 0; k < 32; k += 4) {
-            const __m512i nibbles = kind != Q8_0 && BYTE_PERMUTE ? nibbles4(blk, k) : _mm512_setzero_si512();
-            for (int c = 0; c < 4; c += 2) {
-                __m512 w0, w1;
-                if (kind != Q8_0 && BYTE_PERMUTE) {
-                    w0 = _mm512_cvtepi32_ps(q4_lanes(nibbles, c));
-                    w1 = _mm512_cvtepi32_ps(q4_lanes(nibbles, c + 1));
-                } else {
-                    w0 = widen16(blk, k + c, kind);
-                    w1 = widen16(blk, k + c + 1, kind);
+        const float *xb = x + b * 32, *scales = (const float *)(blk + scales_at(kind));
+        for (int part = 0; part < parts; part++) {
+            __m512 p[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+            for (int k = part * span; k < (part + 1) * span; k += 4) {
+                const __m512i nibbles = is_q4(kind) && BYTE_PERMUTE ? nibbles4(blk, k) : _mm512_setzero_si512();
+                for (int c = 0; c < 4; c += 2) {
+                    __m512 w0, w1;
+                    if (is_q4(kind) && BYTE_PERMUTE) {
+                        w0 = _mm512_cvtepi32_ps(q4_lanes(nibbles, c));
+                        w1 = _mm512_cvtepi32_ps(q4_lanes(nibbles, c + 1));
+                    } else {
+                        w0 = widen16(blk, k + c, kind);
+                        w1 = widen16(blk, k + c + 1, kind);
+                    }
+                    p[c] = _mm512_fmadd_ps(_mm512_set1_ps(xb[k + c]), w0, p[c]);
+                    p[c + 1] = _mm512_fmadd_ps(_mm512_set1_ps(xb[k + c + 1]), w1, p[c + 1]);
                 }
-                p[c] = _mm512_fmadd_ps(_mm512_set1_ps(xb[k + c]), w0, p[c]);
-                p[c + 1] = _mm512_fmadd_ps(_mm512_set1_ps(xb[k + c + 1]), w1, p[c + 1]);
             }
-        }
-        const float *scales = (const float *)(blk + (kind == Q8_0 ? 32 * 16 : 32 * 8));
-        const __m512 d = _mm512_loadu_ps(scales);
-        y = _mm512_fmadd_ps(d, _mm512_add_ps(_mm512_add_ps(p[0], p[1]), _mm512_add_ps(p[2], p[3])), y);
-        if (kind != Q8_0) {
-            const __m512 m = kind == Q4_1 ? _mm512_loadu_ps(scales + 16) : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
-            y = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[b]), y);
+            const __m512 d = _mm512_loadu_ps(scales + 16 * part);
+            y = _mm512_fmadd_ps(d, _mm512_add_ps(_mm512_add_ps(p[0], p[1]), _mm512_add_ps(p[2], p[3])), y);
+            if (kind != Q8_0) {
+                const __m512 m = has_min(kind) ? _mm512_loadu_ps(scales + 16)
+                                               : _mm512_mul_ps(d, _mm512_set1_ps((float)-q_offset(kind)));
+                y = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[b * parts + part]), y);
+            }
         }
     }
     _mm512_storeu_ps(acc, y);
@@ -422,9 +475,11 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, int
                                                              float *acc, float *w, const int kind) {
     if (rows <= FEW_ROWS) {
 #ifdef __AVX512F__
-        for (int64_t r = 0; r < rows; r++) row_panel16(x + r * x_row, xsum + r * blocks, panel, blocks, acc + r * 16, kind);
+        for (int64_t r = 0; r < rows; r++)
+            row_panel16(x + r * x_row, xsum + r * blocks * scale_parts(kind), panel, blocks, acc + r * 16, kind);
 #else
-        for (int64_t r = 0; r < rows; r++) row_panel(x + r * x_row, xsum + r * blocks, panel, blocks, acc + r * 16, kind);
+        for (int64_t r = 0; r < rows; r++)
+            row_panel(x + r * x_row, xsum + r * blocks * scale_parts(kind), panel, blocks, acc + r * 16, kind);
 #endif
         return;
     }
@@ -485,42 +540,46 @@ static inline __attribute__((always_inline)) void qlinear(const float *x, int64_
             #pragma omp for schedule(guided) nowait
             for (int64_t p = 0; p < num_panels; p++) {
                 const uint8_t *panel = panels + p * panel_bytes;
-                if (kind == Q8_0) panel_rows_wide(xp + r0 * in, panel, blocks, r1 - r0, in, acc, w, Q8_0);
-                else if (kind == Q4_0) panel_rows_wide(xp + r0 * in, panel, blocks, r1 - r0, in, acc, w, Q4_0);
-                else panel_rows_wide(xp + r0 * in, panel, blocks, r1 - r0, in, acc, w, Q4_1);
+#define SET_ROWS(K) panel_rows_wide(xp + r0 * in, panel, blocks, r1 - r0, in, acc, w, K)
+                PER_KIND(kind, SET_ROWS)
+#undef SET_ROWS
                 store_panel(acc, bias, y + r0 * out, r1 - r0, out, p);
             }
         }
 #endif
         #pragma omp for schedule(guided)
         for (int64_t p = 0; p < (sets == 1 ? num_panels : 0); p++) {
-            /* the kind as a constant here: the region is outlined before qlinear is inlined into
-               each of its callers, so a kind passed in would stay a variable in every inner loop */
+            /* the kind as a constant here (PER_KIND): the region is outlined before qlinear is inlined
+               into each of its callers, so a kind passed in would stay a variable in every inner loop */
             const uint8_t *panel = panels + p * panel_bytes;
 #ifdef __AVX512F__
             if (xp) {
-                if (kind == Q8_0) panel_rows_wide(xp, panel, blocks, rows, in, acc, w, Q8_0);
-                else if (kind == Q4_0) panel_rows_wide(xp, panel, blocks, rows, in, acc, w, Q4_0);
-                else panel_rows_wide(xp, panel, blocks, rows, in, acc, w, Q4_1);
+#define WIDE_ROWS(K) panel_rows_wide(xp, panel, blocks, rows, in, acc, w, K)
+                PER_KIND(kind, WIDE_ROWS)
+#undef WIDE_ROWS
                 store_panel(acc, bias, y, rows, out, p);
                 continue;
             }
 #endif
-            if (kind == Q8_0) panel_rows(x, x_row, xsum, panel, blocks, rows, acc, w, Q8_0);
-            else if (kind == Q4_0) panel_rows(x, x_row, xsum, panel, blocks, rows, acc, w, Q4_0);
-            else panel_rows(x, x_row, xsum, panel, blocks, rows, acc, w, Q4_1);
+#define ROWS(K) panel_rows(x, x_row, xsum, panel, blocks, rows, acc, w, K)
+            PER_KIND(kind, ROWS)
+#undef ROWS
             store_panel(acc, bias, y, rows, out, p);
         }
     }
 }
 
-/* kind: 0 Q8_0, 1 Q4_0, 2 Q4_1 (the layouts above); returns 0, or -1 when out of memory */
+/* kind: 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q5_1, 4 Q6_K (the layouts above); returns 0, -1 when out of
+ * memory, -2 for another kind */
 int rill_qlinear(const float *x, int64_t x_row, const uint8_t *panels, const float *bias, float *y,
                  int64_t rows, int64_t out, int64_t in, int threads, int kind) {
     const int64_t blocks = in / 32;
+    if (kind < 0 || kind >= NUM_KINDS) return -2;
     if (rows <= 0) return 0;
-    /* the Q4 kinds' offsets need each row's sum of x per block, on the row-by-row path only */
-    const int64_t sums = kind != Q8_0 && rows <= FEW_ROWS ? (rows * blocks + 15) / 16 * 16 : 0;
+    /* the offsets and minimums need each row's sum of x per block (Q6_K: per 16 inputs), on the
+     * row-by-row path only */
+    const int parts = scale_parts(kind), span = 32 / parts;
+    const int64_t sums = kind != Q8_0 && rows <= FEW_ROWS ? (rows * blocks * parts + 15) / 16 * 16 : 0;
     /* AVX-512: more rows than FEW_ROWS take the wide tiles, on x packed once for all panels */
 #ifdef __AVX512F__
     const int64_t packed = rows > FEW_ROWS ? (rows * in + 15) / 16 * 16 : 0;
@@ -534,14 +593,14 @@ int rill_qlinear(const float *x, int64_t x_row, const uint8_t *panels, const flo
     if (xp && rows < PACK_IN_THREADS) pack_rows(x, x_row, rows, in, xp, 0, in);
 #endif
     for (int64_t r = 0; r < (sums ? rows : 0); r++)
-        for (int64_t b = 0; b < blocks; b++) {
+        for (int64_t i = 0; i < blocks * parts; i++) {
             float s = 0;
-            for (int k = 0; k < 32; k++) s += x[r * x_row + b * 32 + k];
-            xsum[r * blocks + b] = s;
+            for (int k = 0; k < span; k++) s += x[r * x_row + i * span + k];
+            xsum[r * blocks * parts + i] = s;
         }
-    if (kind == Q8_0) qlinear(x, x_row, xsum, xp, panels, bias, y, rows, out, in, threads, acc, Q8_0);
-    else if (kind == Q4_0) qlinear(x, x_row, xsum, xp, panels, bias, y, rows, out, in, threads, acc, Q4_0);
-    else qlinear(x, x_row, xsum, xp, panels, bias, y, rows, out, in, threads, acc, Q4_1);
+#define ALL(K) qlinear(x, x_row, xsum, xp, panels, bias, y, rows, out, in, threads, acc, K)
+    PER_KIND(kind, ALL)
+#undef ALL
     free(buffer);
     return 0;
 }

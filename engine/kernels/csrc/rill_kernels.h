@@ -12,13 +12,19 @@ void rill_linear(const float *x, int64_t x_row, const float *panels, const float
                  int64_t rows, int64_t out, int64_t in, int threads);
 
 /* csrc/qlinear.c (float32 activations) and csrc/qlinear_i8.c (int8 activations): the same over
- * GGUF blocks; kind: 0 Q8_0, 1 Q4_0, 2 Q4_1. Return 0, or -1 when out of memory. */
+ * GGUF blocks; kind: 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q5_1, 4 Q6_K (csrc/blocks.h). Return 0, -1 when out
+ * of memory, -2 for another kind. */
 int rill_qlinear(const float *x, int64_t x_row, const uint8_t *panels, const float *bias, float *y,
                  int64_t rows, int64_t out, int64_t in, int threads, int kind);
 int rill_qlinear_i8(const float *x, int64_t x_row, const uint8_t *panels, const float *bias, float *y,
                     int64_t rows, int64_t out, int64_t in, int threads, int kind);
 /* the vector width of this build's block tiles: 512 (AVX-512), 256 (AVX2) or 0 (generic) */
 int rill_qlinear_vector_bits(void);
+/* csrc/repack.c: a GGUF tensor's raw rows (ggml type number `type`; rows in `order`, or NULL) into
+ * the panels of the kind that holds that type (int8: qlinear_i8.c's layout). Returns 0, or -2 for a
+ * type it does not read or rows of other bytes. */
+int rill_repack(const uint8_t *raw, int64_t row_bytes, const int64_t *order, int64_t out, int64_t in, int type,
+                int int8, uint8_t *panels, int threads);
 
 /* csrc/decode_attention.c: decode attention read from the paged cache, one slot per position */
 void rill_decode_attention(const float *q, int64_t q_tok, int64_t q_head, const int64_t *index,
@@ -26,8 +32,8 @@ void rill_decode_attention(const float *q, int64_t q_tok, int64_t q_head, const 
                            const int64_t *lens, float *out, int num_seqs, int heads, int kv_heads,
                            int head_dim, float scale, int64_t window, float softcap, int threads);
 
-/* a linear as the kernels hold it: kind -1 float32 panels (csrc/linear.c), 0-2 blocks (qlinear.c),
- * 3-5 the same kinds of blocks with int8 activations (qlinear_i8.c);
+/* a linear as the kernels hold it: kind -1 float32 panels (csrc/linear.c), 0-4 blocks (qlinear.c),
+ * 16 + 0-4 the same kinds of blocks with int8 activations (qlinear_i8.c; INT8_KIND in blocks.h);
  * out is the padded width the kernel writes (a multiple of 16 for fused groups) */
 typedef struct {
     const void *panels;
