@@ -121,10 +121,21 @@ class DraftModel:
         if shadow is not None:
             self.allocator.free(shadow.seq.block_table)
 
-    def propose(self, wanted: list[tuple[Sequence, int]]) -> dict[str, Proposal]:
-        """Up to k guesses after each (decode-ready target sequence, k) of `wanted`, by seq_id."""
+    def propose(self, wanted: list[tuple[Sequence, int]], prompts: list[Sequence] = ()) -> dict[str, Proposal]:
+        """Up to k guesses after each (decode-ready target sequence, k) of `wanted`, by seq_id.
+        `prompts`: sequences whose prompt the target is computing, which the draft computes too in
+        the same step (but its last token), so that their first guesses cost no prompt."""
         plan, lengths, budget = [], {}, self.budget
-        keep = {seq.seq_id for seq, _ in wanted}
+        keep = {seq.seq_id for seq, _ in wanted} | {seq.seq_id for seq in prompts}
+        for seq in prompts:
+            if len(seq.token_ids) > self.max_len:
+                continue
+            shadow = self._synced(seq)
+            start = shadow.num_computed_tokens
+            num_new = min(len(shadow.token_ids) - 1 - start, budget)
+            if num_new > 0 and self._allocate(shadow, start + num_new, keep):
+                plan.append(ScheduledChunk(shadow, start, num_new))
+                budget -= num_new
         for seq, k in wanted:
             k = min(k, self.max_len + 1 - len(seq.token_ids))  # guess k - 1 is the last position computed
             if k < 1:
@@ -133,7 +144,7 @@ class DraftModel:
             start = shadow.num_computed_tokens
             num_new = len(shadow.token_ids) - start
             if num_new > budget:  # a long catch-up (a prompt): part of it now, guesses a later step
-                num_new, k = budget, 0
+                num_new, k = max(budget, 0), 0
             if num_new < 1 or not self._allocate(shadow, start + num_new + max(k - 1, 0), keep):
                 continue
             plan.append(ScheduledChunk(shadow, start, num_new))

@@ -145,16 +145,19 @@ class Speculator:
         """Set each running sequence's `draft_token_ids` (empty where nothing is guessed)."""
         busy = len(running) > self.max_running
         wanted: list[tuple[Sequence, int]] = []  # (sequence, its draft's length at most)
+        prompts: list[Sequence] = []  # a draft model computes their prompts beside the target
         for seq in running:
             seq.draft_token_ids = []
             k = 0 if busy else self._length(seq, max_model_len)
             if k:
                 wanted.append((seq, k))
+            elif not busy and seq.num_computed_tokens < len(seq.token_ids) - 1 and speculates(seq):
+                prompts.append(seq)
         if self.drafter is None:
             for seq, k in wanted:
                 seq.draft_token_ids = self.states[seq.seq_id].index.propose(seq.token_ids, k)
             return
-        proposals = self.drafter.propose(wanted) if wanted else {}
+        proposals = self.drafter.propose(wanted, prompts) if wanted or prompts else {}
         for seq, _ in wanted:
             proposal = proposals.get(seq.seq_id)
             state = self.states[seq.seq_id]
