@@ -20,7 +20,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine import LLM, EngineConfig, SamplingParams
+from engine import LLM, AsyncEngine, EngineConfig, SamplingParams
 from engine.model.loading import load_model
 from engine.request import Constraint
 from engine.runner.step_output import StepOutput
@@ -152,14 +152,18 @@ def test_a_cached_prefix_never_holds_a_rejected_token(few):
     assert [answer, again] == plain
 
 
-def test_drafts_stop_above_speculative_max_seqs(few):
+@pytest.mark.parametrize("mode", ["ngram", "draft"])
+def test_drafts_stop_above_speculative_max_seqs(few, mode):
     path = few("llama")
-    llm = LLM(load_model(str(path)), EngineConfig(speculative="ngram", speculative_max_seqs=2))
+    draft = dict(draft_model=str(path)) if mode == "draft" else {}
+    llm = LLM(load_model(str(path)), EngineConfig(speculative=mode, speculative_max_seqs=2, **draft))
     for i, prompt in enumerate(prompts_of((40, 40, 40))):
         llm.core.add_request(f"r{i}", prompt, SamplingParams(max_tokens=30, temperature=0))
     for _ in range(20):
         llm.core.step()
     assert llm.core.stats().spec_draft_tokens == 0  # three running: each token took its own step
+    if mode == "draft":  # nor did the draft model compute anything
+        assert not llm.core.speculator.drafter.shadows
 
 
 def test_requests_drawn_step_by_step_are_not_drafted_and_keep_their_tokens(few):
@@ -386,6 +390,25 @@ def test_a_model_drafting_for_itself_keeps_its_sampled_guesses(few):
     _, llm = run(path, prompts_of((20, 40, 60, 80)), params, speculative="draft", draft_model=str(path))
     stats = llm.core.stats()
     assert stats.spec_draft_tokens > 40 and stats.spec_accepted_tokens >= 0.98 * stats.spec_draft_tokens
+
+
+def test_a_rebuilt_engine_drafts_with_the_same_draft_model(few, near):
+    """After a death the core is rebuilt over the same loaded draft: the old draft's KV pool let go,
+    a new one drafting, the tokens those of a plain engine."""
+    path = few("llama")
+    prompt = prompts_of((60,), seed=9)[0]
+    params = SamplingParams(max_tokens=30, temperature=0)
+    engine = AsyncEngine(load_model(str(path)), EngineConfig(speculative="draft", draft_model="near"),
+                         load_model(str(near("llama"))))  # not started: the test steps its core
+    old = engine.core.speculator.drafter
+    assert engine._restart()
+    assert old.runner is None and engine.core.speculator.drafter is not old
+    engine.core.add_request("r", prompt, params)
+    tokens = []
+    while engine.core.has_work():
+        tokens += [t for out in engine.core.step() for t in out.token_ids]
+    assert tokens == run(path, [prompt], params)[0][0]
+    assert engine.core.stats().spec_accepted_tokens > 0
 
 
 def test_a_draft_model_with_another_tokenizer_is_refused(tiny_model, few):
