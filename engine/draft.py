@@ -39,8 +39,9 @@ from engine.model.memory import num_kv_blocks
 from engine.model.setup import setup_model
 from engine.request import Sequence
 from engine.runner.paged import PagedRunner, kv_geometry
-from engine.scheduler import ScheduledChunk
+from engine.runner.step_output import StepOutput
 from engine.sampler import distribution, pick
+from engine.scheduler import ScheduledChunk
 
 log = logging.getLogger("rill.engine")
 
@@ -117,6 +118,7 @@ class DraftModel:
                  setup.decode_attention)
 
     def forget(self, seq_id: str) -> None:
+        """Drop a sequence's shadow (finished, or its blocks wanted): its blocks go back."""
         shadow = self.shadows.pop(seq_id, None)
         if shadow is not None:
             self.allocator.free(shadow.seq.block_table)
@@ -154,7 +156,7 @@ class DraftModel:
         proposals = {seq_id: Proposal([], None) for seq_id in lengths}
         while plan:
             try:
-                step = self.runner.run(plan)
+                step = StepOutput.of(self.runner.run(plan))
             except Exception as exc:  # the target goes on without guesses; these shadows start over
                 log.warning("a draft forward of %d sequences failed (%s: %s); they go on without drafts",
                             len(plan), type(exc).__name__, exc)
@@ -165,7 +167,7 @@ class DraftModel:
             plan = self._advance(plan, step, proposals, lengths)
         return {seq_id: p for seq_id, p in proposals.items() if p.token_ids}
 
-    def _advance(self, plan: list[ScheduledChunk], step, proposals: dict[str, Proposal],
+    def _advance(self, plan: list[ScheduledChunk], step: StepOutput, proposals: dict[str, Proposal],
                  lengths: dict[str, int]) -> list[ScheduledChunk]:
         """After a draft forward: each sampling shadow's next guess; the next forward's chunks."""
         following, row = [], 0

@@ -127,10 +127,6 @@ class Speculator:
         self.draft_tokens_total = 0  # tokens proposed and verified
         self.accepted_tokens_total = 0  # of which the model agreed with
 
-    @property
-    def mode(self) -> str:
-        return "ngram" if self.drafter is None else "draft"
-
     def forget(self, seq_id: str) -> None:
         self.states.pop(seq_id, None)
         if self.drafter is not None:

@@ -155,7 +155,7 @@ def test_a_cached_prefix_never_holds_a_rejected_token(few):
 @pytest.mark.parametrize("mode", ["ngram", "draft"])
 def test_drafts_stop_above_speculative_max_seqs(few, mode):
     path = few("llama")
-    draft = dict(draft_model=str(path)) if mode == "draft" else {}
+    draft = {"draft_model": str(path)} if mode == "draft" else {}
     llm = LLM(load_model(str(path)), EngineConfig(speculative=mode, speculative_max_seqs=2, **draft))
     for i, prompt in enumerate(prompts_of((40, 40, 40))):
         llm.core.add_request(f"r{i}", prompt, SamplingParams(max_tokens=30, temperature=0))

@@ -27,8 +27,7 @@ def load_engine(fields: dict, engine_class=AsyncEngine) -> AsyncEngine:
     from engine.model.loading import load_model
 
     config = engine_config(fields)
-    load_kwargs = dict(dtype=fields["dtype"], device=fields["device"], trust_remote_code=fields["trust_remote_code"],
-                       quantize=fields["quantize"], activations=fields["activations"])
+    load_kwargs = {name: fields[name] for name in ("dtype", "device", "trust_remote_code", "quantize", "activations")}
     loaded = load_model(fields["model_id"], **load_kwargs)
     draft = None
     if config.speculative == "draft":  # the same loader and settings; its vocabulary checked against the model's
