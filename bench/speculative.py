@@ -132,7 +132,7 @@ def measure_llama_server(variant: str, args, gguf: Path, draft_gguf: Path, promp
     port = free_port()
     extra = [part.format(draft=draft_gguf, k=args.num_speculative_tokens) for part in PEERS[variant]]
     command = [str(peer.binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-               "-t", str(os.cpu_count() or 2), "-np", "1", "-c", "8192", *extra]
+               "-t", str(threads()), "-np", "1", "-c", "8192", *extra]
     proc = ServerProcess(Server(variant, command, "/health", env=peer._env()), gguf.parent,
                          RESULTS / "logs" / f"speculative-{variant}.log", port=port)
     results: dict[str, Result] = {}
@@ -155,6 +155,11 @@ def measure_llama_server(variant: str, args, gguf: Path, draft_gguf: Path, promp
     finally:
         proc.stop()
     return results
+
+
+def threads() -> int:
+    """llama-server's threads: as many as rill's (OMP_NUM_THREADS when set, else every core)."""
+    return int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 2)
 
 
 def main(argv: list[str] | None = None) -> int:

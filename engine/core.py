@@ -214,6 +214,8 @@ class EngineCore:
         plan = self.scheduler.schedule()
         if not plan:
             return []
+        if self.speculator is not None:
+            self.speculator.scheduled(plan)  # a draft model computes the prompts beside the target
         self.num_steps += 1
         outputs: list[RequestOutput] = []
         step, plan = self._forward(plan, outputs)

@@ -6,10 +6,11 @@ target (packed linears, the decode kernels, the native step where it takes the m
 it drafts for has a shadow `Sequence` here: the target's tokens, then the draft's guesses, with
 the shadow's own block table and count of computed tokens.
 
+    prefill    a prompt the target computes this step, but its last token (after the schedule)
     sync       the shadow's tokens <- the target's; its K/V past their common prefix rolled back
                (the guesses the target rejected, and the one it drew instead, which follows)
     forward 1  every drafting shadow's uncomputed tokens (the target's new ones: one after a
-               rejection, two after a draft taken whole, a prompt the first time) -> guess 1
+               rejection, two after a draft taken whole) -> guess 1
     forward j  guess j - 1 alone -> guess j, while a shadow wants more (its own length k)
 
 A guess is the draft's argmax for greedy and seeded requests (a point mass: the target's own draw
@@ -123,21 +124,29 @@ class DraftModel:
         if shadow is not None:
             self.allocator.free(shadow.seq.block_table)
 
-    def propose(self, wanted: list[tuple[Sequence, int]], prompts: list[Sequence] = ()) -> dict[str, Proposal]:
-        """Up to k guesses after each (decode-ready target sequence, k) of `wanted`, by seq_id.
-        `prompts`: sequences whose prompt the target is computing, which the draft computes too in
-        the same step (but its last token), so that their first guesses cost no prompt."""
-        plan, lengths, budget = [], {}, self.budget
-        keep = {seq.seq_id for seq, _ in wanted} | {seq.seq_id for seq in prompts}
-        for seq in prompts:
-            if len(seq.token_ids) > self.max_len:
+    def prefill(self, goals: list[tuple[Sequence, int]]) -> None:
+        """For each (target sequence, n) of `goals`, the draft computes the sequence's tokens up to n
+        (its prompt, as the target computes it in the same step), so that the first guesses after
+        the first token cost no prompt."""
+        plan, budget = [], self.budget
+        keep = {seq.seq_id for seq, _ in goals}
+        for seq, goal in goals:
+            if goal > self.max_len:
                 continue
             shadow = self._synced(seq)
             start = shadow.num_computed_tokens
-            num_new = min(len(shadow.token_ids) - 1 - start, budget)
+            num_new = min(goal - start, budget)
             if num_new > 0 and self._allocate(shadow, start + num_new, keep):
                 plan.append(ScheduledChunk(shadow, start, num_new))
                 budget -= num_new
+        if plan and self._run(plan) is not None:
+            for chunk in plan:
+                chunk.seq.num_computed_tokens = chunk.start + chunk.num_tokens
+
+    def propose(self, wanted: list[tuple[Sequence, int]]) -> dict[str, Proposal]:
+        """Up to k guesses after each (decode-ready target sequence, k) of `wanted`, by seq_id."""
+        plan, lengths, budget = [], {}, self.budget
+        keep = {seq.seq_id for seq, _ in wanted}
         for seq, k in wanted:
             k = min(k, self.max_len + 1 - len(seq.token_ids))  # guess k - 1 is the last position computed
             if k < 1:
@@ -155,17 +164,25 @@ class DraftModel:
                 lengths[seq.seq_id] = k
         proposals = {seq_id: Proposal([], None) for seq_id in lengths}
         while plan:
-            try:
-                step = StepOutput.of(self.runner.run(plan))
-            except Exception as exc:  # the target goes on without guesses; these shadows start over
-                log.warning("a draft forward of %d sequences failed (%s: %s); they go on without drafts",
-                            len(plan), type(exc).__name__, exc)
+            step = self._run(plan)
+            if step is None:
                 for chunk in plan:
-                    self.forget(chunk.seq.seq_id)
                     proposals.pop(chunk.seq.seq_id, None)
-                return {seq_id: p for seq_id, p in proposals.items() if p.token_ids}
+                break
             plan = self._advance(plan, step, proposals, lengths)
         return {seq_id: p for seq_id, p in proposals.items() if p.token_ids}
+
+    def _run(self, plan: list[ScheduledChunk]) -> StepOutput | None:
+        """One draft forward; None when it failed: the target goes on without guesses, and the
+        shadows it ran start over."""
+        try:
+            return StepOutput.of(self.runner.run(plan))
+        except Exception as exc:
+            log.warning("a draft forward of %d sequences failed (%s: %s); they go on without drafts",
+                        len(plan), type(exc).__name__, exc)
+            for chunk in plan:
+                self.forget(chunk.seq.seq_id)
+            return None
 
     def _advance(self, plan: list[ScheduledChunk], step: StepOutput, proposals: dict[str, Proposal],
                  lengths: dict[str, int]) -> list[ScheduledChunk]:

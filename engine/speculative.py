@@ -141,24 +141,31 @@ class Speculator:
         """Set each running sequence's `draft_token_ids` (empty where nothing is guessed)."""
         busy = len(running) > self.max_running
         wanted: list[tuple[Sequence, int]] = []  # (sequence, its draft's length at most)
-        prompts: list[Sequence] = []  # a draft model computes their prompts beside the target
         for seq in running:
             seq.draft_token_ids = []
             k = 0 if busy else self._length(seq, max_model_len)
             if k:
                 wanted.append((seq, k))
-            elif not busy and seq.num_computed_tokens < len(seq.token_ids) - 1 and speculates(seq):
-                prompts.append(seq)
         if self.drafter is None:
             for seq, k in wanted:
                 seq.draft_token_ids = self.states[seq.seq_id].index.propose(seq.token_ids, k)
             return
-        proposals = self.drafter.propose(wanted, prompts) if wanted or prompts else {}
+        proposals = self.drafter.propose(wanted) if wanted else {}
         for seq, _ in wanted:
             proposal = proposals.get(seq.seq_id)
             state = self.states[seq.seq_id]
             seq.draft_token_ids = proposal.token_ids if proposal is not None else []
             state.draft_probs = proposal.probs if proposal is not None else None
+
+    def scheduled(self, plan: list) -> None:
+        """After the schedule: a draft model computes the prompt chunks of the plan beside the target
+        (all but a prompt's last token), unless the batch is too large for drafts."""
+        if self.drafter is None or len(plan) > self.max_running:
+            return
+        goals = [(c.seq, min(c.start + c.num_tokens, len(c.seq.token_ids) - 1)) for c in plan
+                 if c.start < len(c.seq.token_ids) - 1 and speculates(c.seq)]
+        if goals:
+            self.drafter.prefill(goals)
 
     def _length(self, seq: Sequence, max_model_len: int) -> int:
         """How many tokens to guess after `seq` this step (0: none)."""

@@ -321,6 +321,26 @@ def test_greedy_with_a_draft_model_equals_generate(few, near, other_draft, arch,
     assert drafter.allocator.num_free == drafter.num_kv_blocks and not drafter.shadows
 
 
+def test_the_draft_model_computes_each_prompt_once_beside_the_target(few):
+    """A prompt's tokens go through the draft in the steps the target computes them (chunks of the
+    step's budget), never again: after that each step's first draft forward takes only the tokens
+    the target added (1 or 2)."""
+    path = few("llama")
+    llm = LLM(load_model(str(path)), EngineConfig(speculative="draft", draft_model=str(path),
+                                                  max_num_batched_tokens=64))
+    runner, chunks = llm.core.speculator.drafter.runner, []
+    run_draft = runner.run
+    runner.run = lambda plan: (chunks.extend((c.start, c.num_tokens) for c in plan), run_draft(plan))[1]
+    steps = []
+    run_target = llm.core.runner.run
+    llm.core.runner.run = lambda plan: (steps.append(len(chunks)), run_target(plan))[1]
+    prompt = prompts_of((150,), seed=2)[0]
+    llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0))
+    assert [c for c in chunks if c[1] > 2] == [(0, 64), (64, 64), (128, 21)]  # the prompt but its last token
+    assert steps[:3] == [1, 2, 3]  # each chunk in the step the target computed the same tokens
+    assert sum(n for _, n in chunks) < 150 + 20 + 20  # each token computed once, and each guess
+
+
 def test_a_seeded_request_gives_the_same_tokens_with_a_draft_model(few, other_draft):
     """Seeded rows take the draft's argmax as a point mass: the target's own draws decide, as without."""
     path = few("llama")
@@ -360,12 +380,12 @@ def test_the_rejection_rule_with_draft_probabilities_keeps_the_target_distributi
 
 def test_sampled_tokens_with_a_draft_model_keep_their_distribution(few, other_draft):
     """Unseeded sampling with guesses drawn from another model (most rejected, the residual drawn
-    instead): over 1,000 requests the 2nd and 3rd tokens' frequencies fit the exact marginals of the
+    instead): over 600 requests the 2nd and 3rd tokens' frequencies fit the exact marginals of the
     target, computed with transformers (chi-square, p > 1e-4; the engine's seed makes it repeatable)."""
     path = few("llama")
     prompt = prompts_of((12,), seed=7)[0]
     params = SamplingParams(max_tokens=3, temperature=1.0, top_k=6)
-    trials = 1000
+    trials = 600
     got, llm = run(path, [prompt] * trials, params, max_num_seqs=4, speculative="draft",
                    draft_model=str(other_draft), num_speculative_tokens=2)
     stats = llm.core.stats()
