@@ -12,6 +12,7 @@ for little more than nothing. The guesses come from one of two proposers:
 
     propose (before the schedule)  seq.draft_token_ids <- the proposer's guesses
     schedule                       a decode-ready sequence's chunk carries its draft: k + 1 positions
+    scheduled (after it)           a draft model computes the plan's prompt chunks too
     verify (after the forward)     the acceptance rule below, position by position; the first
                                    rejection ends the step with the token drawn in its place
     settle                         computed tokens += accepted; the blocks past them go back (the
