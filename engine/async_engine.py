@@ -61,13 +61,15 @@ class AsyncEngine:
     `finished=True`), also when the engine dies; see the module docstring.
     """
 
-    def __init__(self, loaded, config: EngineConfig | None = None):
+    def __init__(self, loaded, config: EngineConfig | None = None, draft=None):
         self.loaded = loaded
+        self.draft = draft  # the loaded draft model of speculative="draft" (engine/draft.py), kept across rebuilds
         self.config = config or EngineConfig()
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
         # built in a passing thread, like load_model's work (engine/host.py, in_passing_thread)
-        self.core = in_passing_thread(EngineCore, loaded.model, loaded.tokenizer, self.config, loaded.context_length)
+        self.core = in_passing_thread(EngineCore, loaded.model, loaded.tokenizer, self.config, loaded.context_length,
+                                      draft=draft)
         self.max_model_len = self.core.max_model_len
         self.attention_path = self.core.attention_path
         self.grammars = self.core.grammars  # compiles constraints off the engine thread (engine/grammar.py)
@@ -392,7 +394,7 @@ class AsyncEngine:
             # still held (the allocator keeps it) and shrink at every restart.
             config = dataclasses.replace(self.config, num_kv_blocks=old.num_kv_blocks)
             self.core = EngineCore(self.loaded.model, self.loaded.tokenizer, config, self.loaded.context_length,
-                                   grammars=old.grammars)
+                                   grammars=old.grammars, draft=self.draft)
         except Exception:
             log.exception("rebuilding the engine failed; it stays dead")
             return False

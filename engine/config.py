@@ -10,7 +10,7 @@ from pathlib import Path
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: the model's dtype
 
 
-SPECULATIVE_MODES = ("off", "ngram")  # engine/speculative.py; "draft" (a second model) is not built yet
+SPECULATIVE_MODES = ("off", "ngram", "draft")  # engine/speculative.py; draft: a second model (engine/draft.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +32,8 @@ class EngineConfig:
     linear_kernel: bool = True  # on CPU (float32), linears in a C kernel of the same library (else oneDNN)
     native_decode: bool = True  # on CPU (float32, Llama family), decode steps in C, one call per step
     native_prefill_tokens: int = 128  # steps whose prompt tokens attend to no more positions than one prompt this long would run natively too
-    speculative: str = "off"  # off | ngram: decode steps verify tokens guessed from the request's own text (engine/speculative.py)
+    speculative: str = "off"  # off | ngram | draft: decode steps verify tokens guessed from the request's own text or by a draft model (engine/speculative.py)
+    draft_model: str | None = None  # speculative="draft": the draft model (hub id, folder, .gguf or "embedded"), same tokenizer
     num_speculative_tokens: int = 4  # a draft's length at most
     speculative_max_seqs: int = 4  # above this many running sequences, no drafts (the forward is no longer memory-bound)
     max_restarts: int = 3  # core rebuilds after faults within 10 minutes; one more death and it stays dead
@@ -53,10 +54,12 @@ class EngineConfig:
         need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1", self.max_num_batched_tokens)
         need(self.max_queue >= 0, "max_queue must be >= 0", self.max_queue)
         need(self.native_prefill_tokens >= 0, "native_prefill_tokens must be >= 0", self.native_prefill_tokens)
-        need(self.speculative != "draft", "speculative decoding with a draft model (draft) is not built yet; use "
-             "ngram (drafts from the request's own tokens) or off", self.speculative)
         need(self.speculative in SPECULATIVE_MODES, f"speculative must be one of {', '.join(SPECULATIVE_MODES)}",
              self.speculative)
+        need(self.speculative != "draft" or bool(self.draft_model), "speculative='draft' needs draft_model, a "
+             "small model with the same tokenizer (hub id, folder, .gguf, or \"embedded\")", self.draft_model)
+        need(self.draft_model is None or self.speculative == "draft",
+             f"draft_model is only used with speculative='draft' (speculative is {self.speculative!r})", self.draft_model)
         need(self.num_speculative_tokens >= 1, "num_speculative_tokens must be >= 1", self.num_speculative_tokens)
         need(self.speculative_max_seqs >= 1, "speculative_max_seqs must be >= 1", self.speculative_max_seqs)
         need(self.max_restarts >= 0, "max_restarts must be >= 0", self.max_restarts)

@@ -35,7 +35,7 @@ from engine.runner.step_output import StepOutput
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledChunk, Scheduler
 from engine.model.facts import eos_token_ids, model_context_length
-from engine.speculative import Speculator, merge_outputs
+from engine.speculative import make_speculator, merge_outputs
 
 log = logging.getLogger("rill.engine")
 
@@ -76,7 +76,7 @@ class EngineCore:
     """Owns the model, the KV cache and the queues; `step()` advances every running sequence."""
 
     def __init__(self, model, tokenizer, config: EngineConfig | None = None, context_length: int | None = None,
-                 grammars: GrammarCompiler | None = None):
+                 grammars: GrammarCompiler | None = None, draft=None):
         self.config = config = config or EngineConfig()
         self.model = model
         self.tokenizer = tokenizer
@@ -104,9 +104,10 @@ class EngineCore:
         self.output = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len, self.grammars)
         self.think_tags = self.output.think_tags
         self.sampler = Sampler(self.eos_token_ids, config.seed, self.grammars)
-        # drafts need the paged cache, whose positions past the accepted ones are simply written again
-        self.speculator = Speculator(config.num_speculative_tokens, config.speculative_max_seqs) \
-            if config.speculative == "ngram" and self.attention_path == "paged" else None
+        # drafts need the paged cache, whose positions past the accepted ones are simply written again;
+        # `draft`: the loaded draft model of speculative="draft" (engine/draft.py)
+        self.speculator = make_speculator(config, draft, self.max_model_len, self.vocab_size) \
+            if self.attention_path == "paged" else None
         self.seqs: dict[str, Sequence] = {}  # seq_id -> live sequence
         self.by_request: dict[str, list[Sequence]] = {}  # request_id -> its live sequences
         self.prompt_tokens_total = 0
@@ -195,6 +196,8 @@ class EngineCore:
     def close(self) -> None:
         """Let go of the KV cache tensors (a rebuilt core allocates its own); no step after this."""
         self.runner = None
+        if self.speculator is not None:
+            self.speculator.close()
 
     # ---- the step -------------------------------------------------------------------------
 
@@ -211,6 +214,8 @@ class EngineCore:
         plan = self.scheduler.schedule()
         if not plan:
             return []
+        if self.speculator is not None:
+            self.speculator.scheduled(plan)  # a draft model computes the prompts beside the target
         self.num_steps += 1
         outputs: list[RequestOutput] = []
         step, plan = self._forward(plan, outputs)

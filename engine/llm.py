@@ -11,13 +11,18 @@ from engine.request import CompletionOutput, GenerationResult, SamplingParams, n
 class LLM:
     """Offline batches: `LLM(model).generate(prompts, SamplingParams(...))`, no threads."""
 
-    def __init__(self, model, config: EngineConfig | None = None, **load_kwargs):
+    def __init__(self, model, config: EngineConfig | None = None, draft=None, **load_kwargs):
+        """`model`: a loaded model or what `load_model` takes (with `load_kwargs`). `draft`: the loaded
+        draft model of speculative="draft"; None loads `config.draft_model` with the same kwargs."""
         if isinstance(model, (str, bytes)) or model is None or hasattr(model, "__fspath__"):
             from engine.model.loading import load_model
             model = load_model(model, **load_kwargs)
+        if draft is None and config is not None and config.speculative == "draft":
+            from engine.draft import load_draft
+            draft = load_draft(config.draft_model, model, **load_kwargs)
         self.loaded = model
         self.tokenizer = model.tokenizer
-        self.core = EngineCore(model.model, model.tokenizer, config, model.context_length)
+        self.core = EngineCore(model.model, model.tokenizer, config, model.context_length, draft=draft)
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[GenerationResult]:
         """Strings are tokenized raw (no chat template); lists of ints are token ids."""

@@ -241,6 +241,36 @@ def _draw(row: np.ndarray, p, u: float) -> int:
     return int(pick if ids is None else ids[pick])
 
 
+def distribution(row: np.ndarray, p) -> np.ndarray:
+    """The probabilities `_draw` samples `row` (float32 logits [vocab]) with for params `p`
+    (temperature > 0): temperature, then top-k and top-p, then min-p; float64 [vocab], summing to 1.
+    Speculative decoding's rejection rule reads them for the target's and the draft's rows."""
+    top = row.max()
+    z = (row - (top if np.isfinite(top) else 0.0)) / np.float32(p.temperature)
+    weights = torch.exp(torch.from_numpy(z)).numpy().astype(np.float64)  # as `_draw` computes them, the best at 1
+    total = float(weights.sum())
+    if not total > 0:
+        weights = np.zeros_like(weights)
+        weights[int(row.argmax())] = 1.0
+        return weights
+    vocab = row.shape[0]
+    top_k = p.top_k if 0 < p.top_k < vocab else vocab
+    if top_k < vocab or p.top_p < 1:
+        ids = _kept(weights.astype(np.float32), total, top_k, p.top_p)
+        kept = np.zeros_like(weights)
+        kept[ids] = weights[ids]
+        weights = kept
+    if p.min_p > 0:
+        weights = np.where(weights >= p.min_p * weights.max(), weights, 0.0)
+    return weights / weights.sum()
+
+
+def pick(weights: np.ndarray, u: float) -> int:
+    """The token a uniform draw u in [0, 1) lands on in unnormalized `weights` [vocab] (inverse CDF)."""
+    cumulative = np.cumsum(weights, dtype=np.float64)
+    return _possible(weights, int(np.searchsorted(cumulative, u * cumulative[-1], side="right")))
+
+
 def _possible(weights: np.ndarray, pick: int) -> int:
     """`pick`, or the nearest token before it (else after it) whose weight is not 0: rounding in the
     sums can land a draw on a token that cannot come (one a grammar or min-p removed)."""

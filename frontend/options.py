@@ -99,13 +99,17 @@ OPTIONS: tuple[Option, ...] = (
     Option("--seed", ("SEED",), "seed", int, 0, "seed for requests that bring none", "N"),
     Option("--speculative", ("SPECULATIVE",), "speculative", str, "off",
            "speculative decoding: off | ngram (decode steps also verify tokens guessed from the request's own "
-           "prompt and output: faster on answers that repeat their input, the same tokens) | draft (a second "
-           "model: not built yet)", "MODE"),
+           "prompt and output: faster on answers that repeat their input) | draft (guessed by --draft-model); "
+           "the same tokens either way", "MODE"),
+    Option("--draft-model", ("DRAFT_MODEL",), "draft_model", str, None,
+           "--speculative draft: a small model with the model's tokenizer (hub id, folder, .gguf, or embedded: "
+           "the embedded SmolLM2-135M-Instruct), loaded with the same --dtype/--device/--quantize/--activations",
+           "M"),
     Option("--num-speculative-tokens", ("NUM_SPECULATIVE_TOKENS",), "num_speculative_tokens", int, 4,
-           "--speculative ngram: tokens a draft guesses at most (fewer as its guesses fail)", "K"),
+           "--speculative ngram|draft: tokens a draft guesses at most (fewer as its guesses fail)", "K"),
     Option("--speculative-max-seqs", ("SPECULATIVE_MAX_SEQS",), "speculative_max_seqs", int, 4,
-           "--speculative ngram: no drafts while more requests than this run (the batch is no longer memory-bound)",
-           "N"),
+           "--speculative ngram|draft: no drafts while more requests than this run (the batch is no longer "
+           "memory-bound)", "N"),
     Option("--max-engine-restarts", ("MAX_ENGINE_RESTARTS",), "max_engine_restarts", int, 3,
            "times the engine is rebuilt in the process after an internal fault within 10 minutes; one more "
            "and the process exits with status 1 for the Space or supervisor to restart it", "N"),
@@ -222,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
         group = groups["model" if opt.dest in MODEL_OPTIONS else
                        "engine" if opt.flag in ("--max-num-seqs", "--max-queue", "--max-num-batched-tokens",
                                                 "--block-size", "--num-kv-blocks", "--kv-cache-memory", "--kv-cache-dtype",
-                                                "--max-model-len", "--seed", "--speculative",
+                                                "--max-model-len", "--seed", "--speculative", "--draft-model",
                                                 "--num-speculative-tokens", "--speculative-max-seqs") else
                        "backend" if opt.flag in _BACKEND_FLAGS else "server"]
         help_text = argparse.SUPPRESS if opt.hidden else (
@@ -269,11 +273,7 @@ def parse_settings(argv: list[str] | None = None, environ: dict[str, str] | None
 
     if settings.kv_cache_dtype not in KV_CACHE_DTYPES:
         parser.error(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}. Given: {settings.kv_cache_dtype!r}")
-    if settings.speculative == "draft":
-        parser.error("--speculative draft (a second, small model) is not built yet; use --speculative ngram "
-                     "(drafts from the request's own prompt and output) or off")
-    if settings.speculative not in ("off", "ngram"):
-        parser.error(f"--speculative must be off or ngram. Given: {settings.speculative!r}")
+    _check_speculative(parser, settings)
     if settings.log_format not in ("text", "json"):
         parser.error(f"--log-format must be text or json. Given: {settings.log_format!r}")
     if settings.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
@@ -285,6 +285,19 @@ def parse_settings(argv: list[str] | None = None, environ: dict[str, str] | None
         parser.error(f"--port must be between 1 and 65535. Given: {settings.port}")
     _check_backend(parser, settings)
     return settings
+
+
+def _check_speculative(parser: argparse.ArgumentParser, settings: Settings) -> None:
+    from engine.config import SPECULATIVE_MODES
+
+    if settings.speculative not in SPECULATIVE_MODES:
+        parser.error(f"--speculative must be one of {', '.join(SPECULATIVE_MODES)}. Given: {settings.speculative!r}")
+    if settings.speculative == "draft" and not settings.draft_model:
+        parser.error("--speculative draft needs --draft-model M (DRAFT_MODEL), a small model with the model's "
+                     "tokenizer: a hub id, folder or .gguf, or embedded (the embedded SmolLM2-135M-Instruct)")
+    if settings.draft_model and settings.speculative != "draft":
+        parser.error(f"--draft-model is only used with --speculative draft (given --speculative "
+                     f"{settings.speculative}). Given: --draft-model {settings.draft_model}")
 
 
 def _check_api_key(parser: argparse.ArgumentParser, flag: str | None, env: str | None) -> None:

@@ -26,7 +26,8 @@ class Settings:
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | float32 | bfloat16 | float16
     max_model_len: int | None = None  # context limit; None = the model's
     seed: int = 0  # engine seed (requests without their own seed)
-    speculative: str = "off"  # off | ngram: drafts from the request's own tokens (engine/speculative.py)
+    speculative: str = "off"  # off | ngram | draft: guesses from the request's own tokens or a draft model (engine/speculative.py)
+    draft_model: str | None = None  # --speculative draft: the draft model (hub id, folder, .gguf, or "embedded")
     num_speculative_tokens: int = 4  # a draft's length at most
     speculative_max_seqs: int = 4  # no drafts while more requests than this run
     stall_timeout: float = 120.0  # seconds inside one engine step before the engine counts as stuck (0: never)

@@ -27,7 +27,8 @@ def test_help_lists_every_flag_with_its_environment_variable_and_default():
                            ("--dtype", "DTYPE"), ("--device", "DEVICE"), ("--request-timeout", "REQUEST_TIMEOUT"),
                            ("--resume-window", "RESUME_WINDOW"), ("--max-body-bytes", "MAX_BODY_BYTES"),
                            ("--shutdown-timeout", "SHUTDOWN_TIMEOUT"), ("--resume-max-streams", "RESUME_MAX_STREAMS"),
-                           ("--resume-max-bytes", "RESUME_MAX_BYTES")):
+                           ("--resume-max-bytes", "RESUME_MAX_BYTES"), ("--speculative", "SPECULATIVE"),
+                           ("--draft-model", "DRAFT_MODEL")):
         assert flag in text and variable in text, flag
     assert "7860" in text and "127.0.0.1" in text
     assert "--test-hooks" not in text  # test-only switch stays out of the help
@@ -57,6 +58,9 @@ def test_environment_sets_and_flags_override():
     assert app.parse_settings([], environ={"PORT": "8080"}).port == 8080  # a common alias
     bounds = app.parse_settings(["--resume-max-streams", "7"], environ={"RESUME_MAX_BYTES": "8MiB"})
     assert (bounds.resume_max_streams, bounds.resume_max_bytes) == (7, 8 * 2**20)
+    spec = app.parse_settings(["--num-speculative-tokens", "6"],
+                              environ={"SPECULATIVE": "draft", "DRAFT_MODEL": "embedded", "NUM_SPECULATIVE_TOKENS": "3"})
+    assert (spec.speculative, spec.draft_model, spec.num_speculative_tokens) == ("draft", "embedded", 6)
 
 
 @pytest.mark.parametrize("argv, env, words", [
@@ -69,6 +73,9 @@ def test_environment_sets_and_flags_override():
     (["--resume-window", "-1"], {}, ["--resume-window", "-1"]),
     (["--resume-max-streams", "0"], {}, ["--resume-max-streams", "0"]),
     ([], {"RESUME_MAX_BYTES": "0.5"}, ["RESUME_MAX_BYTES", "0.5", "whole number of bytes"]),
+    (["--speculative", "eagle"], {}, ["--speculative", "off, ngram, draft", "eagle"]),
+    (["--speculative", "draft"], {}, ["--speculative draft needs --draft-model"]),
+    ([], {"DRAFT_MODEL": "embedded"}, ["--draft-model is only used with --speculative draft", "embedded"]),
 ])
 def test_bad_settings_exit_2_with_one_clear_line(argv, env, words, capsys):
     with pytest.raises(SystemExit) as caught:

@@ -102,5 +102,5 @@ def iter_engine_fields(settings) -> Iterator[tuple[str, object]]:
     for name in ("model_id", "dtype", "device", "quantize", "activations", "trust_remote_code", "block_size",
                  "num_kv_blocks", "kv_cache_memory", "kv_cache_dtype", "max_num_seqs", "max_num_batched_tokens",
                  "max_queue", "max_model_len", "seed", "max_engine_restarts", "stall_timeout", "speculative",
-                 "num_speculative_tokens", "speculative_max_seqs"):
+                 "draft_model", "num_speculative_tokens", "speculative_max_seqs"):
         yield name, getattr(settings, name)

@@ -16,7 +16,7 @@ def engine_config(fields: dict) -> EngineConfig:
                         max_num_batched_tokens=fields["max_num_batched_tokens"], max_queue=fields["max_queue"],
                         max_model_len=fields["max_model_len"], seed=fields["seed"],
                         max_restarts=fields["max_engine_restarts"], stall_timeout_s=fields["stall_timeout"],
-                        speculative=fields.get("speculative", "off"),
+                        speculative=fields.get("speculative", "off"), draft_model=fields.get("draft_model"),
                         num_speculative_tokens=fields.get("num_speculative_tokens", 4),
                         speculative_max_seqs=fields.get("speculative_max_seqs", 4))
 
@@ -27,10 +27,14 @@ def load_engine(fields: dict, engine_class=AsyncEngine) -> AsyncEngine:
     from engine.model.loading import load_model
 
     config = engine_config(fields)
-    loaded = load_model(fields["model_id"], dtype=fields["dtype"], device=fields["device"],
-                        trust_remote_code=fields["trust_remote_code"], quantize=fields["quantize"],
-                        activations=fields["activations"])
-    return engine_class(loaded, config)
+    load_kwargs = {name: fields[name] for name in ("dtype", "device", "trust_remote_code", "quantize", "activations")}
+    loaded = load_model(fields["model_id"], **load_kwargs)
+    draft = None
+    if config.speculative == "draft":  # the same loader and settings; its vocabulary checked against the model's
+        from engine.draft import load_draft
+
+        draft = load_draft(config.draft_model, loaded, **load_kwargs)
+    return engine_class(loaded, config, draft)
 
 
 class LocalEngine(AsyncEngine):
@@ -79,6 +83,7 @@ class LocalEngine(AsyncEngine):
         """The mode and its counts; which requests are never drafted (engine/speculative.py)."""
         config, stats = self.core.config, self.core.stats()
         return {"mode": config.speculative if self.core.speculator is not None else "off",
+                "draft_model": self.draft.name if self.draft is not None and self.core.speculator is not None else None,
                 "num_speculative_tokens": config.num_speculative_tokens, "max_seqs": config.speculative_max_seqs,
                 "draft_tokens": stats.spec_draft_tokens, "accepted_tokens": stats.spec_accepted_tokens,
                 "not_drafted": "grammar, logprobs, repetition/presence/frequency penalties, under min_tokens, "
