@@ -18,7 +18,8 @@ from engine.kernels.build import checked_kernel
 
 
 class Lin(ctypes.Structure):
-    """csrc/rill_kernels.h's rill_lin: a linear as the kernels hold it (kind -1 float32 panels, 0-2 blocks, 3-5 int8)."""
+    """csrc/rill_kernels.h's rill_lin: a linear as the kernels hold it (kind -1 float32 panels, 0-4 blocks,
+    16 + 0-4 blocks with int8 activations: engine/kernels/qlinear.py's KINDS and INT8_KIND)."""
 
     _fields_ = [("panels", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("out", ctypes.c_int64),
                 ("in_", ctypes.c_int64), ("kind", ctypes.c_int64)]

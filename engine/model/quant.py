@@ -173,12 +173,12 @@ def unpack_iq4_xs(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
     return q.reshape(out, supers * 8, 32), d, None
 
 
-# a GGUF tensor type -> (its reader, the kernel's kind of block that holds it), and (weights, bytes) of
-# its block in the file
+# a GGUF tensor type -> (its reader, the kernels' kind of block that holds it)
 GGUF_TYPES = {**{kind: (functools.partial(unpack_raw, kind=kind), kind) for kind in ("q8_0", "q4_0", "q4_1")},
               "q5_0": (unpack_q5_0, "q6_k"), "q5_1": (unpack_q5_1, "q5_1"), "q3_k": (unpack_q3_k, "q6_k"),
               "q4_k": (unpack_q4_k, "q4_1"), "q5_k": (unpack_q5_k, "q5_1"), "q6_k": (unpack_q6_k, "q6_k"),
               "iq4_nl": (unpack_iq4_nl, "q8_0"), "iq4_xs": (unpack_iq4_xs, "q8_0")}
+# a GGUF tensor type -> (weights, bytes) of its block in the file
 GGUF_BLOCKS = {"q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24),
                "q3_k": (256, 110), "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210), "iq4_nl": (32, 18),
                "iq4_xs": (256, 136)}
@@ -346,7 +346,7 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}" + \
-            (", int8 activations" if self.int8 else "")
+            (f" (GGUF {self.source})" if self.source != self.kind else "") + (", int8 activations" if self.int8 else "")
 
 
 class FusedProjections(nn.Module):

@@ -43,7 +43,6 @@ enum { FEW_ROWS = 1, CHUNK = 4 };
 enum { FEW_ROWS = 3, CHUNK = 4 };
 #endif
 
-/* 16 weights of input k, as two vectors of 8 floats (outputs 0-7 and 8-15) */
 /* the integer weight q of output j at input k of a block (the layouts above), one at a time: the
  * generic vectors' widening */
 static inline __attribute__((always_inline)) int q_at(const uint8_t *blk, int k, int j, const int kind) {

@@ -297,11 +297,12 @@ static inline __attribute__((always_inline)) void write_int8(const uint8_t *q, u
                     bits |= (Q4(o, v) >> 4 & (uint32_t)BIT0) << v | (Q4(o, 4 + v) >> 4 & (uint32_t)BIT0) << (4 + v);
                 put32(dst + 256 + h * 32 + j * 4, bits);
             }
-            if (kind == Q6_K)  /* half h, pair w, output j: bits 4o + 2i input 16i + 4(2w + o) + b's high bits */
+            if (kind == Q6_K)  /* half h, pair w, output j: bits 4s + 2i the high bits of input 16i + 4(2w + s) + b */
                 for (int w = 0; w < 2; w++) {
                     bits = 0;
                     for (int i = 0; i < 2; i++)
-                        for (int v = 0; v < 2; v++) bits |= (Q4(o, 4 * i + 2 * w + v) >> 4 & (uint32_t)BITS01) << (4 * v + 2 * i);
+                        for (int s = 0; s < 2; s++)
+                            bits |= (Q4(o, 4 * i + 2 * w + s) >> 4 & (uint32_t)BITS01) << (4 * s + 2 * i);
                     put32(dst + 256 + h * 64 + w * 32 + j * 4, bits);
                 }
         }

@@ -1,0 +1,88 @@
+"""The block kernels' AVX-512 paths (and AVX-VNNI's) run on an AVX2 host, against their references:
+csrc/qlinear.c and csrc/qlinear_i8.c compiled with those instruction sets emulated on AVX2
+(bench/avx512_on_avx2.h, bench/avxvnni_on_avx2.h), the other sources as for this CPU.
+
+    .venv/bin/python -m bench.avx512_check [--vbmi] [--vnni256]
+
+Checks the start-up probe (`_quant_agrees`: every kind, float32 and int8 activations, and the
+repack), then every GGUF type's blocks at 1 to 300 rows (the row-by-row path, the tiles, sets of
+rows) against F.linear of gguf-py's weight (int8: of the rounded inputs). Slow (the emulation and a
+compile of a few minutes); for changes to the AVX-512 code on a host without it. Exit status 1 on
+any disagreement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import gguf
+import torch
+import torch.nn.functional as F
+
+from engine.kernels import build
+from engine.kernels.qlinear import QuantKernel, _quant_agrees
+from engine.model.quant import GGUF_TYPES, QuantLinear, quantize_activations, random_gguf_blocks
+
+HERE = Path(__file__).resolve().parent
+EMULATED = ("qlinear.c", "qlinear_i8.c")
+ROWS = (1, 2, 3, 4, 7, 8, 9, 13, 17, 64, 300)
+
+
+def emulated_library(folder: Path, vbmi: bool, vnni256: bool) -> Path:
+    """The kernels library with the two block kernels built for the emulated instruction set."""
+    if vnni256:
+        extra = ["-D__AVXVNNI__", "-include", str(HERE / "avxvnni_on_avx2.h")]
+    else:
+        extra = ["-include", str(HERE / "avx512_on_avx2.h")] + (["-DRILL_EMULATE_VBMI"] if vbmi else [])
+    flags = [f for f in build.CFLAGS if f != "-shared"]
+    objects = []
+    for source in build.SOURCES:
+        obj = folder / f"{source.stem}.o"
+        subprocess.run(["cc", *flags, "-c", str(source), "-o", str(obj), *(extra if source.name in EMULATED else [])],
+                       check=True, stderr=subprocess.DEVNULL)
+        objects.append(str(obj))
+    library = folder / "rill_kernels_emulated.so"
+    subprocess.run(["cc", "-shared", "-fopenmp", *objects, "-o", str(library), "-lm"], check=True)
+    return library
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--vbmi", action="store_true", help="AVX-512 with VBMI (the byte-permutation paths)")
+    parser.add_argument("--vnni256", action="store_true", help="AVX2 with AVX-VNNI instead of AVX-512")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        library = emulated_library(Path(tmp), args.vbmi, args.vnni256)
+        kernel = QuantKernel(ctypes.CDLL(str(library)), library)
+        failures = 0
+        if not args.vnni256:  # its emulated vpdpbusd saturates on Q8_0, which the probe includes
+            agrees = _quant_agrees(kernel)
+            failures += not agrees
+            print(f"{kernel.isa}: the start-up probe {'agrees' if agrees else 'DISAGREES'}")
+        for ggml_type, (_, kind) in GGUF_TYPES.items():
+            raw = random_gguf_blocks(ggml_type, 45, 512, seed=3)
+            weight = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[ggml_type.upper()]))
+            bias = torch.randn(45, generator=torch.Generator().manual_seed(0))
+            for int8 in (False, True):
+                if args.vnni256 and (kind == "q8_0" or not int8):
+                    continue
+                layer = QuantLinear.from_gguf(raw, ggml_type, bias, kernel, int8)
+                for rows in ROWS:
+                    x = torch.randn(rows, 530, generator=torch.Generator().manual_seed(rows))[:, :512]
+                    expected = F.linear(quantize_activations(x.contiguous()) if int8 else x, weight, bias)
+                    if not torch.allclose(layer(x), expected, atol=1e-4, rtol=1e-4):
+                        failures += 1
+                        print(f"{ggml_type} ({kind}), {'int8' if int8 else 'float32'} activations, {rows} rows: "
+                              f"off by {(layer(x) - expected).abs().max().item():.3g}")
+        print(f"{'AVX-VNNI' if args.vnni256 else 'AVX-512' + (' VBMI' if args.vbmi else '')} emulated: "
+              f"{failures} disagreements")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
