@@ -66,7 +66,7 @@ def file_step_bytes(gguf: Path) -> int:
     unless it is also the (tied) output head."""
     import numpy as np
 
-    from engine.model.gguf import tensor_table
+    from engine.model.gguf_header import tensor_table
 
     tensors = tensor_table(np.memmap(gguf, mode="r", dtype=np.uint8))
     tied = all(info.name != "output.weight" for info in tensors)

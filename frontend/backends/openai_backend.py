@@ -59,7 +59,7 @@ def load_tokenizer(model_id: str | None, trust_remote_code: bool = False):
         Path(model_id).expanduser().resolve() if model_id.lower().endswith(".gguf") else None)
     try:
         if gguf is not None:
-            from engine.model.gguf import gguf_tokenizer
+            from engine.model.gguf_header import gguf_tokenizer
 
             return gguf_tokenizer(gguf, trust_remote_code)  # the one the local backend reads from the file
         return AutoTokenizer.from_pretrained(model_id or loading.DEFAULT_HUB_ID, trust_remote_code=trust_remote_code)
