@@ -138,8 +138,8 @@ def _as_tensor(weights, dtype: torch.dtype, device: torch.device) -> torch.Tenso
     return tensor.to(device)
 
 
-def _tie_output(model: nn.Module, embedding: _Blocks | None, pending: dict, linears: dict, blocks_ok: bool,
-                dtype: torch.dtype, device: torch.device) -> None:
+def _tie_output(model: nn.Module, embedding: _Blocks | None, pending: dict, linears: dict, read: set[str],
+                blocks_ok: bool, dtype: torch.dtype, device: torch.device) -> None:
     """A tied output head (no `output.weight` in the file) reads the file's input embedding: as
     blocks when the kernel has its type, else the float embedding's weight (or its own copy of
     the de-quantized table, when the input embedding kept its blocks)."""
@@ -148,10 +148,8 @@ def _tie_output(model: nn.Module, embedding: _Blocks | None, pending: dict, line
     from engine.model.quant import GGUF_TYPES
 
     output, inputs = model.get_output_embeddings(), model.get_input_embeddings()
-    if not isinstance(output, nn.Linear) or output.weight.device.type != "meta" or embedding is None:
-        return
     name = next((key for key, module in linears.items() if module is output), None)
-    if name in pending:  # the file has its own output head, kept as blocks
+    if not isinstance(output, nn.Linear) or name in read or embedding is None:  # the file has its own head
         return
     if blocks_ok and embedding.ggml_type in GGUF_TYPES and name is not None:
         pending[name] = embedding
@@ -215,6 +213,7 @@ def load_gguf(gguf: Path, *, device: torch.device, dtype: torch.dtype, trust_rem
     state = {"tensors": {}, "config": parsed["config"]}  # what MoE processors collect across tensors
     report = GgufLoad()
     embedding: _Blocks | None = None
+    read: set[str] = set()  # the model's weights the file has a tensor for
     for info in tensor_table(blob):
         ggml_type = gguf_lib.GGMLQuantizationType(info.ggml_type)
         type_name = ggml_type.name.lower()
@@ -222,6 +221,7 @@ def load_gguf(gguf: Path, *, device: torch.device, dtype: torch.dtype, trust_rem
         rows = info.shape[0] if info.shape else 1
         raw = data.reshape(*info.shape[:-1], -1) if len(info.shape) > 1 else data
         target = mapping.get(info.name)
+        read.add(target)
         linear = linears.get(target) if target else None
         quantized = type_name not in ("f32", "f16", "bf16")
         if info.name == "token_embd.weight":
@@ -252,7 +252,7 @@ def load_gguf(gguf: Path, *, device: torch.device, dtype: torch.dtype, trust_rem
             _set_tensor(model, mapping[result.name], _as_tensor(result.weights, dtype, device))
     for name, tensor in state["tensors"].items():  # MoE experts, stacked by their processor
         _set_tensor(model, name, _as_tensor(tensor, dtype, device))
-    _tie_output(model, embedding, pending, linears, blocks_ok, dtype, device)
+    _tie_output(model, embedding, pending, linears, read, blocks_ok, dtype, device)
     _make_block_linears(model, pending, kernel, int8, report)
     missing = [name for name, param in model.named_parameters() if param.device.type == "meta"]
     if missing:
