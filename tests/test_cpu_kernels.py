@@ -117,6 +117,22 @@ def test_a_shared_prefix_read_once_for_its_sequences_equals_the_torch_path(kerne
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [2, 5, 9])
+def test_a_speculative_verification_of_one_sequence_equals_the_torch_path(kernel, rows):
+    """A speculative step checks one sequence's last token and its guesses: rows at consecutive
+    positions of the same slots. They take the shared pass split into ranges of positions (SmolLM2's
+    3 KV heads on 2 threads), 6 or 15 query heads per KV head (one vector of queries, or two);
+    the answer is the torch path's."""
+    threads, kernel.threads = kernel.threads, 2
+    try:
+        lens = [600 - rows + 1 + i for i in range(rows)]
+        share = [(b, 0, 38) for b in range(1, rows)]  # every block: the same sequence
+        got, want = _attend(kernel, 9, 3, 64, lens, seed=6, share=share)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    finally:
+        kernel.threads = threads
+
+
 def test_build_is_cached(kernel, tmp_path_factory):
     again = decode_attention_kernel(kernel.path.parent.parent)
     assert again is not None and again.path == kernel.path

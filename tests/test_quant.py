@@ -140,8 +140,8 @@ def test_the_kernel_is_built_for_the_widest_vectors_this_cpu_has(kernel, caplog)
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-# 17, 40: uneven tiles (AVX-512); 1300: sets of rows (AVX-512: x of 160 inputs in 3 sets of 433-434 rows)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 6, 7, 8, 13, 17, 40, 64, 1300])
+# 2-6: AVX2 widens each input once for all rows; 17, 40: uneven tiles (AVX-512); 1300: sets of rows (AVX-512: x of 160 inputs in 3 sets of 433-434 rows)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 13, 17, 40, 64, 1300])
 def test_kernel_equals_the_float_product_with_the_dequantized_weight(kernel, kind, rows):
     gen = torch.Generator().manual_seed(rows)
     weight, bias = torch.randn(45, 160, generator=gen), torch.randn(45, generator=gen)  # a partial panel

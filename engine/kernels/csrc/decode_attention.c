@@ -159,10 +159,12 @@ static inline int64_t own_start(int64_t len, int64_t shared, int64_t window) {
    the queries are transposed once (qt[d][j], padded to QB), and each block of PB positions by QB
    queries keeps its scores in registers. Leaves each member's state in `state` (see
    rill_decode_attention). */
-enum { QB = 16, PB = 4 };
-static void shared_task(const float *q, int64_t q_tok, int64_t q_head, const int64_t *index, const int *members,
-                        int num_members, const float *k, const float *v, const int64_t *slots, int64_t shared,
-                        float *state, int heads, int kv_heads, int h, int head_dim, float scale, float softcap) {
+enum { PB = 4 };
+static inline __attribute__((always_inline)) void shared_range(
+        const float *q, int64_t q_tok, int64_t q_head, const int64_t *index, const int *members, int num_members,
+        const float *k, const float *v, const int64_t *slots, int64_t lo, int64_t hi, float *state, int heads,
+        int kv_heads, int h, int head_dim, float scale, float softcap, const int QV) {
+    const int QB = 8 * QV; /* queries per block: 8 (one vector) for a few, else 16 */
     const int groups = heads / kv_heads, D = head_dim, nq = num_members * groups;
     const int nqp = (nq + QB - 1) / QB * QB;
     const int64_t row_width = (int64_t)kv_heads * D;
@@ -174,8 +176,8 @@ static void shared_task(const float *q, int64_t q_tok, int64_t q_head, const int
     }
     for (int j = 0; j < nq; j++) m[j] = -INFINITY, l[j] = 0.0f;
     for (int i = 0; i < nq * D; i++) acc[i] = 0.0f;
-    for (int64_t t0 = 0; t0 < shared; t0 += TILE) {
-        const int n = (int)(shared - t0 < TILE ? shared - t0 : TILE);
+    for (int64_t t0 = lo; t0 < hi; t0 += TILE) {
+        const int n = (int)(hi - t0 < TILE ? hi - t0 : TILE);
         for (int i = 0; i < TILE; i++) { /* past n: position t0 again, its scores unused */
             kr[i] = k + slots[t0 + (i < n ? i : 0)] * row_width + (int64_t)h * D;
             vr[i] = v + slots[t0 + (i < n ? i : 0)] * row_width + (int64_t)h * D;
@@ -183,15 +185,14 @@ static void shared_task(const float *q, int64_t q_tok, int64_t q_head, const int
         for (int i0 = 0; i0 < n; i0 += PB) {
             const float *k0 = kr[i0], *k1 = kr[i0 + 1], *k2 = kr[i0 + 2], *k3 = kr[i0 + 3];
             for (int j0 = 0; j0 < nqp; j0 += QB) {
-                v8 a00 = {0}, a01 = {0}, a10 = {0}, a11 = {0}, a20 = {0}, a21 = {0}, a30 = {0}, a31 = {0};
-                for (int d = 0; d < D; d++) {
-                    const v8 q0 = load8(qt + d * nqp + j0), q1 = load8(qt + d * nqp + j0 + 8);
-                    a00 += k0[d] * q0, a01 += k0[d] * q1, a10 += k1[d] * q0, a11 += k1[d] * q1;
-                    a20 += k2[d] * q0, a21 += k2[d] * q1, a30 += k3[d] * q0, a31 += k3[d] * q1;
-                }
-                const v8 rows[PB][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}};
+                v8 a[PB][2] = {{{0}, {0}}, {{0}, {0}}, {{0}, {0}}, {{0}, {0}}};
+                for (int d = 0; d < D; d++)
+                    for (int u = 0; u < QV; u++) {
+                        const v8 qd = load8(qt + d * nqp + j0 + 8 * u);
+                        a[0][u] += k0[d] * qd, a[1][u] += k1[d] * qd, a[2][u] += k2[d] * qd, a[3][u] += k3[d] * qd;
+                    }
                 for (int jj = 0; jj < QB && j0 + jj < nq; jj++)
-                    for (int p = 0; p < PB; p++) s[(j0 + jj) * TILE + i0 + p] = rows[p][jj / 8][jj % 8] * scale;
+                    for (int p = 0; p < PB; p++) s[(j0 + jj) * TILE + i0 + p] = a[p][jj / 8][jj % 8] * scale;
             }
         }
         softmax_tile(s, nq, n, m, l, acc, D, softcap);
@@ -201,6 +202,17 @@ static void shared_task(const float *q, int64_t q_tok, int64_t q_head, const int
         save_state(state + ((int64_t)members[j / groups] * heads + h * groups + j % groups) * (D + 2), m[j], l[j],
                    acc + j * D, D);
     }
+}
+
+static void shared_task(const float *q, int64_t q_tok, int64_t q_head, const int64_t *index, const int *members,
+                        int num_members, const float *k, const float *v, const int64_t *slots, int64_t lo, int64_t hi,
+                        float *state, int heads, int kv_heads, int h, int head_dim, float scale, float softcap) {
+    if (num_members * (heads / kv_heads) <= 8)
+        shared_range(q, q_tok, q_head, index, members, num_members, k, v, slots, lo, hi, state, heads, kv_heads, h,
+                     head_dim, scale, softcap, 1);
+    else
+        shared_range(q, q_tok, q_head, index, members, num_members, k, v, slots, lo, hi, state, heads, kv_heads, h,
+                     head_dim, scale, softcap, 2);
 }
 
 /* a task's query heads at its end: their softmax states into `part` (for merge_parts), or else
@@ -389,28 +401,49 @@ static void one_task16(const float *q, int64_t q_tok, int64_t q_head, int64_t ro
 }
 #endif
 
-/* One sequence's output from the softmax states its position ranges left (in order; a range
-   with no positions has sum 0 and is skipped): each part's sum and values rescaled to the
-   largest max */
+/* One query head's softmax states from parts of its positions (`stride` floats apart; a part with
+   no positions has sum 0 and is skipped) as one: each part's sum and values rescaled to the
+   largest max, into dst (max, sum, values) */
+static void merge_states(const float *parts, int num_parts, int64_t stride, float *dst, int D) {
+    float top = -INFINITY, l = 0.0f, acc[D];
+    for (int p = 0; p < num_parts; p++) {
+        const float *st = parts + p * stride;
+        if (st[1] > 0.0f) top = st[0] > top ? st[0] : top;
+    }
+    for (int d = 0; d < D; d++) acc[d] = 0.0f;
+    for (int p = 0; p < num_parts; p++) {
+        const float *st = parts + p * stride;
+        if (!(st[1] > 0.0f)) continue;
+        const float w = expf(st[0] - top);
+        l += st[1] * w;
+        for (int d = 0; d < D; d++) acc[d] += st[2 + d] * w;
+    }
+    save_state(dst, top, l, acc, D);
+}
+
+/* One sequence's output from the softmax states its position ranges left (in order) */
 static void merge_parts(const float *parts, int num_parts, int64_t part_width, float *out, int heads, int D) {
     for (int qh = 0; qh < heads; qh++) {
-        float top = -INFINITY, l = 0.0f, acc[D];
-        for (int p = 0; p < num_parts; p++) {
-            const float *st = parts + p * part_width + (int64_t)qh * (D + 2);
-            if (st[1] > 0.0f) top = st[0] > top ? st[0] : top;
-        }
-        for (int d = 0; d < D; d++) acc[d] = 0.0f;
-        for (int p = 0; p < num_parts; p++) {
-            const float *st = parts + p * part_width + (int64_t)qh * (D + 2);
-            if (!(st[1] > 0.0f)) continue;
-            const float w = expf(st[0] - top);
-            l += st[1] * w;
-            for (int d = 0; d < D; d++) acc[d] += st[2 + d] * w;
-        }
+        float st[D + 2];
+        merge_states(parts + (int64_t)qh * (D + 2), num_parts, part_width, st, D);
         float *o = out + (int64_t)qh * D;
-        const float inv = 1.0f / l;
-        for (int d = 0; d < D; d++) o[d] = acc[d] * inv;
+        const float inv = 1.0f / st[1];
+        for (int d = 0; d < D; d++) o[d] = st[2 + d] * inv;
     }
+}
+
+/* How many ranges each of `tasks` tasks over at most `longest` positions is split into, so that
+   the threads share them evenly (the first count of at least 4 a thread): 1 when they already do */
+static int split_ranges(int tasks, int64_t longest, int threads) {
+    if (threads <= 1 || (tasks % threads == 0 && tasks >= 2 * threads)) return 1;
+    const int most = (int)(longest / MIN_RANGE < MAX_RANGES ? longest / MIN_RANGE : MAX_RANGES);
+    int ranges = 1;
+    for (int r = 2; r <= most; r++) {
+        if (tasks * r % threads) continue;
+        ranges = r;
+        if (tasks * r >= 4 * threads) break;
+    }
+    return ranges;
 }
 
 void rill_decode_attention(const float *q, int64_t q_tok, int64_t q_head, const int64_t *index,
@@ -447,34 +480,42 @@ void rill_decode_attention(const float *q, int64_t q_tok, int64_t q_head, const 
     const int64_t state_width = (int64_t)heads * (head_dim + 2);
     float *state = num_groups ? malloc(sizeof(float) * num_seqs * state_width) : NULL;
     if (num_groups && !state) num_groups = 0, memset(shared, 0, sizeof shared); /* no memory: alone */
-    const int shared_tasks = num_groups * kv_heads;
+    /* the shared pass: a task per group and KV head, and per range of the shared positions when
+       those are too few to share evenly (a speculative step's verification: one group of a few
+       rows, SmolLM2's 3 KV heads on 2 threads), each range's states merged into `state` after */
+    int64_t longest_shared = 0;
+    for (int g = 0; g < num_groups; g++) {
+        const int64_t run = shared[members[group_start[g]]];
+        longest_shared = run > longest_shared ? run : longest_shared;
+    }
+    int shared_ranges = split_ranges(num_groups * kv_heads, longest_shared, threads);
+    float *shared_parts = shared_ranges > 1 ? malloc(sizeof(float) * (size_t)num_seqs * shared_ranges * state_width) : NULL;
+    if (!shared_parts) shared_ranges = 1;
+    const int shared_tasks = num_groups * kv_heads * shared_ranges;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && shared_tasks > 1)
     for (int task = 0; task < shared_tasks; task++) {
-        const int g = task / kv_heads, b = members[group_start[g]];
+        const int g = task / (kv_heads * shared_ranges), r = task / kv_heads % shared_ranges, b = members[group_start[g]];
         shared_task(q, q_tok, q_head, index, members + group_start[g], group_start[g + 1] - group_start[g], k, v,
-                    slots + (int64_t)b * max_ctx, shared[b], state, heads, kv_heads, task % kv_heads, head_dim,
-                    scale, softcap);
+                    slots + (int64_t)b * max_ctx, shared[b] * r / shared_ranges, shared[b] * (r + 1) / shared_ranges,
+                    shared_parts ? shared_parts + (int64_t)r * num_seqs * state_width : state, heads, kv_heads,
+                    task % kv_heads, head_dim, scale, softcap);
     }
+    for (int b = 0; b < num_seqs && shared_parts; b++)
+        for (int qh = 0; qh < heads && shared[b]; qh++)
+            merge_states(shared_parts + b * state_width + (int64_t)qh * (head_dim + 2), shared_ranges,
+                         (int64_t)num_seqs * state_width, state + b * state_width + (int64_t)qh * (head_dim + 2), head_dim);
+    free(shared_parts);
     /* one task per sequence (its cache rows are read whole, once); per KV head when there are
        too few sequences to keep every thread busy, and then, for long contexts, per range of
        positions too (SmolLM2's 3 KV heads left one of 2 threads waiting a third of the time):
        each range leaves its softmax state, merged in order afterwards */
     const int split = num_seqs < 4 * threads ? kv_heads : 1;
-    int ranges = 1;
-    if (split > 1 && threads > 1 && (num_seqs * split % threads || num_seqs * split < 2 * threads)) {
-        int64_t longest = 0;
-        for (int b = 0; b < num_seqs; b++) {
-            const int64_t own = lens[b] - own_start(lens[b], shared[b], window);
-            longest = own > longest ? own : longest;
-        }
-        const int most = (int)(longest / MIN_RANGE < MAX_RANGES ? longest / MIN_RANGE : MAX_RANGES);
-        /* a count of tasks the threads share evenly, the first of at least 4 a thread */
-        for (int r = 2; r <= most; r++) {
-            if (num_seqs * split * r % threads) continue;
-            ranges = r;
-            if (num_seqs * split * r >= 4 * threads) break;
-        }
+    int64_t longest = 0;
+    for (int b = 0; b < num_seqs; b++) {
+        const int64_t own = lens[b] - own_start(lens[b], shared[b], window);
+        longest = own > longest ? own : longest;
     }
+    int ranges = split > 1 ? split_ranges(num_seqs * split, longest, threads) : 1;
     float *parts = ranges > 1 ? malloc(sizeof(float) * (size_t)num_seqs * ranges * state_width) : NULL;
     if (!parts) ranges = 1;
     const int tasks = num_seqs * split * ranges;
