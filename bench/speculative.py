@@ -7,11 +7,11 @@
 
 The embedded model (SmolLM2-135M GGUF) by default; the draft model by default is the model itself
 (every guess right but as dear as the target: the upper bound of acceptance, not of speed).
-Input-grounded prompts (repeat, edit, summarize a part of bench/data/apache-2.0.txt) and an
-open-ended chat prompt, greedy. rill runs on the engine alone (one core, its speculator swapped
-per mode, the order alternating per round); each llama-server variant is a server of its own (the
-model's GGUF, `-np 1`, built by `python -m bench.peers setup llama-server`), asked over
-`/completion` with the same token ids. Prints per prompt and server: decode tok/s (rill: tokens
+Input-grounded prompts (repeat, edit, summarize a part of bench/data/apache-2.0.txt; comment the
+functions of bench/data/inventory.py) and an open-ended chat prompt, greedy. rill runs on the
+engine alone (one core, its speculator swapped per mode, the order alternating per round); each
+llama-server variant is a server of its own (the model's GGUF, `-np 1`, built by
+`python -m bench.peers setup llama-server`), asked over `/completion` with the same token ids. Prints per prompt and server: decode tok/s (rill: tokens
 after the first over the time from the first to the last; llama-server: its own
 `predicted_per_second`), the speed-up over the same server without speculation, drafted and
 accepted tokens, and whether the tokens are those of the same server without speculation (they
@@ -34,11 +34,14 @@ from engine.model.loading import load_model
 from engine.speculative import Speculator, make_speculator
 
 TEXT = Path(__file__).parent / "data" / "apache-2.0.txt"
+CODE = Path(__file__).parent / "data" / "inventory.py"  # a small program of ours, about 450 tokens
 TASKS = {
     "repeat": "Repeat the following text exactly, word for word:\n\n{text}",
     "edit": "Rewrite the following text with every occurrence of \"License\" replaced by \"Agreement\". "
             "Change nothing else:\n\n{text}",
     "summarize": "Summarize the following text, quoting its key sentences:\n\n{text}",
+    "code": "Add a one-line comment above each function in this Python code and return the whole code:\n\n"
+            "```python\n{code}```",
     "chat": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
 }
 MODES = ("off", "ngram", "draft")
@@ -189,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load_model(args.model)
     tok = loaded.tokenizer
     text = excerpt(tok, args.text_tokens)
-    prompts = {name: encode_chat(tok, [{"role": "user", "content": TASKS[name].format(text=text)}])
+    code = CODE.read_text()
+    prompts = {name: encode_chat(tok, [{"role": "user", "content": TASKS[name].format(text=text, code=code)}])
                for name in args.tasks.split(",")}
     print(f"model {args.model or 'embedded SmolLM2-135M'}, draft {args.draft_model or 'the model itself'}, "
           f"max_tokens {args.max_tokens}, k {args.num_speculative_tokens}, {args.rounds} round(s), greedy, "
