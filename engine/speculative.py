@@ -6,7 +6,8 @@ for little more than nothing. The guesses come from one of two proposers:
 
 - `ngram` (prompt lookup, as llama.cpp's lookup decoding and vLLM's n-gram proposer): the longest
   recent suffix n-gram that occurred earlier in prompt + output proposes the tokens that followed
-  it there (`NgramIndex`).
+  it there (`NgramIndex`); a match of only 2 tokens proposes one (open-ended chat: 0.91x -> 0.97x
+  the speed without drafts, BENCHMARKS.md session 26).
 - `draft`: a second, small model with the same tokenizer, run by the same engine on its own KV
   blocks (engine/draft.py), guesses k tokens one forward at a time.
 
@@ -85,8 +86,8 @@ class NgramIndex:
         self.num_indexed = max(self.num_indexed, end - 1)
         for n in range(min(NGRAM_MAX, end - 1), NGRAM_MIN - 1, -1):
             e = self.last_end.get(tuple(tokens[end - n:end]))
-            if e is not None:
-                return tokens[e:e + k]
+            if e is not None:  # a match of the shortest length guesses one token only (it is often chance)
+                return tokens[e:e + (k if n > NGRAM_MIN else 1)]
         return []
 
 
