@@ -9,6 +9,7 @@ with code 2.
 
 from __future__ import annotations
 
+import ctypes
 import importlib.metadata
 import importlib.util
 import logging
@@ -321,6 +322,7 @@ def _load_model(model_id, *, dtype, device, trust_remote_code, cache_dir, attn_i
 
     model.eval()
     weights = _quantize(model, quantize, weights, resolved_device, resolved_dtype, cache_dir, int8)
+    _return_freed_memory()
     loaded = LoadedModel(model=model, tokenizer=tokenizer, name=name, source=source,
                          context_length=context_length_of(model.config, tokenizer),
                          device=resolved_device, dtype=resolved_dtype, weights=weights)
@@ -328,6 +330,17 @@ def _load_model(model_id, *, dtype, device, trust_remote_code, cache_dir, attn_i
                 str(resolved_dtype).removeprefix("torch."), weights, loaded.context_length,
                 time.monotonic() - started)
     return loaded
+
+
+def _return_freed_memory() -> None:
+    """Hand the memory the load freed back to the system. Its temporaries (rows read, repacked,
+    de-quantized) were freed into glibc's heap, which keeps them: a 1.7B Q4_K_M GGUF left 0.68 GiB
+    of the 2.40 GiB resident after the load there (1.73 GiB after the trim), counted in the
+    server's RSS for good. Not glibc (musl, macOS): nothing to do."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _quantize(model, quantize: str, gguf_weights: str | None, device: torch.device, dtype: torch.dtype,
