@@ -168,14 +168,16 @@ static inline __attribute__((always_inline)) void shared_range(
     const int groups = heads / kv_heads, D = head_dim, nq = num_members * groups;
     const int nqp = (nq + QB - 1) / QB * QB;
     const int64_t row_width = (int64_t)kv_heads * D;
-    float m[nq], l[nq], acc[nq * D], s[nq * TILE], qt[D * nqp];
+    /* scores position-major, s[i][j]: a block's sums are stored as they are, and the softmax runs
+       on 8 queries at once (query-major, each score was taken out of its vector one by one) */
+    float m[nqp], l[nqp], acc[nqp * D], s[TILE * nqp], qt[D * nqp];
     const float *kr[TILE], *vr[TILE];
     for (int j = 0; j < nqp; j++) {
         const float *qv = j < nq ? q + index[members[j / groups]] * q_tok + (int64_t)(h * groups + j % groups) * q_head : NULL;
         for (int d = 0; d < D; d++) qt[d * nqp + j] = qv ? qv[d] : 0.0f;
     }
-    for (int j = 0; j < nq; j++) m[j] = -INFINITY, l[j] = 0.0f;
-    for (int i = 0; i < nq * D; i++) acc[i] = 0.0f;
+    for (int j = 0; j < nqp; j++) m[j] = -INFINITY, l[j] = 0.0f;
+    for (int i = 0; i < nqp * D; i++) acc[i] = 0.0f;
     for (int64_t t0 = lo; t0 < hi; t0 += TILE) {
         const int n = (int)(hi - t0 < TILE ? hi - t0 : TILE);
         for (int i = 0; i < TILE; i++) { /* past n: position t0 again, its scores unused */
@@ -191,12 +193,37 @@ static inline __attribute__((always_inline)) void shared_range(
                         const v8 qd = load8(qt + d * nqp + j0 + 8 * u);
                         a[0][u] += k0[d] * qd, a[1][u] += k1[d] * qd, a[2][u] += k2[d] * qd, a[3][u] += k3[d] * qd;
                     }
-                for (int jj = 0; jj < QB && j0 + jj < nq; jj++)
-                    for (int p = 0; p < PB; p++) s[(j0 + jj) * TILE + i0 + p] = a[p][jj / 8][jj % 8] * scale;
+                for (int p = 0; p < PB; p++)
+                    for (int u = 0; u < QV; u++) store8(s + (i0 + p) * nqp + j0 + 8 * u, a[p][u] * scale);
             }
         }
-        softmax_tile(s, nq, n, m, l, acc, D, softcap);
-        for (int j = 0; j < nq; j++) weigh_values(acc + j * D, s + j * TILE, vr, 0, n, D);
+        if (softcap > 0.0f)
+            for (int i = 0; i < n * nqp; i++) s[i] = softcap * tanhf(s[i] / softcap);
+        for (int j0 = 0; j0 < nqp; j0 += 8) { /* the online softmax, 8 queries at a time */
+            v8 top = load8(m + j0);
+            for (int i = 0; i < n; i++) {
+                const v8 si = load8(s + i * nqp + j0);
+                const v8i above = si > top;
+                top = (v8)(((v8i)si & above) | ((v8i)top & ~above));
+            }
+            /* the first tile: m is -inf, so rescale is ~0 (exp8 clamps -inf to -87) times acc 0, l 0 */
+            const v8 rescale = exp8(load8(m + j0) - top);
+            v8 sum = {0};
+            for (int i = 0; i < n; i++) {
+                const v8 w = exp8(load8(s + i * nqp + j0) - top);
+                store8(s + i * nqp + j0, w);
+                sum += w;
+            }
+            store8(l + j0, load8(l + j0) * rescale + sum);
+            store8(m + j0, top);
+            for (int jj = 0; jj < 8; jj++)
+                for (int d = 0; d < D; d++) acc[(j0 + jj) * D + d] *= rescale[jj];
+        }
+        for (int j = 0; j < nq; j++) { /* acc[j] += sum over the tile's positions of weight * values */
+            float p[TILE];
+            for (int i = 0; i < n; i++) p[i] = s[i * nqp + j];
+            weigh_values(acc + j * D, p, vr, 0, n, D);
+        }
     }
     for (int j = 0; j < nq; j++) {
         save_state(state + ((int64_t)members[j / groups] * heads + h * groups + j % groups) * (D + 2), m[j], l[j],
