@@ -111,6 +111,10 @@ def _head(model):
 
 
 SCREEN_ROWS = 2  # sampling rows from which a Q8_0 head is screened (one row: the whole head is faster)
+# AVX2 widens each weight once for up to 6 rows (csrc/qlinear.c, rows_panel): there the whole head
+# is faster than the screen up to 6 rows (SmolLM2-135M's verification steps, 2 / 3 / 5 rows: 0.95x /
+# 0.98x / 0.95x the step's time, bench.verify_cost's oracle alternated in one process)
+SCREEN_ROWS_AVX2 = 7
 
 
 def _screen(head) -> tuple | None:
@@ -176,6 +180,8 @@ class NativeDecoder:
         self._cache = None  # the paged cache whose tensors self.layers points into
         self.head = _head(model)  # None: the model's norm and lm_head end the step
         self._screen = _screen(self.head[4]) if self.head is not None else None  # (int8 head, norms, owners)
+        avx2 = self._screen is not None and getattr(self.head[4].kernel, "isa", None) == "AVX2"
+        self._screen_from = SCREEN_ROWS_AVX2 if avx2 else 0  # beside SCREEN_ROWS (which tests raise)
         self._failed = ctypes.c_int(0)
         self._screened = ctypes.c_int64(-1)
         self.screened_steps = self.screened_panels = 0  # steps whose head was screened, the panels they computed
@@ -230,7 +236,7 @@ class NativeDecoder:
         slot_mapping, token_slots, token_lens = (t.contiguous() for t in (slot_mapping, token_slots, token_lens))
         samples = rows if keep is None else keep.shape[0]
         logits = head = keep_ptr = best = None
-        screen = self._screen if argmax_only and samples >= SCREEN_ROWS else None
+        screen = self._screen if argmax_only and samples >= max(SCREEN_ROWS, self._screen_from) else None
         if self.head is not None:
             norm, eps, head, width, _ = self.head
             logits = torch.empty(samples, width)
