@@ -20,7 +20,10 @@ accepts with min(1, p/q) and draws from max(0, p - q) after a rejection, which k
 accepts more than a point mass does where p is flat.
 
 The shadows of sequences that are not drafting keep their K/V (they catch up later); when the pool
-runs short, they are dropped first. A draft forward that fails drops the shadows it ran: the target
+runs short, they are dropped first. The draft has a prefix cache of its own, as the target does: a
+new shadow starts from the blocks of the longest prefix the draft computed before (same cache salt
+only), and the full blocks of the target's tokens are named as they are computed (never a block
+that holds a guess). A draft forward that fails drops the shadows it ran: the target
 goes on without guesses.
 """
 
@@ -112,7 +115,9 @@ class DraftModel:
             raise ValueError(f"the draft model {loaded.name} cannot run on the paged KV cache "
                              f"({setup.runner_reason}); choose a draft of an architecture the paged path takes")
         self.runner = setup.runner
-        self.allocator = BlockAllocator(self.num_kv_blocks, config.block_size)
+        # the draft's prefix cache: a prompt whose start the draft has computed before (a chat's
+        # earlier turns, a shared system prompt) is not computed again, as the target does not
+        self.allocator = BlockAllocator(self.num_kv_blocks, config.block_size, prefix_caching=config.prefix_caching)
         self.shadows: dict[str, Shadow] = {}  # target seq_id -> its shadow
         self.generator = torch.Generator().manual_seed(config.seed + 1)  # draws of sampled guesses
         log.info("engine: draft model %s, %d KV blocks, decode attention %s", loaded.name, self.num_kv_blocks,
@@ -227,9 +232,14 @@ class DraftModel:
     def _synced(self, seq: Sequence) -> Sequence:
         """`seq`'s shadow, its tokens the target's now: K/V past their common prefix no longer count."""
         shadow = self.shadows.get(seq.seq_id)
+        salt = seq.params.cache_salt  # blocks are shared only between requests of the same salt, as the target's
         if shadow is None:
             mine = Sequence(seq_id=seq.seq_id, request_id=seq.request_id, index=seq.index,
                             token_ids=list(seq.token_ids), num_prompt_tokens=seq.num_prompt_tokens, params=seq.params)
+            mine.num_computed_tokens = self.allocator.match_prefix(mine.token_ids, mine.block_hashes,
+                                                                   mine.block_table, salt)
+            mine.num_cached_blocks = len(mine.block_table)
+            self.allocator.count_lookup(len(mine.token_ids), mine.num_computed_tokens)
             self.shadows[seq.seq_id] = Shadow(mine, len(seq.token_ids))
             return mine
         mine, tokens = shadow.seq, seq.token_ids
@@ -243,6 +253,11 @@ class DraftModel:
         if mine.num_computed_tokens > same:
             mine.num_computed_tokens = same
             self.allocator.shrink(mine.block_table, same)
+        # name the full blocks that hold the target's tokens only (never a guess): from `same` on,
+        # the shadow's tokens may still change, so only blocks before it
+        mine.num_cached_blocks = self.allocator.cache_full_blocks(
+            mine.token_ids, mine.block_hashes, mine.block_table, min(mine.num_computed_tokens, same),
+            mine.num_cached_blocks, salt)
         return mine
 
     def _allocate(self, shadow: Sequence, num_tokens: int, keep: set[str]) -> bool:

@@ -343,6 +343,32 @@ def test_the_draft_model_computes_each_prompt_once_beside_the_target(few):
     assert sum(n for _, n in chunks) < 150 + 20 + 20  # each token computed once, and each guess
 
 
+def test_the_draft_model_starts_a_later_turn_from_its_own_cached_prefix(few):
+    """A request that starts with an earlier one's prompt and answer (a chat's next turn): the draft
+    takes the blocks it computed for them from its own prefix cache and computes only the rest; a
+    request with another cache salt shares none of them. The tokens are generate's either way."""
+    path = few("llama")
+    llm = LLM(load_model(str(path)), EngineConfig(speculative="draft", draft_model=str(path),
+                                                  max_num_batched_tokens=64))
+    drafter = llm.core.speculator.drafter
+    runner, chunks = drafter.runner, []
+    run_draft = runner.run
+    runner.run = lambda plan: (chunks.extend((c.start, c.num_tokens) for c in plan), run_draft(plan))[1]
+    greedy = SamplingParams(max_tokens=20, temperature=0)
+    first = prompts_of((150,), seed=2)[0]
+    answer = llm.generate([first], greedy)[0].token_ids
+    second = first + answer + prompts_of((30,), seed=3)[0]
+    block = llm.core.config.block_size
+    for salt, cached in ((None, (len(first) + len(answer) - 1) // block * block), ("another visitor", 0)):
+        chunks.clear()
+        hits = drafter.allocator.hit_tokens
+        params = SamplingParams(max_tokens=20, temperature=0, cache_salt=salt)
+        assert llm.generate([second], params)[0].token_ids == generate_reference(path, [second], 20)[0]
+        assert drafter.allocator.hit_tokens - hits == cached
+        assert min(start for start, _ in chunks) == cached  # the draft computed from there on only
+    assert drafter.allocator.num_free == drafter.num_kv_blocks and not drafter.shadows  # cached blocks are free to take
+
+
 def test_a_seeded_request_gives_the_same_tokens_with_a_draft_model(few, other_draft):
     """Seeded rows take the draft's argmax as a point mass: the target's own draws decide, as without."""
     path = few("llama")
