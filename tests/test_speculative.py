@@ -116,7 +116,9 @@ def test_the_ngram_index_proposes_what_followed_the_longest_suffix():
     assert NgramIndex().propose([5, 6, 8, 9, 4, 5, 6], 4) == [8]
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2", "mistral"])  # the native step; the modules; a sliding window
+# the native step (Llama, Mistral's sliding window, Qwen2's q/k/v biases, Qwen3's q/k norms); the
+# modules (GPT-2, Gemma 2's softcaps)
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3norm", "gpt2", "gemma2"])
 def test_greedy_with_drafts_equals_generate_alone_and_in_a_busy_batch(few, arch):
     path = few(arch)
     prompts = prompts_of((5, 30, 100, 200, 3, 64, 17, 150))
