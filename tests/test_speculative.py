@@ -290,6 +290,13 @@ def test_greedy_over_http_equals_the_server_without_drafts(server_with, few, oth
     assert health["speculative"]["mode"] == mode
     assert health["speculative"]["draft_model"] == (None if mode == "ngram" else "few")
     assert health["speculative"]["accepted_tokens"] == values["rill_spec_accepted_tokens_total"]
+    assert health["speculative"]["draft_prefix_cache_hit_tokens"] == (None if mode == "ngram" else 0)
+    if mode == "draft":  # the same prompt again: the draft starts from its own cached blocks of it
+        again = httpx.post(f"{spec.url}/v1/completions", timeout=120, json={
+            "prompt": prompts_of((30, 100))[1], "max_tokens": 40, "temperature": 0}).json()
+        assert again["choices"][0]["text"] == texts["plain"][1]
+        health = httpx.get(f"{spec.url}/health", timeout=30).json()
+        assert health["speculative"]["draft_prefix_cache_hit_tokens"] >= 96  # 6 full blocks of 16 of 100 tokens
 
 
 # ---- drafts from a second model ---------------------------------------------------------------

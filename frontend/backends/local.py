@@ -82,9 +82,12 @@ class LocalEngine(AsyncEngine):
     def _speculative(self) -> dict:
         """The mode and its counts; which requests are never drafted (engine/speculative.py)."""
         config, stats = self.core.config, self.core.stats()
+        drafter = getattr(self.core.speculator, "drafter", None)  # engine/draft.py's DraftModel, in draft mode
         return {"mode": config.speculative if self.core.speculator is not None else "off",
                 "draft_model": self.draft.name if self.draft is not None and self.core.speculator is not None else None,
                 "num_speculative_tokens": config.num_speculative_tokens, "max_seqs": config.speculative_max_seqs,
                 "draft_tokens": stats.spec_draft_tokens, "accepted_tokens": stats.spec_accepted_tokens,
+                # prompt tokens the draft took from its own prefix cache (not computed again)
+                "draft_prefix_cache_hit_tokens": drafter.allocator.hit_tokens if drafter is not None else None,
                 "not_drafted": "grammar, logprobs, repetition/presence/frequency penalties, under min_tokens, "
                                "a thought with a token budget"}
