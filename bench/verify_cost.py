@@ -14,9 +14,9 @@ bench/data/apache-2.0.txt. Prints, per k: ms per step, tokens per second, and bo
 from __future__ import annotations
 
 import argparse
-import time
 
-from engine import EngineConfig, SamplingParams
+from bench.speculative import TEXT, run_one
+from engine import EngineConfig
 from engine.core import EngineCore
 from engine.model.loading import load_model
 from engine.speculative import Speculator
@@ -36,21 +36,6 @@ class Oracle(Speculator):
             seq.draft_token_ids = self.answer[done:done + k] if k else []
 
 
-def run(core: EngineCore, prompt: list[int], max_tokens: int) -> tuple[list[int], float, int]:
-    """(tokens, seconds from the first token to the last, steps after the first token) of one request."""
-    core.add_request(f"verify-{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0))
-    tokens, first, steps = [], None, 0
-    while core.has_work():
-        outs = core.step()
-        if first is not None:
-            steps += 1
-        for out in outs:
-            tokens += out.token_ids
-            if first is None and tokens:
-                first = time.perf_counter()
-    return tokens, time.perf_counter() - first, steps
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.verify_cost", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M GGUF")
@@ -62,13 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     ks = [int(k) for k in args.ks.split(",")]
     if any(k < 0 for k in ks):
         parser.error(f"--ks: each at least 0, given {args.ks}")
-    from bench.speculative import TEXT
-
     loaded = load_model(args.model)
     tok = loaded.tokenizer
     prompt = tok.encode(TEXT.read_text(), add_special_tokens=False)[:args.prompt_tokens]
     core = EngineCore(loaded.model, tok, EngineConfig(), loaded.context_length)
-    answer, _, _ = run(core, prompt, args.max_tokens)  # also the warm-up
+    answer = run_one(core, prompt, args.max_tokens)[0]  # also the warm-up
     print(f"model {args.model or 'embedded SmolLM2-135M'}, prompt {len(prompt)} tokens, {len(answer)} out, "
           f"always-right guesses, one request, greedy")
     print(f"{'k':>3} {'steps':>6} {'ms/step':>8} {'tok/s':>8} {'step x k=0':>10} {'speed x k=0':>11} same")
@@ -77,8 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         core.speculator = Oracle(k, answer, len(prompt)) if k else None
         timings = []
         for _ in range(args.rounds):
-            tokens, seconds, steps = run(core, prompt, args.max_tokens)
-            timings.append((seconds, steps))
+            tokens, seconds, _, accepted = run_one(core, prompt, args.max_tokens)
+            timings.append((seconds, len(tokens) - 1 - accepted))  # each step after the first: 1 + its accepted
         seconds, steps = sorted(timings)[len(timings) // 2]
         ms, speed = seconds / max(steps, 1) * 1e3, (len(tokens) - 1) / seconds
         base = base or (ms, speed)

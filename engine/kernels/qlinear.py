@@ -43,6 +43,8 @@ class QuantKernel:
         library.rill_qlinear_vector_bits.restype = ctypes.c_int
         bits = library.rill_qlinear_vector_bits()  # fixed when the library was built for this CPU
         self.isa = {512: "AVX-512", 256: "AVX2"}.get(bits, "generic vectors")
+        library.rill_qlinear_few_rows.restype = ctypes.c_int
+        self.few_rows = library.rill_qlinear_few_rows()  # up to this many rows widen the weights in registers
 
     def __call__(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int,
                  kind: str, int8: bool = False) -> torch.Tensor:

@@ -110,11 +110,11 @@ def _head(model):
     return norm.weight, float(norm.variance_epsilon), lin, width, owner
 
 
-SCREEN_ROWS = 2  # sampling rows from which a Q8_0 head is screened (one row: the whole head is faster)
-# AVX2 widens each weight once for up to 6 rows (csrc/qlinear.c, rows_panel): there the whole head
-# is faster than the screen up to 6 rows (SmolLM2-135M's verification steps, 2 / 3 / 5 rows: 0.95x /
-# 0.98x / 0.95x the step's time, bench.verify_cost's oracle alternated in one process)
-SCREEN_ROWS_AVX2 = 7
+# sampling rows from which a Q8_0 head is screened (one row: the whole head is faster), and past the
+# rows the block kernel widens the weights for in registers (AVX2: up to 6, csrc/qlinear.c's
+# rows_panel), where the whole head is faster too (SmolLM2-135M's verification steps, 2 / 3 / 5
+# rows: 0.95x / 0.98x / 0.95x the step's time, bench.verify_cost's oracle alternated in one process)
+SCREEN_ROWS = 2
 
 
 def _screen(head) -> tuple | None:
@@ -180,8 +180,8 @@ class NativeDecoder:
         self._cache = None  # the paged cache whose tensors self.layers points into
         self.head = _head(model)  # None: the model's norm and lm_head end the step
         self._screen = _screen(self.head[4]) if self.head is not None else None  # (int8 head, norms, owners)
-        avx2 = self._screen is not None and getattr(self.head[4].kernel, "isa", None) == "AVX2"
-        self._screen_from = SCREEN_ROWS_AVX2 if avx2 else 0  # beside SCREEN_ROWS (which tests raise)
+        # past the kernel's register-widened rows (beside SCREEN_ROWS, which tests raise)
+        self._screen_from = self.head[4].kernel.few_rows + 1 if self._screen is not None else 0
         self._failed = ctypes.c_int(0)
         self._screened = ctypes.c_int64(-1)
         self.screened_steps = self.screened_panels = 0  # steps whose head was screened, the panels they computed

@@ -32,8 +32,9 @@
 #include <immintrin.h>
 #endif
 
-/* FEW_ROWS: up to this many rows widen the weights in registers, row by row (AVX-512: one row;
- * from 2 rows its tiles, which widen each input once for all rows, take less time). CHUNK: more rows
+/* FEW_ROWS: up to this many rows widen the weights in registers (AVX2: once for all of them,
+ * rows_panel; AVX-512: one row, and from 2 rows its tiles, which widen each input once for all
+ * rows, take less time; rill_qlinear_few_rows says which). CHUNK: more rows
  * de-quantize this many blocks (8 KB of floats, beside 32 rows' 16 KB of x: within L1) before
  * their tiles run over all of them, so a tile loads and stores its sums once per 128 inputs, not
  * per 32: 0.83-0.91x the time of 3072 x 576 / 576 x 1536 at 24 and 32 rows (Q4_1, two threads) */
@@ -222,55 +223,18 @@ static inline __attribute__((always_inline)) void lead_tile(const float *x, int6
     tile_store(acc, acc_row, MR, 2, a, c);
 }
 
-/* one row of x times one panel, weights widened in registers: y[j] = sum over blocks (Q6_K: halves
- * of blocks, each with its d) of d[j] (q x) + m[j] sum(x) (Q4_0: m = -8 d, Q6_K: -32 d); four
- * independent chains over k hide the latency of the additions. xsum: the row's sums of x per
- * block (Q6_K: per 16 inputs) */
-static inline __attribute__((always_inline)) void row_panel(const float *x, const float *xsum, const uint8_t *panel,
-                                                            int64_t blocks, float *acc, const int kind) {
-    const int parts = scale_parts(kind), span = 32 / parts;
-    v8 y0 = {0}, y1 = {0};
-    for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *blk = panel + b * block_bytes(kind);
-        prefetch_ahead(blk, kind);
-        const float *xb = x + b * 32, *scales = (const float *)(blk + scales_at(kind));
-        for (int part = 0; part < parts; part++) {
-            v8 p0[4] = {{0}, {0}, {0}, {0}}, p1[4] = {{0}, {0}, {0}, {0}};
-            for (int k = part * span; k < (part + 1) * span; k += 4)
-                for (int c = 0; c < 4; c++) {
-                    v8 w0, w1;
-                    widen(blk, k + c, &w0, &w1, kind);
-                    const float xi = xb[k + c];
-                    const v8 xv = {xi, xi, xi, xi, xi, xi, xi, xi};
-                    p0[c] += xv * w0;
-                    p1[c] += xv * w1;
-                }
-            const v8 d0 = load8(scales + 16 * part), d1 = load8(scales + 16 * part + 8);
-            y0 += d0 * ((p0[0] + p0[1]) + (p0[2] + p0[3]));
-            y1 += d1 * ((p1[0] + p1[1]) + (p1[2] + p1[3]));
-            if (kind != Q8_0) {
-                const float xs = xsum[b * parts + part];
-                const v8 s = {xs, xs, xs, xs, xs, xs, xs, xs};
-                const v8 m0 = has_min(kind) ? load8(scales + 16) : d0 * (float)-q_offset(kind);
-                const v8 m1 = has_min(kind) ? load8(scales + 24) : d1 * (float)-q_offset(kind);
-                y0 += m0 * s;
-                y1 += m1 * s;
-            }
-        }
-    }
-    store8(acc, y0);
-    store8(acc + 8, y1);
-}
-
-/* 2 to 6 rows of x times one panel, each input's weights widened in registers once for all the rows
- * (row_panel's factored sums per row: d (q x) + m sum(x)). A speculative step's verification (the
- * last token and k guesses of one sequence) and a few decodes side by side: row by row, each row
- * widened every weight again (2 rows: 1.8x the time of one). Two sets of sums (even and odd inputs)
- * up to 3 rows, one from 4: 8 to 12 running sums, within the 16 registers beside w0, w1 and x. */
+/* 1 to 6 rows of x times one panel, each input's weights widened in registers once for all the rows:
+ * y[j] = sum over blocks (Q6_K: halves of blocks, each with its d) of d[j] (q x) + m[j] sum(x)
+ * (Q4_0: m = -8 d, Q6_K: -32 d). xsum: each row's sums of x per block (Q6_K: per 16 inputs). A
+ * speculative step's verification (the last token and k guesses of one sequence) and a few decodes
+ * side by side take 2 to 6 rows: row by row, each row widened every weight again (2 rows: 1.8x the
+ * time of one). Independent chains of sums over the inputs hide the multiply-add's latency: four
+ * at one row, two (even and odd inputs) up to 3 rows, one from 4: 8 to 12 running sums, within the
+ * 16 registers beside w0, w1 and x. */
 static inline __attribute__((always_inline)) void rows_panel(const float *x, int64_t x_row, const float *xsum,
                                                              const uint8_t *panel, int64_t blocks, float *acc,
                                                              const int MR, const int kind) {
-    const int parts = scale_parts(kind), span = 32 / parts, S = MR <= 3 ? 2 : 1;
+    const int parts = scale_parts(kind), span = 32 / parts, S = MR == 1 ? 4 : MR <= 3 ? 2 : 1;
     v8 y[6][2];
     for (int i = 0; i < MR; i++) y[i][0] = y[i][1] = (v8){0};
     for (int64_t b = 0; b < blocks; b++) {
@@ -278,7 +242,7 @@ static inline __attribute__((always_inline)) void rows_panel(const float *x, int
         prefetch_ahead(blk, kind);
         const float *xb = x + b * 32, *scales = (const float *)(blk + scales_at(kind));
         for (int part = 0; part < parts; part++) {
-            v8 p[2][6][2];
+            v8 p[4][6][2];
             for (int s = 0; s < S; s++)
                 for (int i = 0; i < MR; i++) p[s][i][0] = p[s][i][1] = (v8){0};
             for (int k0 = part * span; k0 < (part + 1) * span; k0 += S)
@@ -289,8 +253,10 @@ static inline __attribute__((always_inline)) void rows_panel(const float *x, int
                 }
             const v8 d0 = load8(scales + 16 * part), d1 = load8(scales + 16 * part + 8);
             for (int i = 0; i < MR; i++) {
-                const v8 q0 = S == 2 ? p[0][i][0] + p[1][i][0] : p[0][i][0];
-                const v8 q1 = S == 2 ? p[0][i][1] + p[1][i][1] : p[0][i][1];
+                const v8 q0 = S == 4 ? (p[0][i][0] + p[1][i][0]) + (p[2][i][0] + p[3][i][0])
+                            : S == 2 ? p[0][i][0] + p[1][i][0] : p[0][i][0];
+                const v8 q1 = S == 4 ? (p[0][i][1] + p[1][i][1]) + (p[2][i][1] + p[3][i][1])
+                            : S == 2 ? p[0][i][1] + p[1][i][1] : p[0][i][1];
                 y[i][0] += d0 * q0;
                 y[i][1] += d1 * q1;
                 if (kind != Q8_0) {
@@ -417,7 +383,7 @@ static inline __attribute__((always_inline)) void wide_tile(const float *xp, con
     for (int i = 0; i < MR; i++) _mm512_storeu_ps(acc + i * 16, S == 2 ? _mm512_add_ps(a[i], c[i]) : a[i]);
 }
 
-/* row_panel on zmm registers, four chains of sums over k: each input's weights widened (widen16),
+/* rows_panel's one row on zmm registers, four chains of sums over k: each input's weights widened (widen16),
  * or with VBMI four inputs' nibbles from one 32-byte load, each input's permuted into its lanes */
 static inline __attribute__((always_inline)) void row_panel16(const float *x, const float *xsum,
                                                               const uint8_t *panel, int64_t blocks, float *acc,
@@ -515,7 +481,7 @@ static inline __attribute__((always_inline)) void panel_rows_wide(const float *x
 }
 #endif
 
-/* rows of x times one panel: a few rows widen the weights in registers, row by row (the panel
+/* rows of x times one panel: a few rows widen the weights in registers (the panel
  * stays in L1); more rows de-quantize each block once into floats and reuse it for all rows */
 static inline __attribute__((always_inline)) void panel_rows(const float *x, int64_t x_row, const float *xsum,
                                                              const uint8_t *panel, int64_t blocks, int64_t rows,
@@ -526,7 +492,7 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, int
             row_panel16(x + r * x_row, xsum + r * blocks * scale_parts(kind), panel, blocks, acc + r * 16, kind);
 #else
         switch (rows) {
-            case 1: row_panel(x, xsum, panel, blocks, acc, kind); break;
+            case 1: rows_panel(x, x_row, xsum, panel, blocks, acc, 1, kind); break;
             case 2: rows_panel(x, x_row, xsum, panel, blocks, acc, 2, kind); break;
             case 3: rows_panel(x, x_row, xsum, panel, blocks, acc, 3, kind); break;
             case 4: rows_panel(x, x_row, xsum, panel, blocks, acc, 4, kind); break;
@@ -657,6 +623,10 @@ int rill_qlinear(const float *x, int64_t x_row, const uint8_t *panels, const flo
     free(buffer);
     return 0;
 }
+
+/* up to how many rows this build widens the weights in registers (engine/runner/native.py computes
+ * a Q8_0 head whole up to there rather than screening it) */
+int rill_qlinear_few_rows(void) { return FEW_ROWS; }
 
 /* the vector width this build's float32 block tiles use, for the start-up log: 512 with AVX-512
  * (-march=native on a CPU that has it), 256 with AVX2, else 0 (GCC's generic vectors) */

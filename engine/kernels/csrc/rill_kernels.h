@@ -20,6 +20,8 @@ int rill_qlinear_i8(const float *x, int64_t x_row, const uint8_t *panels, const 
                     int64_t rows, int64_t out, int64_t in, int threads, int kind);
 /* the vector width of this build's block tiles: 512 (AVX-512), 256 (AVX2) or 0 (generic) */
 int rill_qlinear_vector_bits(void);
+/* up to how many rows the float32 block kernel widens the weights in registers (1 with AVX-512, 6 else) */
+int rill_qlinear_few_rows(void);
 /* csrc/repack.c: a GGUF tensor's raw rows (ggml type number `type`; rows in `order`, or NULL) into
  * the panels of the kind that holds that type (int8: qlinear_i8.c's layout). Returns 0, or -2 for a
  * type it does not read or rows of other bytes. */
