@@ -20,6 +20,7 @@ from engine.model.quant import (GGUF_TYPES, KINDS, FusedPart, FusedProjections, 
                                 random_gguf_blocks, unpack_raw)
 from tests.test_engine_parity import PROMPT_LENGTHS, engine_outputs, make_prompts, reference_outputs
 
+QUANTIZED_KINDS = [kind for kind in KINDS if kind != "q4_k"]  # q4_k holds GGUF's Q4_K (its super-blocks) only
 GGML = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1}
 
 
@@ -44,19 +45,29 @@ def test_blocks_are_ggml_blocks(kind):
 
 def test_q4_k_is_read_as_the_q4_1_blocks_it_is_made_of(kernel):
     """Q4_K (the most common 4-bit download) de-quantizes bit for bit as gguf-py (and so
-    transformers) reads it, and a layer made from its raw rows computes with those blocks."""
-    from engine.model.quant import unpack_q4_k
+    transformers) reads it; a layer made from its raw rows keeps its super-blocks (0.79x the bytes
+    of the Q4_1 blocks of the same weights) and computes exactly what those Q4_1 blocks compute,
+    bit for bit, on every path of the kernel (1 to 13 rows); with int8 activations it holds them."""
+    from engine.model.quant import k_products, unpack_q4_k
 
     weight = torch.randn(40, 512, generator=torch.Generator().manual_seed(3)) * 0.05
     raw = encode_q4_k(weight.numpy())
     expected = torch.from_numpy(gguf_dequantize(raw, GGMLQuantizationType.Q4_K))
     q, d, m = unpack_q4_k(raw)
-    assert torch.equal(dequantize(q, d, m, "q4_1"), expected)
+    assert torch.equal(dequantize(q, *k_products(d, m), "q4_1"), expected)
+    assert torch.equal(dequantize(q, d, m, "q4_k"), expected)
     assert (expected - weight).abs().max() < 0.02  # the encoder is a real one
     order = np.random.default_rng(0).permutation(40)
+    as_q4_1 = QuantLinear(q[order], *k_products(d[order], m[order]), "q4_1", None, kernel)
+    layer = QuantLinear.from_gguf(raw, "q4_k", None, kernel, False, order)
+    assert (layer.kind, layer.source) == ("q4_k", "q4_k")
+    assert layer.panels.numel() * 384 == as_q4_1.panels.numel() * 304
+    for rows in range(1, 14):
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+        assert torch.equal(layer(x), as_q4_1(x)), rows
     for int8 in (False, True):
         layer = QuantLinear.from_gguf(raw, "q4_k", None, kernel, int8, order)
-        assert (layer.kind, layer.source) == ("q4_1", "q4_k")
+        assert (layer.kind, layer.source) == ("q4_1" if int8 else "q4_k", "q4_k")
         x = torch.randn(3, 512, generator=torch.Generator().manual_seed(1))
         reference = F.linear(quantize_activations(x) if int8 else x, expected[order])
         torch.testing.assert_close(layer(x), reference, atol=1e-4, rtol=1e-4)
@@ -64,7 +75,7 @@ def test_q4_k_is_read_as_the_q4_1_blocks_it_is_made_of(kernel):
 
 # every GGUF type kept as blocks, and the kernels' kind of block that holds it
 HELD_AS = {"q8_0": "q8_0", "q4_0": "q4_0", "q4_1": "q4_1", "q5_0": "q6_k", "q5_1": "q5_1", "q3_k": "q6_k",
-           "q4_k": "q4_1", "q5_k": "q5_1", "q6_k": "q6_k", "iq4_nl": "q8_0", "iq4_xs": "q8_0"}
+           "q4_k": "q4_k", "q5_k": "q5_1", "q6_k": "q6_k", "iq4_nl": "q8_0", "iq4_xs": "q8_0"}
 
 
 def gguf_weight(raw: np.ndarray, ggml_type: str) -> torch.Tensor:
@@ -90,7 +101,7 @@ def test_gguf_blocks_dequantize_as_gguf_py_does_bit_for_bit(ggml_type):
 
 
 @pytest.mark.parametrize("ggml_type", list(HELD_AS))
-@pytest.mark.parametrize("rows", [1, 2, 3, 7, 13, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 13, 17, 40, 64, 1300])  # every path of both ISAs (as above)
 def test_the_kernel_on_gguf_blocks_equals_the_float_product_with_gguf_pys_weight(kernel, ggml_type, rows):
     """Float32 activations: F.linear with the weight transformers reads from the same blocks, and
     int8 activations: the same product of the rounded inputs (the int8 kernel exists for every kind)."""
@@ -139,7 +150,7 @@ def test_the_kernel_is_built_for_the_widest_vectors_this_cpu_has(kernel, caplog)
     assert f"weights: block kernels built for this CPU's {kernel.isa}" in caplog.text
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", QUANTIZED_KINDS)
 # 2-6: AVX2 widens each input once for all rows; 17, 40: uneven tiles (AVX-512); 1300: sets of rows (AVX-512: x of 160 inputs in 3 sets of 433-434 rows)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 13, 17, 40, 64, 1300])
 def test_kernel_equals_the_float_product_with_the_dequantized_weight(kernel, kind, rows):
@@ -153,7 +164,7 @@ def test_kernel_equals_the_float_product_with_the_dequantized_weight(kernel, kin
     assert layer(x.unsqueeze(0)).shape == (1, rows, 45)
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", QUANTIZED_KINDS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 12, 13, 25, 64])  # AVX2: tiles of 3; AVX-512: even tiles of 12 at most
 def test_int8_kernel_equals_the_float_product_of_the_rounded_activations(kernel, kind, rows):
     """int8 activations: each block of 32 inputs rounded to steps of max |x| / 127, then exact."""
@@ -184,7 +195,7 @@ def _dequantized_reference(path, kind, int8=False):
     return model
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", QUANTIZED_KINDS)
 def test_quantized_at_load_greedy_equals_generate_on_the_dequantized_model(tiny_model, kind, monkeypatch):
     """Every kind of block through the engine (q5_1 and q6_k, which hold GGUF's Q5/Q6_K/Q3_K, quantized
     at load here only to have a model made of them)."""

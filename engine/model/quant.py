@@ -75,16 +75,25 @@ def unpack_raw(raw: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.n
 
 def unpack_q4_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """ggml Q4_K super-blocks [out, in / 256 * 144] uint8 (float16 d and dmin, 8 six-bit scales and
-    mins, 256 nibbles) -> q, d, m of Q4_1 blocks of 32 (d = d * scale, m = -dmin * min, products
-    in float32 as gguf-py and transformers compute them): the same weights, bit for bit."""
+    mins, 256 nibbles) -> q, d, m of "q4_k" blocks of 32, their factors kept: d [out, in / 32, 2]
+    (the super-block's d, the block's scale) and m (-dmin, the block's min). Their products
+    (`k_products`: d * scale, m = -dmin * min in float32 as gguf-py and transformers compute them)
+    are Q4_1's d and m for the same weights, bit for bit."""
     blocks = _blocks(raw, 144)
     out, supers = blocks.shape[:2]
     scale, minimum = _scales_k4(blocks[..., 4:16])
     nibbles = blocks[..., 16:144].reshape(out, supers, 4, 1, 32)  # 64 weights per 32 bytes: low, then high
     q = np.concatenate([nibbles & 15, nibbles >> 4], axis=3).reshape(out, supers * 8, 32)
-    sub_d = (_half(blocks, 0)[..., None] * scale).reshape(out, -1)
-    sub_m = -(_half(blocks, 2)[..., None] * minimum).reshape(out, -1)
-    return q, sub_d, sub_m
+    factor = np.broadcast_to(_half(blocks, 0)[..., None], scale.shape)
+    low = np.broadcast_to(-_half(blocks, 2)[..., None], minimum.shape)
+    return (q, np.stack([factor, scale], axis=-1).reshape(out, -1, 2),
+            np.stack([low, minimum], axis=-1).reshape(out, -1, 2))
+
+
+def k_products(d: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A "q4_k" reading's factors -> Q4_1's d and m: one float32 product each (-dmin times the min
+    is -(dmin min) exactly)."""
+    return d[..., 0] * d[..., 1], m[..., 0] * m[..., 1]
 
 
 def unpack_q5_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -176,7 +185,7 @@ def unpack_iq4_xs(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
 # a GGUF tensor type -> (its reader, the kernels' kind of block that holds it)
 GGUF_TYPES = {**{kind: (functools.partial(unpack_raw, kind=kind), kind) for kind in ("q8_0", "q4_0", "q4_1")},
               "q5_0": (unpack_q5_0, "q6_k"), "q5_1": (unpack_q5_1, "q5_1"), "q3_k": (unpack_q3_k, "q6_k"),
-              "q4_k": (unpack_q4_k, "q4_1"), "q5_k": (unpack_q5_k, "q5_1"), "q6_k": (unpack_q6_k, "q6_k"),
+              "q4_k": (unpack_q4_k, "q4_k"), "q5_k": (unpack_q5_k, "q5_1"), "q6_k": (unpack_q6_k, "q6_k"),
               "iq4_nl": (unpack_iq4_nl, "q8_0"), "iq4_xs": (unpack_iq4_xs, "q8_0")}
 # a GGUF tensor type -> (weights, bytes) of its block in the file
 GGUF_BLOCKS = {"q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24),
@@ -200,6 +209,13 @@ def random_gguf_blocks(ggml_type: str, out: int, inputs: int, seed: int = 0) -> 
     return blocks.reshape(out, -1)
 
 
+def held_kind(ggml_type: str, int8: bool = False) -> str:
+    """The kernels' kind that holds a GGUF type's blocks: GGUF_TYPES's, but Q4_K with int8
+    activations as q4_1 (the int8 kernel has no super-blocks)."""
+    kind = GGUF_TYPES[ggml_type][1]
+    return "q4_1" if kind == "q4_k" and int8 else kind
+
+
 def blocks_of_gguf(raw: np.ndarray, ggml_type: str, order: np.ndarray | None = None):
     """A GGUF tensor's raw blocks (uint8 [out, row bytes]) of type `ggml_type` (lower case, a key of
     GGUF_TYPES) -> q, d, m and the kernel's kind that holds them; `order`: the rows to keep, in
@@ -213,6 +229,8 @@ def blocks_of_gguf(raw: np.ndarray, ggml_type: str, order: np.ndarray | None = N
 
 def dequantize(q: np.ndarray, d: np.ndarray, m: np.ndarray | None, kind: str) -> torch.Tensor:
     """The float32 weight [out, in] the blocks stand for: d (q - offset) (+ m), Q6_K's d per 16."""
+    if kind == "q4_k":
+        (d, m), kind = k_products(d, m), "q4_1"
     values = q.astype(np.float32)
     if kind in OFFSETS:
         values = values - np.float32(OFFSETS[kind])
@@ -230,7 +248,13 @@ def panels_of_blocks(q: np.ndarray, d: np.ndarray, m: np.ndarray | None, kind: s
     """q, d, m of a reader -> the kernel's panels (uint8 [ceil(out / 16), in / 32 * panel block
     bytes]): csrc/qlinear.c's layout (input-major), or with `int8` csrc/qlinear_i8.c's (groups of
     4 inputs per output, for the byte dot products). Q5_1 and Q6_K blocks hold their low nibbles as
-    Q4's and the bits above them in a plane of their own after them (see csrc/blocks.h)."""
+    Q4's and the bits above them in a plane of their own after them, and q4_k blocks their six-bit
+    integers after Q4's nibbles, in super-blocks headed by their floats (see csrc/blocks.h); with
+    `int8`, q4_k's blocks are laid out as the q4_1 blocks of the same weights."""
+    if kind == "q4_k" and int8:
+        (d, m), kind = k_products(d, m), "q4_1"
+    if kind == "q4_k":
+        return _q4_k_panels(q, d, m)
     out, blocks, _ = q.shape
     panels = -(-out // 16)
     pad = panels * 16 - out
@@ -276,6 +300,25 @@ def panels_of_blocks(q: np.ndarray, d: np.ndarray, m: np.ndarray | None, kind: s
     return torch.from_numpy(np.ascontiguousarray(np.concatenate(parts, axis=-1)).reshape(panels, -1))
 
 
+def _q4_k_panels(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> torch.Tensor:
+    """q4_k's panels: per super-block of 8 blocks, float32 D[16], M[16] (its outputs' factors), then
+    each block's Q4 nibbles (as q4_1's) and uint8 scale[16], min[16]."""
+    out, blocks, _ = q.shape
+    pad = -out % 16
+    if pad:
+        q = np.concatenate([q, np.zeros((pad, blocks, 32), q.dtype)])
+        d, m = (np.concatenate([a, np.zeros((pad, *a.shape[1:]), np.float32)]) for a in (d, m))
+    panels, supers = (out + pad) // 16, blocks // 8
+    nibbles = panels_of_blocks(q, d[..., 0], m[..., 0], "q4_1").numpy().reshape(panels, blocks, 384)[..., :256]
+    ints = np.stack([d[..., 1], m[..., 1]], axis=-1).astype(np.uint8)  # [output, block, scale | min]
+    ints = ints.reshape(panels, 16, blocks, 2).transpose(0, 2, 3, 1).reshape(panels, blocks, 32)
+    body = np.concatenate([nibbles, ints], axis=-1).reshape(panels, supers, 8 * 288)
+    head = np.stack([d[:, ::8, 0], m[:, ::8, 0]], axis=-1).astype(np.float32)  # [output, super, D | M]
+    head = np.ascontiguousarray(head.reshape(panels, 16, supers, 2).transpose(0, 2, 3, 1)).view(np.uint8)
+    return torch.from_numpy(np.ascontiguousarray(np.concatenate([head.reshape(panels, supers, 128), body], axis=-1))
+                            .reshape(panels, -1))
+
+
 def q8_0_blocks_of_panels(panels: torch.Tensor, out: int, blocks: int) -> tuple[np.ndarray, np.ndarray]:
     """The inverse of `panels_of_blocks` for Q8_0 in csrc/qlinear.c's layout: q [out, blocks, 32]
     int8 and d [out, blocks] float32."""
@@ -310,7 +353,7 @@ class QuantLinear(nn.Module):
               bias: torch.Tensor | None, kernel: QuantKernel, int8: bool, source: str | None = None):
         self.out_features, self.in_features = out_features, in_features
         self.kind, self.kernel, self.int8 = kind, kernel, int8
-        self.source = source or kind  # the file's type of block (Q4_K is held as Q4_1 blocks, Q6_K as q6_k)
+        self.source = source or kind  # the file's type of block (Q5_K is held as q5_1 blocks, Q6_K as q6_k)
         self.panels = panels  # uint8 [ceil(out / 16), in / 32 * block bytes]
         self.bias = padded_bias(bias, panels.shape[0], out_features)
 
@@ -323,7 +366,7 @@ class QuantLinear(nn.Module):
         `panels_of_blocks`: the reference, equal byte for byte)."""
         if ggml_type not in GGUF_TYPES:
             raise ValueError(f"GGUF blocks kept as blocks: {', '.join(GGUF_TYPES)}. Given: {ggml_type!r}")
-        kind = GGUF_TYPES[ggml_type][1]
+        kind = held_kind(ggml_type, int8)
         weights, size = GGUF_BLOCKS[ggml_type]
         if raw.ndim != 2 or raw.shape[1] % size:
             raise ValueError(f"{ggml_type} rows are whole blocks of {size} bytes; given raw of shape {raw.shape}")

@@ -11,8 +11,15 @@
  *         fifth bits (64 bytes)
  *   Q6_K  6-bit q: Q4's nibbles, then a plane of  w = d[k / 16] (q - 32)  512 bytes (1.0)
  *         two-bit highs (128 bytes)
- * GGUF's Q8_0, IQ4_NL and IQ4_XS are held as Q8_0; Q4_K as Q4_1; Q5_1 and Q5_K as Q5_1; Q6_K, Q5_0
- * (q + 16) and Q3_K (q + 32) as Q6_K (engine/model/quant.py, csrc/repack.c). */
+ *   Q4_K  Q4_1's nibbles, then uint8 s[16] and    w = D s q + M n         288 bytes, and 128 per
+ *         n[16]: a super-block's six-bit scales   (D s, M n: one float32  8 blocks (0.59)
+ *         and minimums                            product each)
+ * A Q4_K panel is super-blocks of 256 inputs: float D[16] and M[16] (M = -dmin, so that M n is
+ * -(dmin n) exactly), then its 8 blocks; D s is the product Q4_1 holds as its d, computed where it
+ * is used: 0.79x the bytes of Q4_1 blocks for the same weights, the same floats.
+ * GGUF's Q8_0, IQ4_NL and IQ4_XS are held as Q8_0; Q4_K as Q4_K (with int8 activations: Q4_1); Q5_1
+ * and Q5_K as Q5_1; Q6_K, Q5_0 (q + 16) and Q3_K (q + 32) as Q6_K (engine/model/quant.py,
+ * csrc/repack.c). */
 #ifndef RILL_BLOCKS_H
 #define RILL_BLOCKS_H
 #include <math.h>
@@ -21,7 +28,7 @@
 #include <immintrin.h>
 #endif
 
-enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q5_1 = 3, Q6_K = 4, NUM_KINDS = 5 };
+enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q5_1 = 3, Q6_K = 4, Q4_K = 5, NUM_KINDS = 6 };
 /* rill_lin's kind for the int8-activation kernel: INT8_KIND + the kind (engine/runner/native.py) */
 enum { INT8_KIND = 16 };
 
@@ -32,22 +39,34 @@ enum { INT8_KIND = 16 };
         case Q4_0: CALL(Q4_0); break; \
         case Q4_1: CALL(Q4_1); break; \
         case Q5_1: CALL(Q5_1); break; \
+        case Q4_K: CALL(Q4_K); break; \
         default: CALL(Q6_K); break;   \
     }
 
-/* bytes of one panel's block of 32 inputs */
+/* bytes of a panel per block of 32 inputs (Q4_K: a super-block's over its 8 blocks) */
 static inline int64_t block_bytes(int kind) {
     return kind == Q8_0 ? 32 * 16 + 64 : kind == Q4_0 ? 32 * 8 + 64 : kind == Q4_1 ? 32 * 8 + 128
-         : kind == Q5_1 ? 32 * 8 + 64 + 128 : 32 * 8 + 128 + 128;
+         : kind == Q5_1 ? 32 * 8 + 64 + 128 : kind == Q4_K ? 32 * 8 + 32 + 16 : 32 * 8 + 128 + 128;
 }
-/* where a block's float scales start: after its weights */
+/* where a block's scales start: after its weights (Q4_K: its bytes s and n) */
 static inline int64_t scales_at(int kind) {
     return kind == Q8_0 ? 32 * 16 : kind == Q5_1 ? 32 * 8 + 64 : kind == Q6_K ? 32 * 8 + 128 : 32 * 8;
 }
+/* Q4_K's super-block: its floats D[16], M[16], then 8 blocks of SUPER_BLOCK_STRIDE bytes */
+enum { SUPER_HEAD = 128, SUPER_BLOCK_STRIDE = 32 * 8 + 32, SUPER_BYTES = SUPER_HEAD + 8 * SUPER_BLOCK_STRIDE };
+/* block b of a panel */
+static inline __attribute__((always_inline)) const uint8_t *block_at(const uint8_t *panel, int64_t b, const int kind) {
+    if (kind == Q4_K) return panel + (b >> 3) * SUPER_BYTES + SUPER_HEAD + (b & 7) * SUPER_BLOCK_STRIDE;
+    return panel + b * block_bytes(kind);
+}
+/* Q4_K: the floats D[16], M[16] of block b's super-block */
+static inline __attribute__((always_inline)) const float *super_head(const uint8_t *panel, int64_t b) {
+    return (const float *)(panel + (b >> 3) * SUPER_BYTES);
+}
 /* the 4-bit kinds, whose weights are nibbles only */
-static inline int is_q4(int kind) { return kind == Q4_0 || kind == Q4_1; }
+static inline int is_q4(int kind) { return kind == Q4_0 || kind == Q4_1 || kind == Q4_K; }
 /* the kinds with a minimum m per output */
-static inline int has_min(int kind) { return kind == Q4_1 || kind == Q5_1; }
+static inline int has_min(int kind) { return kind == Q4_1 || kind == Q5_1 || kind == Q4_K; }
 /* the offset taken off q: w = d (q - offset) */
 static inline int q_offset(int kind) { return kind == Q4_0 ? 8 : kind == Q6_K ? 32 : 0; }
 /* scales per output in a block: Q6_K's are per 16 inputs */
@@ -60,7 +79,11 @@ static inline int scale_parts(int kind) { return kind == Q6_K ? 2 : 1; }
  * activations), 0.47-0.62x with int8 activations (with the sums apart, below). */
 enum { PREFETCH_BLOCKS = 8 };
 static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *blk, const int kind) {
-    for (int64_t o = 0; o < block_bytes(kind); o += 64) __builtin_prefetch(blk + PREFETCH_BLOCKS * block_bytes(kind) + o, 0, 0);
+    /* Q4_K: PREFETCH_BLOCKS is a super-block, so this is the same block of the next one, and past
+       it the head of the one after (asked for by its block 7) */
+    const int64_t extra = kind == Q4_K ? SUPER_HEAD : 0;
+    for (int64_t o = 0; o < block_bytes(kind) + extra; o += 64)
+        __builtin_prefetch(blk + PREFETCH_BLOCKS * block_bytes(kind) + o, 0, 0);
 }
 
 /* Floats between two threads' sums (16 per row for one panel's outputs, then a cache line of

@@ -1,7 +1,7 @@
 /* y = x w^T + bias for block-quantized weights and float32 activations (built by engine/kernels/build.py).
  *
  * The weights keep their GGUF blocks of 32 inputs (the kinds in blocks.h: Q8_0 w = d q, Q4_0
- * w = d (q - 8), Q4_1 and Q5_1 w = d q + m, Q6_K w = d (q - 32) with a d per 16 inputs), rearranged
+ * w = d (q - 8), Q4_1, Q5_1 and Q4_K w = d q + m, Q6_K w = d (q - 32) with a d per 16 inputs), rearranged
  * once at load into panels of 16 output features as csrc/linear.c does with float32 weights:
  *
  *   Q8_0  panel p, block b: int8 q[32][16] (input-major), then float d[16]            576 bytes
@@ -11,6 +11,8 @@
  *         the fifth bit of output j at input 4G + g, bit 2g + 1 output j + 8's; float d[16], m[16]
  *   Q6_K  Q4's nibbles, then uint8 h[16][8]: byte j of inputs 2P, 2P + 1, bits 4o..4o+1 the two
  *         high bits of output j at input 2P + o, bits 4o+2..4o+3 output j + 8's; float d[2][16]
+ *   Q4_K  super-blocks: float D[16], M[16], then 8 blocks of Q4's nibbles and uint8 s[16], n[16]:
+ *         a block's d = D s and m = M n are computed as it is read (blocks.h), as Q4_1 holds them
  *
  * A tile of up to 6 rows of x times one panel keeps 6 x 16 running sums in registers (AVX2; with
  * AVX-512, tiles of up to 16 rows and a panel in one register: the section further down). Within a
@@ -102,7 +104,27 @@ static inline __attribute__((always_inline)) void widen(const uint8_t *blk, int 
  * operations wherever the kernels de-quantize, so the same floats; Q4_1/Q5_1 with one rounding) */
 typedef struct { v8 d0, d1, m0, m1, e0, e1; } block_scales;  /* e: Q6_K's d of inputs 16-31 */
 
-static inline __attribute__((always_inline)) block_scales scales_of(const uint8_t *blk, const int kind) {
+/* 8 bytes at p as floats */
+static inline __attribute__((always_inline)) v8 bytes8(const uint8_t *p) {
+#ifdef __AVX2__
+    return (v8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#else
+    v8 v;
+    for (int j = 0; j < 8; j++) v[j] = (float)p[j];
+    return v;
+#endif
+}
+
+/* block b's scales (blk: the block itself); Q4_K's d and m the products of its super-block's floats
+ * and the block's six-bit integers, the floats repack.c computes for Q4_1 */
+static inline __attribute__((always_inline)) block_scales scales_of(const uint8_t *panel, int64_t b, const uint8_t *blk,
+                                                                    const int kind) {
+    if (kind == Q4_K) {
+        const float *head = super_head(panel, b);
+        const uint8_t *s = blk + scales_at(kind);
+        return (block_scales){load8(head) * bytes8(s), load8(head + 8) * bytes8(s + 8),
+                              load8(head + 16) * bytes8(s + 16), load8(head + 24) * bytes8(s + 24), {0}, {0}};
+    }
     const float *scales = (const float *)(blk + scales_at(kind));
     block_scales s = {load8(scales), load8(scales + 8), {0}, {0}, {0}, {0}};
     if (has_min(kind)) s.m0 = load8(scales + 16), s.m1 = load8(scales + 24);
@@ -133,9 +155,11 @@ static inline __attribute__((always_inline)) void dequant_input(const uint8_t *b
     }
 }
 
-/* one panel's block -> its float32 weights w[32][16] */
-static inline __attribute__((always_inline)) void dequant_block(const uint8_t *blk, float *w, const int kind) {
-    const block_scales s = scales_of(blk, kind);
+/* a panel's block b -> its float32 weights w[32][16] */
+static inline __attribute__((always_inline)) void dequant_block(const uint8_t *panel, int64_t b, float *w, const int kind) {
+    const uint8_t *blk = block_at(panel, b, kind);
+    prefetch_ahead(blk, kind);
+    const block_scales s = scales_of(panel, b, blk, kind);
     for (int k = 0; k < 32; k++) {
         v8 w0, w1;
         dequant_input(blk, k, &s, &w0, &w1, kind);
@@ -197,18 +221,19 @@ static inline __attribute__((always_inline)) void block_tile(const float *x, int
     tile_store(acc, acc_row, MR, S, a, c);
 }
 
-/* The last 1 or 2 rows of a chunk (rows % 6 of them) de-quantize its blocks into w as they go:
- * the same operations as dequant_block, and the same sums as block_tile's, but the widening,
- * whose multiply-adds are few, overlaps the tile's, whose sums alone wait on their latency */
-static inline __attribute__((always_inline)) void lead_tile(const float *x, int64_t x_row, const uint8_t *blocks,
-                                                            int64_t nb, float *w, float *acc, int64_t acc_row,
+/* The last 1 or 2 rows of a chunk (rows % 6 of them; its blocks b0.. of the panel) de-quantize
+ * its blocks into w as they go: the same operations as dequant_block, and the same sums as
+ * block_tile's, but the widening, whose multiply-adds are few, overlaps the tile's, whose sums
+ * alone wait on their latency */
+static inline __attribute__((always_inline)) void lead_tile(const float *x, int64_t x_row, const uint8_t *panel,
+                                                            int64_t b0, int64_t nb, float *w, float *acc, int64_t acc_row,
                                                             int first, const int MR, const int kind) {
     v8 a[2][2], c[2][2];
     tile_load(acc, acc_row, first, MR, a, c);
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = blocks + b * block_bytes(kind);
+        const uint8_t *blk = block_at(panel, b0 + b, kind);
         prefetch_ahead(blk, kind);
-        const block_scales sc = scales_of(blk, kind);
+        const block_scales sc = scales_of(panel, b0 + b, blk, kind);
         for (int k0 = 0; k0 < 32; k0 += 2)
             for (int s = 0; s < 2; s++) {
                 const int k = k0 + s;
@@ -238,9 +263,9 @@ static inline __attribute__((always_inline)) void rows_panel(const float *x, int
     v8 y[6][2];
     for (int i = 0; i < MR; i++) y[i][0] = y[i][1] = (v8){0};
     for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *blk = panel + b * block_bytes(kind);
+        const uint8_t *blk = block_at(panel, b, kind);
         prefetch_ahead(blk, kind);
-        const float *xb = x + b * 32, *scales = (const float *)(blk + scales_at(kind));
+        const float *xb = x + b * 32;
         for (int part = 0; part < parts; part++) {
             v8 p[4][6][2];
             for (int s = 0; s < S; s++)
@@ -251,7 +276,8 @@ static inline __attribute__((always_inline)) void rows_panel(const float *x, int
                     widen(blk, k0 + s, &w0, &w1, kind);
                     tile_input(xb, x_row, k0 + s, w0, w1, MR, p[s]);
                 }
-            const v8 d0 = load8(scales + 16 * part), d1 = load8(scales + 16 * part + 8);
+            const block_scales sc = scales_of(panel, b, blk, kind);
+            const v8 d0 = part ? sc.e0 : sc.d0, d1 = part ? sc.e1 : sc.d1;
             for (int i = 0; i < MR; i++) {
                 const v8 q0 = S == 4 ? (p[0][i][0] + p[1][i][0]) + (p[2][i][0] + p[3][i][0])
                             : S == 2 ? p[0][i][0] + p[1][i][0] : p[0][i][0];
@@ -262,8 +288,8 @@ static inline __attribute__((always_inline)) void rows_panel(const float *x, int
                 if (kind != Q8_0) {
                     const float xs = xsum[i * blocks * parts + b * parts + part];
                     const v8 sv = {xs, xs, xs, xs, xs, xs, xs, xs};
-                    const v8 m0 = has_min(kind) ? load8(scales + 16) : d0 * (float)-q_offset(kind);
-                    const v8 m1 = has_min(kind) ? load8(scales + 24) : d1 * (float)-q_offset(kind);
+                    const v8 m0 = has_min(kind) ? sc.m0 : d0 * (float)-q_offset(kind);
+                    const v8 m1 = has_min(kind) ? sc.m1 : d1 * (float)-q_offset(kind);
                     y[i][0] += m0 * sv;
                     y[i][1] += m1 * sv;
                 }
@@ -296,6 +322,23 @@ static inline __attribute__((always_inline)) __m512 widen16(const uint8_t *blk, 
     const __m128i b = _mm_loadl_epi64((const __m128i *)(blk + k * 8)), low4 = _mm_set1_epi8(15);
     const __m128i nibbles = _mm_unpacklo_epi64(_mm_and_si128(b, low4), _mm_and_si128(_mm_srli_epi16(b, 4), low4));
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(nibbles));
+}
+
+/* block b's d and m (Q6_K: e, the d of inputs 16-31), scales_of's floats in one register each */
+static inline __attribute__((always_inline)) void scales16(const uint8_t *panel, int64_t b, const uint8_t *blk,
+                                                           __m512 *d, __m512 *m, __m512 *e, const int kind) {
+    if (kind == Q4_K) {
+        const float *head = super_head(panel, b);
+        const uint8_t *s = blk + scales_at(kind);
+        *d = _mm512_mul_ps(_mm512_loadu_ps(head), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)s))));
+        *m = _mm512_mul_ps(_mm512_loadu_ps(head + 16),
+                           _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(s + 16)))));
+        return;
+    }
+    const float *scales = (const float *)(blk + scales_at(kind));
+    *d = _mm512_loadu_ps(scales);
+    if (has_min(kind)) *m = _mm512_loadu_ps(scales + 16);
+    if (kind == Q6_K) *e = _mm512_loadu_ps(scales + 16);
 }
 
 /* integer weights q as floats -> de-quantized, the same operations per lane as dequant_input (so the
@@ -334,12 +377,12 @@ static inline __m512i nibbles4(const uint8_t *blk, int k4) { (void)blk, (void)k4
 static inline __m512i q4_lanes(__m512i nibbles, int g) { (void)g; return nibbles; }
 #endif
 
-/* MR rows (packed: xp[k * MR + i]) times the nb blocks of a chunk, added to the sums in acc
+/* MR rows (packed: xp[k * MR + i]) times the nb blocks of a chunk (the panel's b0..), added to the sums in acc
  * [MR][16] (zero at the first chunk). The first tile of a chunk de-quantizes its blocks in
  * registers as it goes (from_blocks), storing the floats into w when other tiles follow (keep);
  * those read w. Under 8 rows the odd inputs go to a second set of sums, added in at the end, so
  * that 8 or more multiply-adds are in flight. */
-static inline __attribute__((always_inline)) void wide_tile(const float *xp, const uint8_t *chunk, float *w,
+static inline __attribute__((always_inline)) void wide_tile(const float *xp, const uint8_t *panel, int64_t b0, float *w,
                                                             float *acc, int first, int64_t nb, const int MR,
                                                             const int from_blocks, int keep, const int kind) {
     const int S = MR < 8 ? 2 : 1;
@@ -349,14 +392,11 @@ static inline __attribute__((always_inline)) void wide_tile(const float *xp, con
         c[i] = _mm512_setzero_ps();
     }
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = chunk + b * block_bytes(kind);
-        const float *scales = (const float *)(blk + scales_at(kind));
+        const uint8_t *blk = block_at(panel, b0 + b, kind);
         __m512 d = _mm512_setzero_ps(), m = d, e = d;  /* e: Q6_K's d of inputs 16-31 */
         if (from_blocks) {
             prefetch_ahead(blk, kind);
-            d = _mm512_loadu_ps(scales);
-            if (has_min(kind)) m = _mm512_loadu_ps(scales + 16);
-            if (kind == Q6_K) e = _mm512_loadu_ps(scales + 16);
+            scales16(panel, b0 + b, blk, &d, &m, &e, kind);
         }
         for (int k4 = 0; k4 < 32; k4 += 4) {
             const int by4 = from_blocks && is_q4(kind) && BYTE_PERMUTE && MR <= BYTE_PERMUTE_ROWS;
@@ -391,9 +431,9 @@ static inline __attribute__((always_inline)) void row_panel16(const float *x, co
     const int parts = scale_parts(kind), span = 32 / parts;
     __m512 y = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *blk = panel + b * block_bytes(kind);
+        const uint8_t *blk = block_at(panel, b, kind);
         prefetch_ahead(blk, kind);
-        const float *xb = x + b * 32, *scales = (const float *)(blk + scales_at(kind));
+        const float *xb = x + b * 32;
         for (int part = 0; part < parts; part++) {
             __m512 p[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
             for (int k = part * span; k < (part + 1) * span; k += 4) {
@@ -411,11 +451,12 @@ static inline __attribute__((always_inline)) void row_panel16(const float *x, co
                     p[c + 1] = _mm512_fmadd_ps(_mm512_set1_ps(xb[k + c + 1]), w1, p[c + 1]);
                 }
             }
-            const __m512 d = _mm512_loadu_ps(scales + 16 * part);
+            __m512 d = _mm512_setzero_ps(), m = d, e = d;
+            scales16(panel, b, blk, &d, &m, &e, kind);
+            if (part) d = e;
             y = _mm512_fmadd_ps(d, _mm512_add_ps(_mm512_add_ps(p[0], p[1]), _mm512_add_ps(p[2], p[3])), y);
             if (kind != Q8_0) {
-                const __m512 m = has_min(kind) ? _mm512_loadu_ps(scales + 16)
-                                               : _mm512_mul_ps(d, _mm512_set1_ps((float)-q_offset(kind)));
+                if (!has_min(kind)) m = _mm512_mul_ps(d, _mm512_set1_ps((float)-q_offset(kind)));
                 y = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[b * parts + part]), y);
             }
         }
@@ -459,7 +500,6 @@ static inline __attribute__((always_inline)) void panel_rows_wide(const float *x
     const int64_t tiles = wide_tiles(rows), chunk_blocks = tiles == 1 ? blocks : CHUNK;
     for (int64_t b0 = 0; b0 < blocks; b0 += chunk_blocks) {
         const int64_t nb = blocks - b0 < chunk_blocks ? blocks - b0 : chunk_blocks;
-        const uint8_t *chunk = panel + b0 * block_bytes(kind);
         for (int64_t t = 0; t < tiles; t++) {
             const int64_t start = wide_start(rows, t), mr = wide_start(rows, t + 1) - start;
             const float *xt = xp + start * in + b0 * 32 * mr;
@@ -468,8 +508,8 @@ static inline __attribute__((always_inline)) void panel_rows_wide(const float *x
             switch (mr) {
 #define WIDE_CASE(n)                                                    \
     case n:                                                             \
-        if (t == 0) wide_tile(xt, chunk, w, at, first, nb, n, 1, keep, kind); \
-        else wide_tile(xt, chunk, w, at, first, nb, n, 0, 0, kind);     \
+        if (t == 0) wide_tile(xt, panel, b0, w, at, first, nb, n, 1, keep, kind); \
+        else wide_tile(xt, panel, b0, w, at, first, nb, n, 0, 0, kind);     \
         break;
                 WIDE_CASE(2) WIDE_CASE(3) WIDE_CASE(4) WIDE_CASE(5) WIDE_CASE(6) WIDE_CASE(7) WIDE_CASE(8) WIDE_CASE(9) WIDE_CASE(10)
                 WIDE_CASE(11) WIDE_CASE(12) WIDE_CASE(13) WIDE_CASE(14) WIDE_CASE(15) WIDE_CASE(16)
@@ -507,14 +547,10 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, int
     for (int64_t b0 = 0; b0 < blocks; b0 += CHUNK) {
         const int64_t nb = blocks - b0 < CHUNK ? blocks - b0 : CHUNK, kn = nb * 32;
         const float *xb = x + b0 * 32;
-        const uint8_t *chunk = panel + b0 * block_bytes(kind);
-        if (lead == 1) lead_tile(xb + tiled * x_row, x_row, chunk, nb, w, acc + tiled * 16, 16, b0 == 0, 1, kind);
-        else if (lead == 2) lead_tile(xb + tiled * x_row, x_row, chunk, nb, w, acc + tiled * 16, 16, b0 == 0, 2, kind);
+        if (lead == 1) lead_tile(xb + tiled * x_row, x_row, panel, b0, nb, w, acc + tiled * 16, 16, b0 == 0, 1, kind);
+        else if (lead == 2) lead_tile(xb + tiled * x_row, x_row, panel, b0, nb, w, acc + tiled * 16, 16, b0 == 0, 2, kind);
         else
-            for (int64_t b = 0; b < nb; b++) {
-                prefetch_ahead(chunk + b * block_bytes(kind), kind);
-                dequant_block(chunk + b * block_bytes(kind), w + b * 512, kind);
-            }
+            for (int64_t b = 0; b < nb; b++) dequant_block(panel, b0 + b, w + b * 512, kind);
         int64_t m = 0;
         for (; m + 6 <= tiled; m += 6) block_tile(xb + m * x_row, x_row, w, acc + m * 16, 16, b0 == 0, kn, 6);
         const float *xm = xb + m * x_row;
@@ -588,12 +624,12 @@ static inline __attribute__((always_inline)) void qlinear(const float *x, int64_
     }
 }
 
-/* kind: 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q5_1, 4 Q6_K (the layouts above); returns 0, -1 when out of
- * memory, -2 for another kind */
+/* kind: 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q5_1, 4 Q6_K, 5 Q4_K (the layouts above, blocks.h); returns 0,
+ * -1 when out of memory, -2 for another kind (or Q4_K with inputs not a multiple of 256) */
 int rill_qlinear(const float *x, int64_t x_row, const uint8_t *panels, const float *bias, float *y,
                  int64_t rows, int64_t out, int64_t in, int threads, int kind) {
     const int64_t blocks = in / 32;
-    if (kind < 0 || kind >= NUM_KINDS) return -2;
+    if (kind < 0 || kind >= NUM_KINDS || (kind == Q4_K && in % 256)) return -2;
     if (rows <= 0) return 0;
     /* the offsets and minimums need each row's sum of x per block (Q6_K: per 16 inputs), on the
      * row-by-row path only */

@@ -36,13 +36,20 @@ static inline __attribute__((always_inline)) gguf_type type_of(int type) {
         case T_Q5_0: return (gguf_type){32, 22, Q6_K};
         case T_Q5_1: return (gguf_type){32, 24, Q5_1};
         case T_Q3_K: return (gguf_type){256, 110, Q6_K};
-        case T_Q4_K: return (gguf_type){256, 144, Q4_1};
+        case T_Q4_K: return (gguf_type){256, 144, Q4_K};
         case T_Q5_K: return (gguf_type){256, 176, Q5_1};
         case T_Q6_K: return (gguf_type){256, 210, Q6_K};
         case T_IQ4_NL: return (gguf_type){32, 18, Q8_0};
         case T_IQ4_XS: return (gguf_type){256, 136, Q8_0};
         default: return (gguf_type){0, 0, 0};
     }
+}
+
+/* the kind whose blocks hold `type`'s: Q4_K's super-blocks only with float32 activations (the
+ * int8 layout holds Q4_1 blocks, the products D s and M n as their d and m) */
+static inline __attribute__((always_inline)) int kind_of(int type, int int8) {
+    const int kind = type_of(type).kind;
+    return kind == Q4_K && int8 ? Q4_1 : kind;
 }
 
 static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
@@ -316,7 +323,7 @@ static inline __attribute__((always_inline)) void repack_panel(const uint8_t *ra
                                                                const int64_t rows[16], int64_t in, uint8_t *panel,
                                                                const int type, const int int8) {
     const gguf_type t = type_of(type);
-    const int kind = t.kind;
+    const int kind = kind_of(type, int8);
     uint8_t q[16 * STRIDE];
     float d[16 * STRIDE / 16], m[16 * STRIDE / 32], scales[32];
     const int64_t blocks = t.weights / 32, bytes = block_bytes(kind);
@@ -331,6 +338,28 @@ static inline __attribute__((always_inline)) void repack_panel(const uint8_t *ra
                 decode(raw + rows[j] * row_bytes + c * t.bytes, type, q + j * STRIDE, d + j * (STRIDE / 16),
                        m + j * (STRIDE / 32));
             }
+        }
+        if (kind == Q4_K) {  /* the super-block's D = d and M = -dmin, then its blocks with their six-bit s and n */
+            uint8_t *head = panel + c * SUPER_BYTES;
+            float dm[32];
+            for (int j = 0; j < 16; j++) {
+                dm[j] = dm[16 + j] = 0.0f;
+                if (rows[j] < 0) continue;
+                const uint8_t *src = raw + rows[j] * row_bytes + c * t.bytes;
+                dm[j] = half_at(src), dm[16 + j] = -half_at(src + 2);
+            }
+            memcpy(head, dm, sizeof dm);
+            for (int64_t b = 0; b < blocks; b++) {
+                uint8_t *dst = head + SUPER_HEAD + b * SUPER_BLOCK_STRIDE;
+                write_float(q + b * 32, dst, kind);
+                for (int j = 0; j < 16; j++) {
+                    int scale = 0, minimum = 0;
+                    if (rows[j] >= 0) scale_min_k4(raw + rows[j] * row_bytes + c * t.bytes + 4, (int)b, &scale, &minimum);
+                    dst[scales_at(kind) + j] = (uint8_t)scale;
+                    dst[scales_at(kind) + 16 + j] = (uint8_t)minimum;
+                }
+            }
+            continue;
         }
         for (int64_t b = 0; b < blocks; b++) {
             uint8_t *dst = panel + (c * blocks + b) * bytes;
@@ -347,13 +376,13 @@ static inline __attribute__((always_inline)) void repack_panel(const uint8_t *ra
 }
 
 /* raw [rows of the file, row_bytes] of ggml type `type` -> panels [ceil(out / 16), in / 32 * block
- * bytes] of its kind (type_of), output r being the file's row order[r] (order NULL: row r); int8:
+ * bytes] of its kind (kind_of), output r being the file's row order[r] (order NULL: row r); int8:
  * csrc/qlinear_i8.c's layout. Returns 0, or -2 for a type it does not read or a row of other bytes */
 int rill_repack(const uint8_t *raw, int64_t row_bytes, const int64_t *order, int64_t out, int64_t in, int type,
                 int int8, uint8_t *panels, int threads) {
     const gguf_type t = type_of(type);
     if (!t.weights || in % t.weights || row_bytes != in / t.weights * t.bytes || out <= 0) return -2;
-    const int64_t num_panels = (out + 15) / 16, panel_bytes = in / 32 * block_bytes(t.kind);
+    const int64_t num_panels = (out + 15) / 16, panel_bytes = in / 32 * block_bytes(kind_of(type, int8));
     #pragma omp parallel for num_threads(threads) schedule(dynamic, 4)
     for (int64_t p = 0; p < num_panels; p++) {
         int64_t rows[16];
