@@ -1,10 +1,13 @@
 /* The block kernels of two builds side by side (bench/qlinear_ab.py compiles this with the
  * sources of a git revision renamed *_a and those of the working tree): one shape, weights from
  * memory (30 different ones, as a model's layers), 40 alternations, medians in microseconds.
- * argv: out in rows threads kind(0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q5_1, 4 Q6_K) int8(0/1) */
+ * argv: out in rows threads kind int8(0/1); kind (0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q5_1, 4 Q6_K, 5 Q4_K,
+ * 6 Q6_KS) or A:B, the revision's kind A against the working tree's B (the same weights' values:
+ * Q4_1 against Q4_K, Q6_K against Q6_KS) */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 typedef int (*kernel)(const float *, int64_t, const uint8_t *, const float *, float *, int64_t, int64_t, int64_t,
@@ -30,26 +33,46 @@ static int by_value(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
+/* bytes per block of 32 inputs and where a block's float scales are (csrc/blocks.h) */
+static int64_t block_of(int kind) {
+    return kind == 0 ? 32 * 16 + 64 : kind == 1 ? 32 * 8 + 64 : kind == 2 ? 32 * 8 + 128 : kind == 3 ? 32 * 8 + 64 + 128
+         : kind == 5 ? 32 * 8 + 32 + 16 : kind == 6 ? 32 * 8 + 128 + 32 + 8 : 32 * 8 + 128 + 128;
+}
+
+/* 30 layers of random weights of `kind` with sane float scales (random bytes as floats would be
+ * NaNs and subnormals); the super-block kinds' heads 0.01, their integers random */
+static void fill(uint8_t **weights, int64_t blocks, int kind) {
+    const int64_t block = block_of(kind);
+    for (int l = 0; l < LAYERS; l++) {
+        weights[l] = malloc((size_t)(blocks * block));
+        for (int64_t i = 0; i < blocks * block; i++) weights[l][i] = (uint8_t)rand();
+        if (kind >= 5) {
+            const int64_t head = kind == 5 ? 128 : 64;
+            for (int64_t s = 0; s < blocks / 8; s++)
+                for (int j = 0; j < head / 4; j++) ((float *)(weights[l] + s * 8 * block))[j] = 0.01f;
+            continue;
+        }
+        for (int64_t b = 0; b < blocks; b++) { /* the floats after each block's weights */
+            float *scales = (float *)(weights[l] + b * block + (kind == 0 ? 32 * 16 : kind == 3 ? 32 * 8 + 64
+                                                                 : kind == 4 ? 32 * 8 + 128 : 32 * 8));
+            for (int j = 0; j < (kind >= 2 ? 32 : 16); j++) scales[j] = 0.01f;
+        }
+    }
+}
+
 int main(int argc, char **argv) {
     if (argc != 7) {
         fprintf(stderr, "usage: %s out in rows threads kind int8\n", argv[0]);
         return 2;
     }
     const int64_t out = atoll(argv[1]), in = atoll(argv[2]), rows = atoll(argv[3]);
-    const int threads = atoi(argv[4]), kind = atoi(argv[5]), int8 = atoi(argv[6]);
-    const int64_t block = kind == 0 ? 32 * 16 + 64 : kind == 1 ? 32 * 8 + 64 : kind == 2 ? 32 * 8 + 128
-                        : kind == 3 ? 32 * 8 + 64 + 128 : 32 * 8 + 128 + 128;  /* csrc/blocks.h */
+    const int threads = atoi(argv[4]), int8 = atoi(argv[6]);
+    const char *colon = strchr(argv[5], ':');
+    const int kinds[2] = {atoi(argv[5]), colon ? atoi(colon + 1) : atoi(argv[5])};
     const int64_t blocks = ((out + 15) / 16) * (in / 32);
-    uint8_t *weights[LAYERS];
-    for (int l = 0; l < LAYERS; l++) {
-        weights[l] = malloc((size_t)(blocks * block));
-        for (int64_t i = 0; i < blocks * block; i++) weights[l][i] = (uint8_t)rand();
-        for (int64_t b = 0; b < blocks; b++) { /* sane scales: the floats after each block's weights */
-            float *scales = (float *)(weights[l] + b * block + (kind == 0 ? 32 * 16 : kind == 3 ? 32 * 8 + 64
-                                                                 : kind == 4 ? 32 * 8 + 128 : 32 * 8));
-            for (int j = 0; j < (kind >= 2 ? 32 : 16); j++) scales[j] = 0.01f;
-        }
-    }
+    uint8_t *weights[2][LAYERS];
+    fill(weights[0], blocks, kinds[0]);
+    fill(weights[1], blocks, kinds[1]);
     float *x = malloc(sizeof(float) * (size_t)(rows * in)), *y = malloc(sizeof(float) * (size_t)(rows * out));
     for (int64_t i = 0; i < rows * in; i++) x[i] = (float)rand() / (float)RAND_MAX - 0.5f;
     const kernel builds[2] = {int8 ? rill_qlinear_i8_a : rill_qlinear_a, int8 ? rill_qlinear_i8 : rill_qlinear};
@@ -58,7 +81,7 @@ int main(int argc, char **argv) {
         for (int v = 0; v < 2; v++) {
             const double t0 = now();
             for (int c = 0; c < CALLS; c++)
-                for (int l = 0; l < LAYERS; l++) builds[v](x, in, weights[l], NULL, y, rows, out, in, threads, kind);
+                for (int l = 0; l < LAYERS; l++) builds[v](x, in, weights[v][l], NULL, y, rows, out, in, threads, kinds[v]);
             times[v][r] = (now() - t0) / (CALLS * LAYERS) * 1e6;
         }
     qsort(times[0], ROUNDS, sizeof(double), by_value);

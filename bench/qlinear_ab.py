@@ -2,7 +2,7 @@
 tree's, side by side in one C process: SmolLM2-135M's four linear shapes (or --shapes), Q4_1,
 weights from memory, medians of 40 alternations.
 
-    python -m bench.qlinear_ab 948ef9f [--rows 1,8] [--threads 2] [--int8] [--shapes 6144x2048,...]
+    python -m bench.qlinear_ab 948ef9f [--rows 1,8] [--threads 2] [--int8] [--shapes 6144x2048,...] [--kinds 2:5]
 
 The revision's sources are compiled with their entry points renamed (`-Drill_qlinear=...`), so
 both builds live in one binary and take turns under the same conditions."""
@@ -55,6 +55,8 @@ def main() -> None:
     parser.add_argument("--rows", default="1,8")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--int8", action="store_true", help="the int8-activation kernel (csrc/qlinear_i8.c)")
+    parser.add_argument("--kinds", default="2", help="the kind (csrc/blocks.h: 2 Q4_1) or A:B, the revision's A "
+                        "against the working tree's B (2:5: Q4_1 against Q4_K's super-blocks, 4:6: Q6_K against Q6_KS)")
     parser.add_argument("--shapes", default=",".join(f"{o}x{i}" for o, i in SHAPES),
                         help="OUTxIN,... (default SmolLM2-135M's; SmolLM2-1.7B's: 6144x2048,2048x2048,16384x2048,2048x8192)")
     args = parser.parse_args()
@@ -66,12 +68,12 @@ def main() -> None:
         parser.error(f"--shapes: OUTxIN pairs with IN a multiple of 32, given {args.shapes!r}")
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), "?")
-    print(f"{cpu}; {args.revision} -> working tree, Q4_1, {'int8' if args.int8 else 'float32'} activations")
+    print(f"{cpu}; {args.revision} -> working tree, kinds {args.kinds}, {'int8' if args.int8 else 'float32'} activations")
     with tempfile.TemporaryDirectory() as tmp:
         binary = build(args.revision, Path(tmp))
         for rows in (int(r) for r in args.rows.split(",")):
             for out, inp in shapes:
-                subprocess.run([str(binary), str(out), str(inp), str(rows), str(args.threads), "2",
+                subprocess.run([str(binary), str(out), str(inp), str(rows), str(args.threads), args.kinds,
                                 str(int(args.int8))], check=True)
 
 

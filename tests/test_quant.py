@@ -15,12 +15,12 @@ from bench.gguf_file import encode_q4_k
 from engine import LLM, EngineConfig, SamplingParams
 from engine.model.loading import ModelLoadError, embedded_gguf_path, load_model, rill_cache_dir
 from engine.kernels import quant_kernel
-from engine.model.quant import (GGUF_TYPES, KINDS, FusedPart, FusedProjections, QuantLinear, blocks_of_gguf,
+from engine.model.quant import (GGUF_TYPES, KINDS, SUPER_KINDS, FusedPart, FusedProjections, QuantLinear, blocks_of_gguf,
                                 dequantize, panels_of_blocks, quantize_activations, quantize_blocks, quantize_linears,
                                 random_gguf_blocks, unpack_raw)
 from tests.test_engine_parity import PROMPT_LENGTHS, engine_outputs, make_prompts, reference_outputs
 
-QUANTIZED_KINDS = [kind for kind in KINDS if kind != "q4_k"]  # q4_k holds GGUF's Q4_K (its super-blocks) only
+QUANTIZED_KINDS = [kind for kind in KINDS if kind not in SUPER_KINDS]  # super-blocks hold GGUF's K types only
 GGML = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1}
 
 
@@ -45,26 +45,17 @@ def test_blocks_are_ggml_blocks(kind):
 
 def test_q4_k_is_read_as_the_q4_1_blocks_it_is_made_of(kernel):
     """Q4_K (the most common 4-bit download) de-quantizes bit for bit as gguf-py (and so
-    transformers) reads it; a layer made from its raw rows keeps its super-blocks (0.79x the bytes
-    of the Q4_1 blocks of the same weights) and computes exactly what those Q4_1 blocks compute,
-    bit for bit, on every path of the kernel (1 to 13 rows); with int8 activations it holds them."""
-    from engine.model.quant import k_products, unpack_q4_k
+    transformers) reads it, and a layer made from its raw rows computes with those blocks."""
+    from engine.model.quant import super_products, unpack_q4_k
 
     weight = torch.randn(40, 512, generator=torch.Generator().manual_seed(3)) * 0.05
     raw = encode_q4_k(weight.numpy())
     expected = torch.from_numpy(gguf_dequantize(raw, GGMLQuantizationType.Q4_K))
     q, d, m = unpack_q4_k(raw)
-    assert torch.equal(dequantize(q, *k_products(d, m), "q4_1"), expected)
+    assert torch.equal(dequantize(q, *super_products(d, m), "q4_1"), expected)
     assert torch.equal(dequantize(q, d, m, "q4_k"), expected)
     assert (expected - weight).abs().max() < 0.02  # the encoder is a real one
     order = np.random.default_rng(0).permutation(40)
-    as_q4_1 = QuantLinear(q[order], *k_products(d[order], m[order]), "q4_1", None, kernel)
-    layer = QuantLinear.from_gguf(raw, "q4_k", None, kernel, False, order)
-    assert (layer.kind, layer.source) == ("q4_k", "q4_k")
-    assert layer.panels.numel() * 384 == as_q4_1.panels.numel() * 304
-    for rows in range(1, 14):
-        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
-        assert torch.equal(layer(x), as_q4_1(x)), rows
     for int8 in (False, True):
         layer = QuantLinear.from_gguf(raw, "q4_k", None, kernel, int8, order)
         assert (layer.kind, layer.source) == ("q4_1" if int8 else "q4_k", "q4_k")
@@ -73,9 +64,32 @@ def test_q4_k_is_read_as_the_q4_1_blocks_it_is_made_of(kernel):
         torch.testing.assert_close(layer(x), reference, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("ggml_type", ["q4_k", "q6_k", "q3_k"])
+def test_super_blocks_compute_bit_for_bit_what_the_blocks_of_their_products_compute(kernel, ggml_type):
+    """The K types stay in their super-blocks (Q4_K 0.79x, Q6_K and Q3_K 0.83x the bytes of the
+    q4_1 / q6_k blocks of the same weights, whose d and m are the products the kernel computes as
+    it reads them): the same outputs bit for bit on every path (1 to 13 rows, 64), rows reordered
+    and a partial panel; with int8 activations the layer holds the plain blocks."""
+    from engine.model.quant import blocks_of_gguf, super_products
+
+    raw = random_gguf_blocks(ggml_type, 40, 512, seed=5)
+    order = np.random.default_rng(0).permutation(40)[:37]
+    q, d, m, kind = blocks_of_gguf(raw, ggml_type, order)
+    plain = SUPER_KINDS[kind]
+    as_plain = QuantLinear(q, *super_products(d, m), plain, None, kernel)
+    layer = QuantLinear.from_gguf(raw, ggml_type, None, kernel, False, order)
+    assert (layer.kind, layer.source) == (kind, ggml_type)
+    ratio = {"q4_k": 304 / 384, "q6_ks": 424 / 512}[kind]
+    assert layer.panels.numel() == as_plain.panels.numel() * ratio
+    for rows in [*range(1, 14), 64]:
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+        assert torch.equal(layer(x), as_plain(x)), rows
+    assert QuantLinear.from_gguf(raw, ggml_type, None, kernel, True, order).kind == plain
+
+
 # every GGUF type kept as blocks, and the kernels' kind of block that holds it
-HELD_AS = {"q8_0": "q8_0", "q4_0": "q4_0", "q4_1": "q4_1", "q5_0": "q6_k", "q5_1": "q5_1", "q3_k": "q6_k",
-           "q4_k": "q4_k", "q5_k": "q5_1", "q6_k": "q6_k", "iq4_nl": "q8_0", "iq4_xs": "q8_0"}
+HELD_AS = {"q8_0": "q8_0", "q4_0": "q4_0", "q4_1": "q4_1", "q5_0": "q6_k", "q5_1": "q5_1", "q3_k": "q6_ks",
+           "q4_k": "q4_k", "q5_k": "q5_1", "q6_k": "q6_ks", "iq4_nl": "q8_0", "iq4_xs": "q8_0"}
 
 
 def gguf_weight(raw: np.ndarray, ggml_type: str) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """`rill_qlinear` and `rill_qlinear_i8` (csrc/qlinear.c, csrc/qlinear_i8.c): linears over GGUF's
-blocks (the kinds Q8_0, Q4_0, Q4_1, Q5_1, Q6_K and Q4_K, of csrc/blocks.h, hold every type of
+blocks (the kinds Q8_0, Q4_0, Q4_1, Q5_1, Q6_K, Q4_K and Q6_KS, of csrc/blocks.h, hold every type of
 engine/model/quant.py's GGUF_TYPES), with float32 or int8 activations; `rill_repack`
 (csrc/repack.c): a GGUF tensor's raw rows straight into those panels. The blocks' layout and the
 modules that hold them are in engine/model/quant.py."""
@@ -15,12 +15,12 @@ import torch
 from engine.kernels.build import checked_kernel
 from engine.kernels.linear import call_panel_kernel
 
-KINDS = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q5_1": 3, "q6_k": 4, "q4_k": 5}  # the kernels' `kind` argument
+KINDS = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q5_1": 3, "q6_k": 4, "q4_k": 5, "q6_ks": 6}  # the kernels' `kind` argument
 INT8_KIND = 16  # rill_lin's kind of blocks with int8 activations: INT8_KIND + KINDS[kind] (csrc/blocks.h)
 # bytes of a panel per block (32 inputs of 16 outputs) of each kind, the same in both layouts
-# (csrc/blocks.h; q4_k: a super-block's 128 bytes of floats over its 8 blocks, float32 activations only)
+# (csrc/blocks.h; q4_k, q6_ks: a super-block's floats over its 8 blocks, float32 activations only)
 BLOCK_BYTES = {"q8_0": 32 * 16 + 64, "q4_0": 32 * 8 + 64, "q4_1": 32 * 8 + 128, "q5_1": 32 * 8 + 64 + 128,
-               "q6_k": 32 * 8 + 128 + 128, "q4_k": 32 * 8 + 32 + 16}
+               "q6_k": 32 * 8 + 128 + 128, "q4_k": 32 * 8 + 32 + 16, "q6_ks": 32 * 8 + 128 + 32 + 8}
 # ggml's numbers of the GGUF types rill_repack reads (ggml.h)
 GGML_TYPE_NUMBERS = {"q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "q3_k": 11, "q4_k": 12, "q5_k": 13,
                      "q6_k": 14, "iq4_nl": 20, "iq4_xs": 23}
@@ -60,8 +60,8 @@ class QuantKernel:
         `ggml_type` -> the panels of `kind` that engine/model/quant.py's panels_of_blocks makes from
         its reader's blocks, byte for byte; output r is the file's row order[r] (None: row r)."""
         raw = np.ascontiguousarray(raw)  # a memory map's rows stay where they are
-        if int8 and kind == "q4_k":
-            raise ValueError("q4_k blocks are for float32 activations; with int8, Q4_K is held as q4_1")
+        if int8 and kind in ("q4_k", "q6_ks"):
+            raise ValueError(f"{kind} blocks are for float32 activations; with int8 see held_kind")
         if order is not None:
             order = np.ascontiguousarray(order, dtype=np.int64)
             if order.ndim != 1 or len(order) == 0 or order.min() < 0 or order.max() >= raw.shape[0]:
@@ -81,14 +81,14 @@ def _quant_agrees(kernel: QuantKernel) -> bool:
     row-by-row path and the tiles of 6 with every partial one), a partial panel, bias or none;
     the int8-activation kernel against F.linear of the rounded activations (`quantize_activations`);
     `repack` against numpy's panels for every GGUF type, rows reordered or not, both layouts; the
-    q4_k kind (super-blocks) from Q4_K's raw rows, 1 to 13 rows."""
+    super-block kinds (q4_k, q6_ks) from Q4_K's and Q6_K's raw rows, 1 to 13 rows."""
     from engine.model.quant import (GGUF_BLOCKS, GGUF_TYPES, QuantLinear, blocks_of_gguf, dequantize, held_kind,
                                     panels_of_blocks, quantize_activations, quantize_blocks, random_gguf_blocks)
 
     gen = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(21, 64, generator=gen), torch.randn(21, generator=gen)
     wide = torch.randn(13, 70, generator=gen)
-    for kind in (kind for kind in KINDS if kind != "q4_k"):  # q4_k: from GGUF's Q4_K only (below)
+    for kind in (kind for kind in KINDS if kind not in ("q4_k", "q6_ks")):  # super-blocks: from GGUF only (below)
         q, d, m = quantize_blocks(weight, kind)
         reference = dequantize(q, d, m, kind)
         for b, int8 in ((bias, False), (None, False), (bias, True), (None, True)):
@@ -106,12 +106,13 @@ def _quant_agrees(kernel: QuantKernel) -> bool:
             kind = held_kind(ggml_type, int8)
             if not torch.equal(kernel.repack(raw, ggml_type, kind, GGUF_BLOCKS[ggml_type][0], rows, int8), expected):
                 return False
-    raw = random_gguf_blocks("q4_k", 21, 512, seed=2)  # the q4_k kind's kernel: two super-blocks a row
-    layer, reference = QuantLinear.from_gguf(raw, "q4_k", bias, kernel), dequantize(*blocks_of_gguf(raw, "q4_k"))
-    for rows in range(1, 14):
-        x = torch.randn(rows, 512, generator=gen)
-        if not torch.allclose(layer(x), torch.nn.functional.linear(x, reference, bias), atol=1e-4, rtol=1e-4):
-            return False
+    for ggml_type in ("q4_k", "q6_k"):  # the super-block kinds' kernels: two super-blocks a row
+        raw = random_gguf_blocks(ggml_type, 21, 512, seed=2)
+        layer, reference = QuantLinear.from_gguf(raw, ggml_type, bias, kernel), dequantize(*blocks_of_gguf(raw, ggml_type))
+        for rows in range(1, 14):
+            x = torch.randn(rows, 512, generator=gen)
+            if not torch.allclose(layer(x), torch.nn.functional.linear(x, reference, bias), atol=1e-4, rtol=1e-4):
+                return False
     return True
 
 

@@ -90,10 +90,14 @@ def unpack_q4_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             np.stack([low, minimum], axis=-1).reshape(out, -1, 2))
 
 
-def k_products(d: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """A "q4_k" reading's factors -> Q4_1's d and m: one float32 product each (-dmin times the min
-    is -(dmin min) exactly)."""
-    return d[..., 0] * d[..., 1], m[..., 0] * m[..., 1]
+SUPER_KINDS = {"q4_k": "q4_1", "q6_ks": "q6_k"}  # the super-block kinds, and the kind of their products
+
+
+def super_products(d: np.ndarray, m: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+    """A super-block kind's factors (the last axis: the super-block's float, the block's integer) ->
+    the d and m of its products' kind (q4_1, q6_k): one float32 product each (-dmin times a min is
+    -(dmin min) exactly)."""
+    return d[..., 0] * d[..., 1], None if m is None else m[..., 0] * m[..., 1]
 
 
 def unpack_q5_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -130,8 +134,9 @@ def unpack_q5_0(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
 
 def unpack_q6_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
     """ggml Q6_K super-blocks [out, in / 256 * 210] (128 bytes of low nibbles, 64 of two-bit highs,
-    16 int8 scales, float16 d; w = d scale (q - 32) per 16 weights) -> q (0..63) and the float32
-    products d scale [out, in / 32, 2] of "q6_k" blocks."""
+    16 int8 scales, float16 d; w = d scale (q - 32) per 16 weights) -> q (0..63) and d of "q6_ks"
+    blocks: [out, in / 32, 2, 2], per 16 inputs its factors (d, scale), whose float32 products
+    (`super_products`) are q6_k's d."""
     blocks = _blocks(raw, 210)
     out, supers = blocks.shape[:2]
     low = blocks[..., 0:128].reshape(out, supers, 2, 1, 64)  # element 128 h + 64 s + c: nibble s of byte 64 h + c
@@ -139,8 +144,14 @@ def unpack_q6_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
     high = blocks[..., 128:192].reshape(out, supers, 2, 1, 32)  # element 128 h + 32 t + c: bits 2t of byte 32 h + c
     high = ((high >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3).reshape(out, supers, 256)
     scales = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)
-    d = (_half(blocks, 208)[..., None] * scales).reshape(out, supers * 8, 2)
-    return (low | (high << 4)).reshape(out, supers * 8, 32), d, None
+    return (low | (high << 4)).reshape(out, supers * 8, 32), _q6_factors(_half(blocks, 208), scales), None
+
+
+def _q6_factors(d: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """A super-block's float d [out, supers] and its 16 integer scales [out, supers, 16] -> "q6_ks"'s
+    d [out, supers * 8, 2, 2]: per block, per 16 inputs, (d, scale)."""
+    out, supers = d.shape
+    return np.stack([np.broadcast_to(d[..., None], scales.shape), scales], axis=-1).reshape(out, supers * 8, 2, 2)
 
 
 def unpack_q3_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
@@ -153,7 +164,7 @@ def unpack_q3_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
     low = np.concatenate([packed[..., 0:8] & 15, packed[..., 0:8] >> 4], axis=-1)  # scale 8 s + j: byte j >> 4 s
     high = (packed[..., None, 8:12] >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3  # 4 s + j: byte 8 + j >> 2 s
     scales = (low | (high.reshape(out, supers, 16) << 4)).astype(np.float32) - 32.0
-    d = (_half(blocks, 108)[..., None] * scales).reshape(out, supers * 8, 2)
+    d = _q6_factors(_half(blocks, 108), scales)
     twos = blocks[..., 32:96].reshape(out, supers, 2, 1, 32)  # element 128 h + 32 s + c: bits 2s of byte 32 h + c
     twos = ((twos >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3).reshape(out, supers, 256)
     third = _bits(blocks[..., 0:32]).reshape(out, supers, 256)  # element 32 i + c: bit i of byte c
@@ -184,8 +195,8 @@ def unpack_iq4_xs(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
 
 # a GGUF tensor type -> (its reader, the kernels' kind of block that holds it)
 GGUF_TYPES = {**{kind: (functools.partial(unpack_raw, kind=kind), kind) for kind in ("q8_0", "q4_0", "q4_1")},
-              "q5_0": (unpack_q5_0, "q6_k"), "q5_1": (unpack_q5_1, "q5_1"), "q3_k": (unpack_q3_k, "q6_k"),
-              "q4_k": (unpack_q4_k, "q4_k"), "q5_k": (unpack_q5_k, "q5_1"), "q6_k": (unpack_q6_k, "q6_k"),
+              "q5_0": (unpack_q5_0, "q6_k"), "q5_1": (unpack_q5_1, "q5_1"), "q3_k": (unpack_q3_k, "q6_ks"),
+              "q4_k": (unpack_q4_k, "q4_k"), "q5_k": (unpack_q5_k, "q5_1"), "q6_k": (unpack_q6_k, "q6_ks"),
               "iq4_nl": (unpack_iq4_nl, "q8_0"), "iq4_xs": (unpack_iq4_xs, "q8_0")}
 # a GGUF tensor type -> (weights, bytes) of its block in the file
 GGUF_BLOCKS = {"q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24),
@@ -210,10 +221,10 @@ def random_gguf_blocks(ggml_type: str, out: int, inputs: int, seed: int = 0) -> 
 
 
 def held_kind(ggml_type: str, int8: bool = False) -> str:
-    """The kernels' kind that holds a GGUF type's blocks: GGUF_TYPES's, but Q4_K with int8
-    activations as q4_1 (the int8 kernel has no super-blocks)."""
+    """The kernels' kind that holds a GGUF type's blocks: GGUF_TYPES's, but with int8 activations a
+    super-block kind's products' (the int8 kernel has no super-blocks)."""
     kind = GGUF_TYPES[ggml_type][1]
-    return "q4_1" if kind == "q4_k" and int8 else kind
+    return SUPER_KINDS.get(kind, kind) if int8 else kind
 
 
 def blocks_of_gguf(raw: np.ndarray, ggml_type: str, order: np.ndarray | None = None):
@@ -229,8 +240,8 @@ def blocks_of_gguf(raw: np.ndarray, ggml_type: str, order: np.ndarray | None = N
 
 def dequantize(q: np.ndarray, d: np.ndarray, m: np.ndarray | None, kind: str) -> torch.Tensor:
     """The float32 weight [out, in] the blocks stand for: d (q - offset) (+ m), Q6_K's d per 16."""
-    if kind == "q4_k":
-        (d, m), kind = k_products(d, m), "q4_1"
+    if kind in SUPER_KINDS:
+        (d, m), kind = super_products(d, m), SUPER_KINDS[kind]
     values = q.astype(np.float32)
     if kind in OFFSETS:
         values = values - np.float32(OFFSETS[kind])
@@ -248,13 +259,13 @@ def panels_of_blocks(q: np.ndarray, d: np.ndarray, m: np.ndarray | None, kind: s
     """q, d, m of a reader -> the kernel's panels (uint8 [ceil(out / 16), in / 32 * panel block
     bytes]): csrc/qlinear.c's layout (input-major), or with `int8` csrc/qlinear_i8.c's (groups of
     4 inputs per output, for the byte dot products). Q5_1 and Q6_K blocks hold their low nibbles as
-    Q4's and the bits above them in a plane of their own after them, and q4_k blocks their six-bit
-    integers after Q4's nibbles, in super-blocks headed by their floats (see csrc/blocks.h); with
-    `int8`, q4_k's blocks are laid out as the q4_1 blocks of the same weights."""
-    if kind == "q4_k" and int8:
-        (d, m), kind = k_products(d, m), "q4_1"
-    if kind == "q4_k":
-        return _q4_k_panels(q, d, m)
+    Q4's and the bits above them in a plane of their own after them; q4_k (q6_ks) blocks their
+    integers after q4_1's (q6_k's) weights, in super-blocks headed by their floats (see
+    csrc/blocks.h); with `int8`, as the blocks of their products' kind."""
+    if kind in SUPER_KINDS and int8:
+        (d, m), kind = super_products(d, m), SUPER_KINDS[kind]
+    if kind in SUPER_KINDS:
+        return _super_panels(q, d, m, kind)
     out, blocks, _ = q.shape
     panels = -(-out // 16)
     pad = panels * 16 - out
@@ -300,23 +311,30 @@ def panels_of_blocks(q: np.ndarray, d: np.ndarray, m: np.ndarray | None, kind: s
     return torch.from_numpy(np.ascontiguousarray(np.concatenate(parts, axis=-1)).reshape(panels, -1))
 
 
-def _q4_k_panels(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> torch.Tensor:
-    """q4_k's panels: per super-block of 8 blocks, float32 D[16], M[16] (its outputs' factors), then
-    each block's Q4 nibbles (as q4_1's) and uint8 scale[16], min[16]."""
+def _super_panels(q: np.ndarray, d: np.ndarray, m: np.ndarray | None, kind: str) -> torch.Tensor:
+    """q4_k's (q6_ks') panels: per super-block of 8 blocks, float32 D[16] (q4_k: and M[16]), its
+    outputs' factors, then each block's weights (as q4_1's, q6_k's) and its integers: q4_k uint8
+    scale[16], min[16]; q6_ks int8 scale[2][16] (per 16 inputs)."""
     out, blocks, _ = q.shape
     pad = -out % 16
     if pad:
         q = np.concatenate([q, np.zeros((pad, blocks, 32), q.dtype)])
-        d, m = (np.concatenate([a, np.zeros((pad, *a.shape[1:]), np.float32)]) for a in (d, m))
-    panels, supers = (out + pad) // 16, blocks // 8
-    nibbles = panels_of_blocks(q, d[..., 0], m[..., 0], "q4_1").numpy().reshape(panels, blocks, 384)[..., :256]
-    ints = np.stack([d[..., 1], m[..., 1]], axis=-1).astype(np.uint8)  # [output, block, scale | min]
+        d, m = (None if a is None else np.concatenate([a, np.zeros((pad, *a.shape[1:]), np.float32)]) for a in (d, m))
+    panels, supers, plain = (out + pad) // 16, blocks // 8, SUPER_KINDS[kind]
+    weights = {"q4_k": 256, "q6_ks": 384}[kind]
+    laid = panels_of_blocks(q, *super_products(d, m), plain).numpy().reshape(panels, blocks, -1)[..., :weights]
+    if kind == "q4_k":  # [output, block, scale | min] -> [panel, block, scale | min, output]
+        ints = np.stack([d[..., 1], m[..., 1]], axis=-1).astype(np.uint8)
+        heads = np.stack([d[:, ::8, 0], m[:, ::8, 0]], axis=-1)
+    else:  # [output, block, part]: int8
+        ints = d[..., 1].astype(np.int8).view(np.uint8)
+        heads = d[:, ::8, 0, 0, None]
     ints = ints.reshape(panels, 16, blocks, 2).transpose(0, 2, 3, 1).reshape(panels, blocks, 32)
-    body = np.concatenate([nibbles, ints], axis=-1).reshape(panels, supers, 8 * 288)
-    head = np.stack([d[:, ::8, 0], m[:, ::8, 0]], axis=-1).astype(np.float32)  # [output, super, D | M]
-    head = np.ascontiguousarray(head.reshape(panels, 16, supers, 2).transpose(0, 2, 3, 1)).view(np.uint8)
-    return torch.from_numpy(np.ascontiguousarray(np.concatenate([head.reshape(panels, supers, 128), body], axis=-1))
-                            .reshape(panels, -1))
+    body = np.concatenate([laid, ints], axis=-1).reshape(panels, supers, -1)
+    count = heads.shape[-1]  # [output, super, D (| M)] -> [panel, super, D[16] (| M[16])]
+    heads = np.ascontiguousarray(heads.astype(np.float32).reshape(panels, 16, supers, count).transpose(0, 2, 3, 1))
+    return torch.from_numpy(np.ascontiguousarray(np.concatenate([heads.view(np.uint8).reshape(panels, supers, -1), body],
+                                                                axis=-1)).reshape(panels, -1))
 
 
 def q8_0_blocks_of_panels(panels: torch.Tensor, out: int, blocks: int) -> tuple[np.ndarray, np.ndarray]:

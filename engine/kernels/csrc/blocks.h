@@ -14,12 +14,15 @@
  *   Q4_K  Q4_1's nibbles, then uint8 s[16] and    w = D s q + M n         288 bytes, and 128 per
  *         n[16]: a super-block's six-bit scales   (D s, M n: one float32  8 blocks (0.59)
  *         and minimums                            product each)
- * A Q4_K panel is super-blocks of 256 inputs: float D[16] and M[16] (M = -dmin, so that M n is
- * -(dmin n) exactly), then its 8 blocks; D s is the product Q4_1 holds as its d, computed where it
- * is used: 0.79x the bytes of Q4_1 blocks for the same weights, the same floats.
- * GGUF's Q8_0, IQ4_NL and IQ4_XS are held as Q8_0; Q4_K as Q4_K (with int8 activations: Q4_1); Q5_1
- * and Q5_K as Q5_1; Q6_K, Q5_0 (q + 16) and Q3_K (q + 32) as Q6_K (engine/model/quant.py,
- * csrc/repack.c). */
+ *   Q6_KS Q6_K's weights, then int8 s[2][16]:     w = D s[k / 16] (q - 32) 416 bytes, and 64 per
+ *         a super-block's scale per 16 inputs                             8 blocks (0.83)
+ * Q4_K and Q6_KS panels are super-blocks of 256 inputs: float D[16] (Q4_K: and M[16], M = -dmin,
+ * so that M n is -(dmin n) exactly), then their 8 blocks; D s is the product Q4_1 and Q6_K hold
+ * as their d, computed where it is used: 0.79x (0.83x) their bytes for the same weights, the same
+ * floats.
+ * GGUF's Q8_0, IQ4_NL and IQ4_XS are held as Q8_0; Q4_K as Q4_K; Q5_1 and Q5_K as Q5_1; Q6_K and
+ * Q3_K (q + 32) as Q6_KS; Q5_0 (q + 16) as Q6_K; with int8 activations Q4_K as Q4_1 and Q6_KS as
+ * Q6_K (engine/model/quant.py, csrc/repack.c). */
 #ifndef RILL_BLOCKS_H
 #define RILL_BLOCKS_H
 #include <math.h>
@@ -28,7 +31,7 @@
 #include <immintrin.h>
 #endif
 
-enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q5_1 = 3, Q6_K = 4, Q4_K = 5, NUM_KINDS = 6 };
+enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q5_1 = 3, Q6_K = 4, Q4_K = 5, Q6_KS = 6, NUM_KINDS = 7 };
 /* rill_lin's kind for the int8-activation kernel: INT8_KIND + the kind (engine/runner/native.py) */
 enum { INT8_KIND = 16 };
 
@@ -40,37 +43,43 @@ enum { INT8_KIND = 16 };
         case Q4_1: CALL(Q4_1); break; \
         case Q5_1: CALL(Q5_1); break; \
         case Q4_K: CALL(Q4_K); break; \
+        case Q6_KS: CALL(Q6_KS); break; \
         default: CALL(Q6_K); break;   \
     }
 
-/* bytes of a panel per block of 32 inputs (Q4_K: a super-block's over its 8 blocks) */
+/* the kinds kept in super-blocks of 256 inputs, and the 6-bit ones */
+static inline int is_super(int kind) { return kind == Q4_K || kind == Q6_KS; }
+static inline int is_q6(int kind) { return kind == Q6_K || kind == Q6_KS; }
+/* a super-block: its floats (SUPER_HEAD bytes), then 8 blocks of SUPER_STRIDE bytes each */
+static inline int64_t super_head_bytes(int kind) { return kind == Q4_K ? 128 : 64; }
+static inline int64_t super_stride(int kind) { return kind == Q4_K ? 32 * 8 + 32 : 32 * 8 + 128 + 32; }
+/* bytes of a panel per block of 32 inputs (a super-block's over its 8 blocks) */
 static inline int64_t block_bytes(int kind) {
+    if (is_super(kind)) return super_stride(kind) + super_head_bytes(kind) / 8;
     return kind == Q8_0 ? 32 * 16 + 64 : kind == Q4_0 ? 32 * 8 + 64 : kind == Q4_1 ? 32 * 8 + 128
-         : kind == Q5_1 ? 32 * 8 + 64 + 128 : kind == Q4_K ? 32 * 8 + 32 + 16 : 32 * 8 + 128 + 128;
+         : kind == Q5_1 ? 32 * 8 + 64 + 128 : 32 * 8 + 128 + 128;
 }
-/* where a block's scales start: after its weights (Q4_K: its bytes s and n) */
+/* where a block's scales start: after its weights (Q4_K: its bytes s and n, Q6_KS: s) */
 static inline int64_t scales_at(int kind) {
-    return kind == Q8_0 ? 32 * 16 : kind == Q5_1 ? 32 * 8 + 64 : kind == Q6_K ? 32 * 8 + 128 : 32 * 8;
+    return kind == Q8_0 ? 32 * 16 : kind == Q5_1 ? 32 * 8 + 64 : is_q6(kind) ? 32 * 8 + 128 : 32 * 8;
 }
-/* Q4_K's super-block: its floats D[16], M[16], then 8 blocks of SUPER_BLOCK_STRIDE bytes */
-enum { SUPER_HEAD = 128, SUPER_BLOCK_STRIDE = 32 * 8 + 32, SUPER_BYTES = SUPER_HEAD + 8 * SUPER_BLOCK_STRIDE };
 /* block b of a panel */
 static inline __attribute__((always_inline)) const uint8_t *block_at(const uint8_t *panel, int64_t b, const int kind) {
-    if (kind == Q4_K) return panel + (b >> 3) * SUPER_BYTES + SUPER_HEAD + (b & 7) * SUPER_BLOCK_STRIDE;
+    if (is_super(kind)) return panel + (b >> 3) * 8 * block_bytes(kind) + super_head_bytes(kind) + (b & 7) * super_stride(kind);
     return panel + b * block_bytes(kind);
 }
-/* Q4_K: the floats D[16], M[16] of block b's super-block */
-static inline __attribute__((always_inline)) const float *super_head(const uint8_t *panel, int64_t b) {
-    return (const float *)(panel + (b >> 3) * SUPER_BYTES);
+/* the floats of block b's super-block: D[16] (Q4_K: then M[16]) */
+static inline __attribute__((always_inline)) const float *super_head(const uint8_t *panel, int64_t b, const int kind) {
+    return (const float *)(panel + (b >> 3) * 8 * block_bytes(kind));
 }
 /* the 4-bit kinds, whose weights are nibbles only */
 static inline int is_q4(int kind) { return kind == Q4_0 || kind == Q4_1 || kind == Q4_K; }
 /* the kinds with a minimum m per output */
 static inline int has_min(int kind) { return kind == Q4_1 || kind == Q5_1 || kind == Q4_K; }
 /* the offset taken off q: w = d (q - offset) */
-static inline int q_offset(int kind) { return kind == Q4_0 ? 8 : kind == Q6_K ? 32 : 0; }
-/* scales per output in a block: Q6_K's are per 16 inputs */
-static inline int scale_parts(int kind) { return kind == Q6_K ? 2 : 1; }
+static inline int q_offset(int kind) { return kind == Q4_0 ? 8 : is_q6(kind) ? 32 : 0; }
+/* scales per output in a block: the 6-bit kinds' are per 16 inputs */
+static inline int scale_parts(int kind) { return is_q6(kind) ? 2 : 1; }
 
 /* The panel's block PREFETCH_BLOCKS ahead, asked for while this one is computed: at one row the
  * widening takes about as long as reading the weights, and without it the two took turns (the
@@ -79,9 +88,9 @@ static inline int scale_parts(int kind) { return kind == Q6_K ? 2 : 1; }
  * activations), 0.47-0.62x with int8 activations (with the sums apart, below). */
 enum { PREFETCH_BLOCKS = 8 };
 static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *blk, const int kind) {
-    /* Q4_K: PREFETCH_BLOCKS is a super-block, so this is the same block of the next one, and past
+    /* super-blocks: PREFETCH_BLOCKS is one, so this is the same block of the next one, and past
        it the head of the one after (asked for by its block 7) */
-    const int64_t extra = kind == Q4_K ? SUPER_HEAD : 0;
+    const int64_t extra = is_super(kind) ? super_head_bytes(kind) : 0;
     for (int64_t o = 0; o < block_bytes(kind) + extra; o += 64)
         __builtin_prefetch(blk + PREFETCH_BLOCKS * block_bytes(kind) + o, 0, 0);
 }

@@ -13,6 +13,7 @@
  *         high bits of output j at input 2P + o, bits 4o+2..4o+3 output j + 8's; float d[2][16]
  *   Q4_K  super-blocks: float D[16], M[16], then 8 blocks of Q4's nibbles and uint8 s[16], n[16]:
  *         a block's d = D s and m = M n are computed as it is read (blocks.h), as Q4_1 holds them
+ *   Q6_KS super-blocks: float D[16], then 8 blocks of Q6_K's weights and int8 s[2][16]: d = D s
  *
  * A tile of up to 6 rows of x times one panel keeps 6 x 16 running sums in registers (AVX2; with
  * AVX-512, tiles of up to 16 rows and a panel in one register: the section further down). Within a
@@ -52,7 +53,7 @@ static inline __attribute__((always_inline)) int q_at(const uint8_t *blk, int k,
     if (kind == Q8_0) return (int8_t)blk[k * 16 + j];
     const int low = j < 8 ? blk[k * 8 + j] & 15 : blk[k * 8 + j - 8] >> 4;
     if (kind == Q5_1) return low | ((blk[256 + (k / 4) * 8 + j % 8] >> (2 * (k % 4) + j / 8)) & 1) << 4;
-    if (kind == Q6_K) return low | ((blk[256 + (k / 2) * 8 + j % 8] >> (4 * (k % 2) + 2 * (j / 8))) & 3) << 4;
+    if (is_q6(kind)) return low | ((blk[256 + (k / 2) * 8 + j % 8] >> (4 * (k % 2) + 2 * (j / 8))) & 3) << 4;
     return low;
 }
 
@@ -104,31 +105,36 @@ static inline __attribute__((always_inline)) void widen(const uint8_t *blk, int 
  * operations wherever the kernels de-quantize, so the same floats; Q4_1/Q5_1 with one rounding) */
 typedef struct { v8 d0, d1, m0, m1, e0, e1; } block_scales;  /* e: Q6_K's d of inputs 16-31 */
 
-/* 8 bytes at p as floats */
-static inline __attribute__((always_inline)) v8 bytes8(const uint8_t *p) {
+/* 8 bytes at p as floats: unsigned (Q4_K's), or int8 (Q6_KS's) */
+static inline __attribute__((always_inline)) v8 bytes8(const uint8_t *p, const int kind) {
 #ifdef __AVX2__
-    return (v8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+    const __m128i b = _mm_loadl_epi64((const __m128i *)p);
+    return (v8)_mm256_cvtepi32_ps(kind == Q6_KS ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
 #else
     v8 v;
-    for (int j = 0; j < 8; j++) v[j] = (float)p[j];
+    for (int j = 0; j < 8; j++) v[j] = kind == Q6_KS ? (float)(int8_t)p[j] : (float)p[j];
     return v;
 #endif
 }
 
-/* block b's scales (blk: the block itself); Q4_K's d and m the products of its super-block's floats
- * and the block's six-bit integers, the floats repack.c computes for Q4_1 */
+/* block b's scales (blk: the block itself); a super-block's d (and m) the products of its floats and
+ * the block's integers, the floats repack.c computes for Q4_1 (Q6_K) */
 static inline __attribute__((always_inline)) block_scales scales_of(const uint8_t *panel, int64_t b, const uint8_t *blk,
                                                                     const int kind) {
-    if (kind == Q4_K) {
-        const float *head = super_head(panel, b);
+    if (is_super(kind)) {
+        const float *head = super_head(panel, b, kind);
         const uint8_t *s = blk + scales_at(kind);
-        return (block_scales){load8(head) * bytes8(s), load8(head + 8) * bytes8(s + 8),
-                              load8(head + 16) * bytes8(s + 16), load8(head + 24) * bytes8(s + 24), {0}, {0}};
+        const v8 h0 = load8(head), h1 = load8(head + 8);
+        if (kind == Q6_KS)
+            return (block_scales){h0 * bytes8(s, kind), h1 * bytes8(s + 8, kind), {0}, {0},
+                                  h0 * bytes8(s + 16, kind), h1 * bytes8(s + 24, kind)};
+        return (block_scales){h0 * bytes8(s, kind), h1 * bytes8(s + 8, kind),
+                              load8(head + 16) * bytes8(s + 16, kind), load8(head + 24) * bytes8(s + 24, kind), {0}, {0}};
     }
     const float *scales = (const float *)(blk + scales_at(kind));
     block_scales s = {load8(scales), load8(scales + 8), {0}, {0}, {0}, {0}};
     if (has_min(kind)) s.m0 = load8(scales + 16), s.m1 = load8(scales + 24);
-    if (kind == Q6_K) s.e0 = load8(scales + 16), s.e1 = load8(scales + 24);
+    if (is_q6(kind)) s.e0 = load8(scales + 16), s.e1 = load8(scales + 24);
     return s;
 }
 
@@ -146,7 +152,7 @@ static inline __attribute__((always_inline)) void dequant_input(const uint8_t *b
         return;
     }
 #endif
-    const int second = kind == Q6_K && k >= 16;
+    const int second = is_q6(kind) && k >= 16;
     *w0 *= second ? s->e0 : s->d0;
     *w1 *= second ? s->e1 : s->d1;
     if (has_min(kind)) {
@@ -327,18 +333,23 @@ static inline __attribute__((always_inline)) __m512 widen16(const uint8_t *blk, 
 /* block b's d and m (Q6_K: e, the d of inputs 16-31), scales_of's floats in one register each */
 static inline __attribute__((always_inline)) void scales16(const uint8_t *panel, int64_t b, const uint8_t *blk,
                                                            __m512 *d, __m512 *m, __m512 *e, const int kind) {
-    if (kind == Q4_K) {
-        const float *head = super_head(panel, b);
-        const uint8_t *s = blk + scales_at(kind);
-        *d = _mm512_mul_ps(_mm512_loadu_ps(head), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)s))));
-        *m = _mm512_mul_ps(_mm512_loadu_ps(head + 16),
-                           _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(s + 16)))));
+    if (is_super(kind)) {
+        const float *head = super_head(panel, b, kind);
+        const __m128i s0 = _mm_loadu_si128((const __m128i *)(blk + scales_at(kind)));
+        const __m128i s1 = _mm_loadu_si128((const __m128i *)(blk + scales_at(kind) + 16));
+        if (kind == Q6_KS) {
+            *d = _mm512_mul_ps(_mm512_loadu_ps(head), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s0)));
+            *e = _mm512_mul_ps(_mm512_loadu_ps(head), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s1)));
+            return;
+        }
+        *d = _mm512_mul_ps(_mm512_loadu_ps(head), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(s0)));
+        *m = _mm512_mul_ps(_mm512_loadu_ps(head + 16), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(s1)));
         return;
     }
     const float *scales = (const float *)(blk + scales_at(kind));
     *d = _mm512_loadu_ps(scales);
     if (has_min(kind)) *m = _mm512_loadu_ps(scales + 16);
-    if (kind == Q6_K) *e = _mm512_loadu_ps(scales + 16);
+    if (is_q6(kind)) *e = _mm512_loadu_ps(scales + 16);
 }
 
 /* integer weights q as floats -> de-quantized, the same operations per lane as dequant_input (so the
@@ -407,7 +418,7 @@ static inline __attribute__((always_inline)) void wide_tile(const float *xp, con
                 __m512 wv;
                 if (from_blocks) {
                     wv = scale16(by4 ? _mm512_cvtepi32_ps(q4_lanes(nibbles, g)) : widen16(blk, k, kind),
-                                 kind == Q6_K && k >= 16 ? e : d, m, kind);
+                                 is_q6(kind) && k >= 16 ? e : d, m, kind);
                     if (keep) _mm512_store_ps(wk, wv);
                 } else {
                     wv = _mm512_load_ps(wk);
@@ -624,12 +635,13 @@ static inline __attribute__((always_inline)) void qlinear(const float *x, int64_
     }
 }
 
-/* kind: 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q5_1, 4 Q6_K, 5 Q4_K (the layouts above, blocks.h); returns 0,
- * -1 when out of memory, -2 for another kind (or Q4_K with inputs not a multiple of 256) */
+/* kind: 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q5_1, 4 Q6_K, 5 Q4_K, 6 Q6_KS (the layouts above, blocks.h);
+ * returns 0, -1 when out of memory, -2 for another kind (or super-blocks with inputs not a multiple
+ * of 256) */
 int rill_qlinear(const float *x, int64_t x_row, const uint8_t *panels, const float *bias, float *y,
                  int64_t rows, int64_t out, int64_t in, int threads, int kind) {
     const int64_t blocks = in / 32;
-    if (kind < 0 || kind >= NUM_KINDS || (kind == Q4_K && in % 256)) return -2;
+    if (kind < 0 || kind >= NUM_KINDS || (is_super(kind) && in % 256)) return -2;
     if (rows <= 0) return 0;
     /* the offsets and minimums need each row's sum of x per block (Q6_K: per 16 inputs), on the
      * row-by-row path only */

@@ -483,7 +483,7 @@ static inline __attribute__((always_inline)) void qlinear_i8(const float *x, int
  * memory, -2 for another kind */
 int rill_qlinear_i8(const float *x, int64_t x_row, const uint8_t *panels, const float *bias, float *y,
                     int64_t rows, int64_t out, int64_t in, int threads, int kind) {
-    if (kind < 0 || kind >= NUM_KINDS || kind == Q4_K) return -2;  /* Q4_K: held as Q4_1 with int8 */
+    if (kind < 0 || kind >= NUM_KINDS || is_super(kind)) return -2;  /* held as Q4_1 / Q6_K with int8 */
     if (rows <= 0) return 0;
     const int64_t blocks = in / 32;
     /* per thread: acc_stride(rows) sums (blocks.h); per row: xq, dx, dxs, xs, xh (64-byte aligned) */

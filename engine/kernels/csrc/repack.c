@@ -35,21 +35,29 @@ static inline __attribute__((always_inline)) gguf_type type_of(int type) {
         case T_Q4_1: return (gguf_type){32, 20, Q4_1};
         case T_Q5_0: return (gguf_type){32, 22, Q6_K};
         case T_Q5_1: return (gguf_type){32, 24, Q5_1};
-        case T_Q3_K: return (gguf_type){256, 110, Q6_K};
+        case T_Q3_K: return (gguf_type){256, 110, Q6_KS};
         case T_Q4_K: return (gguf_type){256, 144, Q4_K};
         case T_Q5_K: return (gguf_type){256, 176, Q5_1};
-        case T_Q6_K: return (gguf_type){256, 210, Q6_K};
+        case T_Q6_K: return (gguf_type){256, 210, Q6_KS};
         case T_IQ4_NL: return (gguf_type){32, 18, Q8_0};
         case T_IQ4_XS: return (gguf_type){256, 136, Q8_0};
         default: return (gguf_type){0, 0, 0};
     }
 }
 
-/* the kind whose blocks hold `type`'s: Q4_K's super-blocks only with float32 activations (the
- * int8 layout holds Q4_1 blocks, the products D s and M n as their d and m) */
+/* the kind whose blocks hold `type`'s: super-blocks only with float32 activations (the int8
+ * layout holds Q4_1 and Q6_K blocks, the products D s (and M n) as their d (and m)) */
 static inline __attribute__((always_inline)) int kind_of(int type, int int8) {
     const int kind = type_of(type).kind;
-    return kind == Q4_K && int8 ? Q4_1 : kind;
+    return int8 && kind == Q4_K ? Q4_1 : int8 && kind == Q6_KS ? Q6_K : kind;
+}
+
+/* Q6_K's and Q3_K's scale of 16 weights i (of 16) as an integer: d = D s */
+static inline int scale_q6(const uint8_t *src, int type, int i) {
+    if (type == T_Q6_K) return (int8_t)src[192 + i];
+    const uint8_t *scales = src + 96;
+    const int low = i < 8 ? scales[i] & 15 : scales[i - 8] >> 4, high = (scales[8 + i % 4] >> (2 * (i / 4))) & 3;
+    return (low | high << 4) - 32;
 }
 
 static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
@@ -186,8 +194,7 @@ static inline __attribute__((always_inline)) void decode(const uint8_t *src, con
             const float dall = half_at(src + 108);
             const uint8_t *scales = src + 96;
             for (int i = 0; i < 16; i++) {
-                const int low = i < 8 ? scales[i] & 15 : scales[i - 8] >> 4, high = (scales[8 + i % 4] >> (2 * (i / 4))) & 3;
-                d[i] = dall * (float)((low | high << 4) - 32);
+                d[i] = dall * (float)scale_q6(src, T_Q3_K, i);
             }
             for (int h = 0; h < 2; h++)
                 for (int s = 0; s < 4; s++)
@@ -274,7 +281,7 @@ static inline __attribute__((always_inline)) void write_float(const uint8_t *q, 
             }
             put64(dst + 256 + G * 8, bits);
         }
-    if (kind == Q6_K)  /* inputs 2P + o, output j: bits 4o output j's high bits, 4o + 2 output j + 8's */
+    if (is_q6(kind))  /* inputs 2P + o, output j: bits 4o output j's high bits, 4o + 2 output j + 8's */
         for (int P = 0; P < 16; P++) {
             uint64_t bits = 0;
             for (int o = 0; o < 2; o++) {
@@ -339,23 +346,27 @@ static inline __attribute__((always_inline)) void repack_panel(const uint8_t *ra
                        m + j * (STRIDE / 32));
             }
         }
-        if (kind == Q4_K) {  /* the super-block's D = d and M = -dmin, then its blocks with their six-bit s and n */
-            uint8_t *head = panel + c * SUPER_BYTES;
+        if (is_super(kind)) {  /* the super-block's floats (Q4_K: D = d, M = -dmin; Q6_KS: D = d), then its
+                                  blocks with their integers (Q4_K: six-bit s and n, Q6_KS: int8 s per 16) */
+            uint8_t *head = panel + c * 8 * bytes;
             float dm[32];
             for (int j = 0; j < 16; j++) {
                 dm[j] = dm[16 + j] = 0.0f;
                 if (rows[j] < 0) continue;
                 const uint8_t *src = raw + rows[j] * row_bytes + c * t.bytes;
-                dm[j] = half_at(src), dm[16 + j] = -half_at(src + 2);
+                if (type == T_Q4_K) dm[j] = half_at(src), dm[16 + j] = -half_at(src + 2);
+                else dm[j] = half_at(src + (type == T_Q6_K ? 208 : 108));
             }
-            memcpy(head, dm, sizeof dm);
+            memcpy(head, dm, (size_t)super_head_bytes(kind));
             for (int64_t b = 0; b < blocks; b++) {
-                uint8_t *dst = head + SUPER_HEAD + b * SUPER_BLOCK_STRIDE;
+                uint8_t *dst = head + super_head_bytes(kind) + b * super_stride(kind);
                 write_float(q + b * 32, dst, kind);
                 for (int j = 0; j < 16; j++) {
+                    const uint8_t *src = rows[j] < 0 ? NULL : raw + rows[j] * row_bytes + c * t.bytes;
                     int scale = 0, minimum = 0;
-                    if (rows[j] >= 0) scale_min_k4(raw + rows[j] * row_bytes + c * t.bytes + 4, (int)b, &scale, &minimum);
-                    dst[scales_at(kind) + j] = (uint8_t)scale;
+                    if (src && kind == Q4_K) scale_min_k4(src + 4, (int)b, &scale, &minimum);
+                    if (src && kind == Q6_KS) scale = scale_q6(src, type, 2 * (int)b), minimum = scale_q6(src, type, 2 * (int)b + 1);
+                    dst[scales_at(kind) + j] = (uint8_t)scale;  /* Q6_KS: s[0][j], then s[1][j] (int8) */
                     dst[scales_at(kind) + 16 + j] = (uint8_t)minimum;
                 }
             }
