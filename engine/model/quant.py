@@ -2,8 +2,8 @@
 
 A GGUF model's quantized weights stay quantized in memory: each type of GGUF_TYPES (Q8_0, Q4_0,
 Q4_1, Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS) is read as blocks of 32 weights of one
-of the kernels' six kinds (q8_0, q4_0, q4_1, q5_1, q6_k, and q4_k's super-blocks of 256:
-csrc/blocks.h), whose de-quantized weights are gguf-py's (and so transformers') bit for bit, and
+of the kernels' seven kinds (q8_0, q4_0, q4_1, q5_1, q6_k, and the super-blocks of 256 q4_k and
+q6_ks: csrc/blocks.h), whose de-quantized weights are gguf-py's (and so transformers') bit for bit, and
 rearranged once into panels of 16 outputs (`panels_of_blocks` here, `rill_repack` in C from the raw rows: byte for byte the same).
 The lean loader (engine/model/gguf.py) makes each linear of such a tensor with
 `QuantLinear.from_gguf`, from the file's raw rows. A safetensors model can be quantized at load
@@ -359,7 +359,7 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
 
 class QuantLinear(nn.Module):
     """`nn.Linear` for inference on CPU with its weight kept as blocks of one of the kernels' kinds
-    (Q8_0, Q4_0, Q4_1, Q5_1, Q6_K, Q4_K: every type of GGUF_TYPES); `int8`: its input rounded to int8 per
+    (Q8_0, Q4_0, Q4_1, Q5_1, Q6_K, Q4_K, Q6_KS: every type of GGUF_TYPES); `int8`: its input rounded to int8 per
     block of 32 (faster, lossy) instead of float32."""
 
     def __init__(self, q: np.ndarray, d: np.ndarray, m: np.ndarray | None, kind: str, bias: torch.Tensor | None,
@@ -371,7 +371,7 @@ class QuantLinear(nn.Module):
               bias: torch.Tensor | None, kernel: QuantKernel, int8: bool, source: str | None = None):
         self.out_features, self.in_features = out_features, in_features
         self.kind, self.kernel, self.int8 = kind, kernel, int8
-        self.source = source or kind  # the file's type of block (Q5_K is held as q5_1 blocks, Q6_K as q6_k)
+        self.source = source or kind  # the file's type of block (Q5_K is held as q5_1 blocks, Q6_K as q6_ks)
         self.panels = panels  # uint8 [ceil(out / 16), in / 32 * block bytes]
         self.bias = padded_bias(bias, panels.shape[0], out_features)
 
