@@ -168,8 +168,24 @@ def _model_kwargs(dtype, trust_remote_code, attn_implementation) -> dict:
     return kwargs
 
 
-def _make_block_linears(model: nn.Module, pending: dict[str, _Blocks], kernel, int8: bool, report: GgufLoad) -> None:
-    """Each pending linear as a `QuantLinear` of its rows in the file, with its (now loaded) bias."""
+def _release(blob: np.memmap, raw: np.ndarray) -> None:
+    """The mapped file's pages under `raw` out of the process's memory once their panels are made:
+    mapped pages count in its RSS until the kernel evicts them, so the file and the panels made of
+    it were both held at the load's peak (an 8B Q4_K_M: 8.7 GiB). A page read again (a tied head's
+    table, a neighbour tensor's first page) is read again from the file."""
+    import mmap
+
+    start = raw.ctypes.data - blob.ctypes.data
+    first = start - start % mmap.PAGESIZE
+    end = min(start + raw.nbytes, len(blob))
+    if end > first:
+        blob._mmap.madvise(mmap.MADV_DONTNEED, first, end - first)
+
+
+def _make_block_linears(model: nn.Module, pending: dict[str, _Blocks], kernel, int8: bool, report: GgufLoad,
+                        blob: np.memmap) -> None:
+    """Each pending linear as a `QuantLinear` of its rows in the file, with its (now loaded) bias;
+    the file's pages it was made from released."""
     from engine.model.quant import QuantLinear
 
     for target, blocks in pending.items():
@@ -179,6 +195,7 @@ def _make_block_linears(model: nn.Module, pending: dict[str, _Blocks], kernel, i
         bias = linear.bias if linear.bias is not None and linear.bias.device.type != "meta" else None
         setattr(parent, leaf, QuantLinear.from_gguf(np.asarray(blocks.raw), blocks.ggml_type, bias, kernel, int8,
                                                     blocks.order))
+        _release(blob, blocks.raw)
         report.kept[blocks.ggml_type] = report.kept.get(blocks.ggml_type, 0) + 1
 
 
@@ -253,7 +270,7 @@ def load_gguf(gguf: Path, *, device: torch.device, dtype: torch.dtype, trust_rem
     for name, tensor in state["tensors"].items():  # MoE experts, stacked by their processor
         _set_tensor(model, name, _as_tensor(tensor, dtype, device))
     _tie_output(model, embedding, pending, linears, read, blocks_ok, dtype, device)
-    _make_block_linears(model, pending, kernel, int8, report)
+    _make_block_linears(model, pending, kernel, int8, report, blob)
     missing = [name for name, param in model.named_parameters() if param.device.type == "meta"]
     if missing:
         raise ModelLoadError(f"the GGUF file {str(gguf)!r} has no tensor for {len(missing)} of the model's weights "
