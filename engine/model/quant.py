@@ -3,8 +3,9 @@
 A GGUF model's quantized weights stay quantized in memory: each type of GGUF_TYPES (Q8_0, Q4_0,
 Q4_1, Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS) is read as blocks of 32 weights of one
 of the kernels' seven kinds (q8_0, q4_0, q4_1, q5_1, q6_k, and the super-blocks of 256 q4_k and
-q6_ks: csrc/blocks.h), whose de-quantized weights are gguf-py's (and so transformers') bit for bit, and
-rearranged once into panels of 16 outputs (`panels_of_blocks` here, `rill_repack` in C from the raw rows: byte for byte the same).
+q6_ks: csrc/blocks.h), whose de-quantized weights are gguf-py's (and so transformers') bit for
+bit, and rearranged once into panels of 16 outputs (`panels_of_blocks` here, `rill_repack` in C
+from the raw rows: byte for byte the same).
 The lean loader (engine/model/gguf.py) makes each linear of such a tensor with
 `QuantLinear.from_gguf`, from the file's raw rows. A safetensors model can be quantized at load
 the same way (`quantize_linears`, `--quantize q8_0|q4_0|q4_1`).
