@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include "blocks.h"
 
 typedef int (*kernel)(const float *, int64_t, const uint8_t *, const float *, float *, int64_t, int64_t, int64_t,
                       int, int);
@@ -33,29 +34,21 @@ static int by_value(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
-/* bytes per block of 32 inputs and where a block's float scales are (csrc/blocks.h) */
-static int64_t block_of(int kind) {
-    return kind == 0 ? 32 * 16 + 64 : kind == 1 ? 32 * 8 + 64 : kind == 2 ? 32 * 8 + 128 : kind == 3 ? 32 * 8 + 64 + 128
-         : kind == 5 ? 32 * 8 + 32 + 16 : kind == 6 ? 32 * 8 + 128 + 32 + 8 : 32 * 8 + 128 + 128;
-}
-
 /* 30 layers of random weights of `kind` with sane float scales (random bytes as floats would be
  * NaNs and subnormals); the super-block kinds' heads 0.01, their integers random */
 static void fill(uint8_t **weights, int64_t blocks, int kind) {
-    const int64_t block = block_of(kind);
+    const int64_t block = block_bytes(kind);
     for (int l = 0; l < LAYERS; l++) {
         weights[l] = malloc((size_t)(blocks * block));
         for (int64_t i = 0; i < blocks * block; i++) weights[l][i] = (uint8_t)rand();
-        if (kind >= 5) {
-            const int64_t head = kind == 5 ? 128 : 64;
+        if (is_super(kind)) {
             for (int64_t s = 0; s < blocks / 8; s++)
-                for (int j = 0; j < head / 4; j++) ((float *)(weights[l] + s * 8 * block))[j] = 0.01f;
+                for (int j = 0; j < super_head_bytes(kind) / 4; j++) ((float *)(weights[l] + s * 8 * block))[j] = 0.01f;
             continue;
         }
         for (int64_t b = 0; b < blocks; b++) { /* the floats after each block's weights */
-            float *scales = (float *)(weights[l] + b * block + (kind == 0 ? 32 * 16 : kind == 3 ? 32 * 8 + 64
-                                                                 : kind == 4 ? 32 * 8 + 128 : 32 * 8));
-            for (int j = 0; j < (kind >= 2 ? 32 : 16); j++) scales[j] = 0.01f;
+            float *scales = (float *)(weights[l] + b * block + scales_at(kind));
+            for (int j = 0; j < 16 * (has_min(kind) || is_q6(kind) ? 2 : 1); j++) scales[j] = 0.01f;
         }
     }
 }

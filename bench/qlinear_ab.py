@@ -44,7 +44,7 @@ def build(revision: str, where: Path) -> Path:
         subprocess.run(["cc", *FLAGS, "-c", str(old / name), "-o", str(obj), *renamed], check=True)
         objects.append(str(obj))
     binary = where / "qlinear_ab"
-    subprocess.run(["cc", *FLAGS, str(ROOT / "bench" / "qlinear_ab.c"), *(str(CSRC / n) for n in KERNELS),
+    subprocess.run(["cc", *FLAGS, f"-I{CSRC}", str(ROOT / "bench" / "qlinear_ab.c"), *(str(CSRC / n) for n in KERNELS),
                     *objects, "-o", str(binary), "-lm"], check=True)
     return binary
 

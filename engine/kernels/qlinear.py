@@ -16,6 +16,7 @@ from engine.kernels.build import checked_kernel
 from engine.kernels.linear import call_panel_kernel
 
 KINDS = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q5_1": 3, "q6_k": 4, "q4_k": 5, "q6_ks": 6}  # the kernels' `kind` argument
+SUPER_KINDS = {"q4_k": "q4_1", "q6_ks": "q6_k"}  # the super-block kinds, and the kind of their products
 INT8_KIND = 16  # rill_lin's kind of blocks with int8 activations: INT8_KIND + KINDS[kind] (csrc/blocks.h)
 # bytes of a panel per block (32 inputs of 16 outputs) of each kind, the same in both layouts
 # (csrc/blocks.h; q4_k, q6_ks: a super-block's floats over its 8 blocks, float32 activations only)
@@ -60,7 +61,7 @@ class QuantKernel:
         `ggml_type` -> the panels of `kind` that engine/model/quant.py's panels_of_blocks makes from
         its reader's blocks, byte for byte; output r is the file's row order[r] (None: row r)."""
         raw = np.ascontiguousarray(raw)  # a memory map's rows stay where they are
-        if int8 and kind in ("q4_k", "q6_ks"):
+        if int8 and kind in SUPER_KINDS:
             raise ValueError(f"{kind} blocks are for float32 activations; with int8 see held_kind")
         if order is not None:
             order = np.ascontiguousarray(order, dtype=np.int64)
@@ -88,7 +89,7 @@ def _quant_agrees(kernel: QuantKernel) -> bool:
     gen = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(21, 64, generator=gen), torch.randn(21, generator=gen)
     wide = torch.randn(13, 70, generator=gen)
-    for kind in (kind for kind in KINDS if kind not in ("q4_k", "q6_ks")):  # super-blocks: from GGUF only (below)
+    for kind in (kind for kind in KINDS if kind not in SUPER_KINDS):  # super-blocks: from GGUF only (below)
         q, d, m = quantize_blocks(weight, kind)
         reference = dequantize(q, d, m, kind)
         for b, int8 in ((bias, False), (None, False), (bias, True), (None, True)):

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from engine.kernels.linear import padded_bias
-from engine.kernels.qlinear import KINDS, QuantKernel
+from engine.kernels.qlinear import KINDS, SUPER_KINDS, QuantKernel
 
 log = logging.getLogger("rill.engine")
 
@@ -89,9 +89,6 @@ def unpack_q4_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     low = np.broadcast_to(-_half(blocks, 2)[..., None], minimum.shape)
     return (q, np.stack([factor, scale], axis=-1).reshape(out, -1, 2),
             np.stack([low, minimum], axis=-1).reshape(out, -1, 2))
-
-
-SUPER_KINDS = {"q4_k": "q4_1", "q6_ks": "q6_k"}  # the super-block kinds, and the kind of their products
 
 
 def super_products(d: np.ndarray, m: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
