@@ -521,16 +521,19 @@ def test_nan_weights_in_one_row_fail_the_request_that_reads_them_and_the_others_
 
 
 def test_32_concurrent_greedy_streams_on_a_small_kv_pool_each_equal_their_answer_alone(server_with):
-    server = server_with("--num-kv-blocks", "40", "--block-size", "16")  # 640 tokens for 32 streams of ~90
+    # 640 tokens of KV for 32 streams of ~180 (160 tokens out, past EOS): three fit at once, so
+    # any four that overlap preempt one, however the requests' arrivals spread
+    server = server_with("--num-kv-blocks", "40", "--block-size", "16")
     url = server.url
     prompts = [f"Stream {i}: count the boats in harbour {i * 13}." for i in range(32)]
-    alone = [chat_greedy(url, p, 64) for p in prompts]
+    body = {"temperature": 0, "max_new_tokens": 160, "ignore_eos": True}
+    alone = [chat_text(stream_chat_events(url, {"prompt": p, **body})) for p in prompts]
     before = httpx.get(f"{url}/health", timeout=10).json()["engine"]["num_preemptions"]
     start = threading.Barrier(len(prompts))
 
     def run(prompt):
         start.wait()
-        return chat_text(stream_chat_events(url, {"prompt": prompt, "temperature": 0, "max_new_tokens": 64}))
+        return chat_text(stream_chat_events(url, {"prompt": prompt, **body}))
 
     with ThreadPoolExecutor(len(prompts)) as pool:
         together = list(pool.map(run, prompts))
