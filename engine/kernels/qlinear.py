@@ -21,7 +21,7 @@ INT8_KIND = 16  # rill_lin's kind of blocks with int8 activations: INT8_KIND + K
 # bytes of a panel per block (32 inputs of 16 outputs) of each kind, the same in both layouts
 # (csrc/blocks.h; q4_k, q6_ks: a super-block's floats over its 8 blocks, float32 activations only)
 BLOCK_BYTES = {"q8_0": 32 * 16 + 64, "q4_0": 32 * 8 + 64, "q4_1": 32 * 8 + 128, "q5_1": 32 * 8 + 64 + 128,
-               "q6_k": 32 * 8 + 128 + 128, "q4_k": 32 * 8 + 32 + 16, "q6_ks": 32 * 8 + 128 + 32 + 8}
+               "q6_k": 32 * 8 + 128 + 128, "q4_k": 32 * 8 + 32 + 16, "q6_ks": 32 * 16 + 32 + 8}
 # ggml's numbers of the GGUF types rill_repack reads (ggml.h)
 GGML_TYPE_NUMBERS = {"q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "q3_k": 11, "q4_k": 12, "q5_k": 13,
                      "q6_k": 14, "iq4_nl": 20, "iq4_xs": 23}

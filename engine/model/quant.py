@@ -258,8 +258,8 @@ def panels_of_blocks(q: np.ndarray, d: np.ndarray, m: np.ndarray | None, kind: s
     bytes]): csrc/qlinear.c's layout (input-major), or with `int8` csrc/qlinear_i8.c's (groups of
     4 inputs per output, for the byte dot products). Q5_1 and Q6_K blocks hold their low nibbles as
     Q4's and the bits above them in a plane of their own after them; q4_k (q6_ks) blocks their
-    integers after q4_1's (q6_k's) weights, in super-blocks headed by their floats (see
-    csrc/blocks.h); with `int8`, as the blocks of their products' kind."""
+    integers after q4_1's weights (q6_ks: after q - 32 as int8 bytes), in super-blocks headed by their
+    floats (see csrc/blocks.h); with `int8`, as the blocks of their products' kind."""
     if kind in SUPER_KINDS and int8:
         (d, m), kind = super_products(d, m), SUPER_KINDS[kind]
     if kind in SUPER_KINDS:
@@ -311,16 +311,20 @@ def panels_of_blocks(q: np.ndarray, d: np.ndarray, m: np.ndarray | None, kind: s
 
 def _super_panels(q: np.ndarray, d: np.ndarray, m: np.ndarray | None, kind: str) -> torch.Tensor:
     """q4_k's (q6_ks') panels: per super-block of 8 blocks, float32 D[16] (q4_k: and M[16]), its
-    outputs' factors, then each block's weights (as q4_1's, q6_k's) and its integers: q4_k uint8
-    scale[16], min[16]; q6_ks int8 scale[2][16] (per 16 inputs)."""
+    outputs' factors, then each block's weights (q4_k: as q4_1's; q6_ks: q - 32 as int8, as q8_0's)
+    and its integers: q4_k uint8 scale[16], min[16]; q6_ks int8 scale[2][16] (per 16 inputs)."""
     out, blocks, _ = q.shape
     pad = -out % 16
     if pad:
         q = np.concatenate([q, np.zeros((pad, blocks, 32), q.dtype)])
         d, m = (None if a is None else np.concatenate([a, np.zeros((pad, *a.shape[1:]), np.float32)]) for a in (d, m))
     panels, supers, plain = (out + pad) // 16, blocks // 8, SUPER_KINDS[kind]
-    weights = {"q4_k": 256, "q6_ks": 384}[kind]
-    laid = panels_of_blocks(q, *super_products(d, m), plain).numpy().reshape(panels, blocks, -1)[..., :weights]
+    if kind == "q4_k":  # its weights as q4_1's
+        laid = panels_of_blocks(q, *super_products(d, m), plain).numpy().reshape(panels, blocks, -1)[..., :256]
+    else:  # q - 32 as int8, as q8_0's
+        values = (q.astype(np.int16) - 32).astype(np.int8)
+        laid = panels_of_blocks(values, np.zeros(values.shape[:2], np.float32), None, "q8_0").numpy()
+        laid = laid.reshape(panels, blocks, -1)[..., :512]
     if kind == "q4_k":  # [output, block, scale | min] -> [panel, block, scale | min, output]
         ints = np.stack([d[..., 1], m[..., 1]], axis=-1).astype(np.uint8)
         heads = np.stack([d[:, ::8, 0], m[:, ::8, 0]], axis=-1)

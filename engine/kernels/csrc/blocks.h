@@ -14,12 +14,15 @@
  *   Q4_K  Q4_1's nibbles, then uint8 s[16] and    w = D s q + M n         288 bytes, and 128 per
  *         n[16]: a super-block's six-bit scales   (D s, M n: one float32  8 blocks (0.59)
  *         and minimums                            product each)
- *   Q6_KS Q6_K's weights, then int8 s[2][16]:     w = D s[k / 16] (q - 32) 416 bytes, and 64 per
- *         a super-block's scale per 16 inputs                             8 blocks (0.83)
+ *   Q6_KS int8 q - 32 (as Q8_0 holds its q),     w = D s[k / 16] q       544 bytes, and 64 per
+ *         then int8 s[2][16]: a super-block's                             8 blocks (1.08)
+ *         scale per 16 inputs
  * Q4_K and Q6_KS panels are super-blocks of 256 inputs: float D[16] (Q4_K: and M[16], M = -dmin,
  * so that M n is -(dmin n) exactly), then their 8 blocks; D s is the product Q4_1 and Q6_K hold
- * as their d, computed where it is used: 0.79x (0.83x) their bytes for the same weights, the same
- * floats.
+ * as their d, computed where it is used (the same floats): Q4_K 0.79x Q4_1's bytes for the same
+ * weights. Q6_KS keeps its six-bit weights a byte each, 1.08x Q6_K's bytes: widening a byte takes
+ * the instructions Q4's nibbles do, where Q6_K's two planes took twice as many, which bound a
+ * one-row step on AVX2 (0.75x the time of a Q6_K 2048 x 8192 at one row there).
  * GGUF's Q8_0, IQ4_NL and IQ4_XS are held as Q8_0; Q4_K as Q4_K; Q5_1 and Q5_K as Q5_1; Q6_K and
  * Q3_K (q + 32) as Q6_KS; Q5_0 (q + 16) as Q6_K; with int8 activations Q4_K as Q4_1 and Q6_KS as
  * Q6_K (engine/model/quant.py, csrc/repack.c). */
@@ -50,9 +53,11 @@ enum { INT8_KIND = 16 };
 /* the kinds kept in super-blocks of 256 inputs, and the 6-bit ones */
 static inline int is_super(int kind) { return kind == Q4_K || kind == Q6_KS; }
 static inline int is_q6(int kind) { return kind == Q6_K || kind == Q6_KS; }
+/* the kinds whose weights are int8 values, one byte each (input-major, q[32][16]) */
+static inline int is_int8(int kind) { return kind == Q8_0 || kind == Q6_KS; }
 /* a super-block: its floats (SUPER_HEAD bytes), then 8 blocks of SUPER_STRIDE bytes each */
 static inline int64_t super_head_bytes(int kind) { return kind == Q4_K ? 128 : 64; }
-static inline int64_t super_stride(int kind) { return kind == Q4_K ? 32 * 8 + 32 : 32 * 8 + 128 + 32; }
+static inline int64_t super_stride(int kind) { return kind == Q4_K ? 32 * 8 + 32 : 32 * 16 + 32; }
 /* bytes of a panel per block of 32 inputs (a super-block's over its 8 blocks) */
 static inline int64_t block_bytes(int kind) {
     if (is_super(kind)) return super_stride(kind) + super_head_bytes(kind) / 8;
@@ -61,7 +66,7 @@ static inline int64_t block_bytes(int kind) {
 }
 /* where a block's scales start: after its weights (Q4_K: its bytes s and n, Q6_KS: s) */
 static inline int64_t scales_at(int kind) {
-    return kind == Q8_0 ? 32 * 16 : kind == Q5_1 ? 32 * 8 + 64 : is_q6(kind) ? 32 * 8 + 128 : 32 * 8;
+    return is_int8(kind) ? 32 * 16 : kind == Q5_1 ? 32 * 8 + 64 : kind == Q6_K ? 32 * 8 + 128 : 32 * 8;
 }
 /* block b of a panel */
 static inline __attribute__((always_inline)) const uint8_t *block_at(const uint8_t *panel, int64_t b, const int kind) {
@@ -76,8 +81,10 @@ static inline __attribute__((always_inline)) const float *super_head(const uint8
 static inline int is_q4(int kind) { return kind == Q4_0 || kind == Q4_1 || kind == Q4_K; }
 /* the kinds with a minimum m per output */
 static inline int has_min(int kind) { return kind == Q4_1 || kind == Q5_1 || kind == Q4_K; }
-/* the offset taken off q: w = d (q - offset) */
-static inline int q_offset(int kind) { return kind == Q4_0 ? 8 : is_q6(kind) ? 32 : 0; }
+/* the offset taken off q: w = d (q - offset) (Q6_KS holds q - 32) */
+static inline int q_offset(int kind) { return kind == Q4_0 ? 8 : kind == Q6_K ? 32 : 0; }
+/* the kinds whose sums need each row's sum of x per block: m sum(x), or -offset d sum(x) */
+static inline int needs_xsum(int kind) { return has_min(kind) || q_offset(kind); }
 /* scales per output in a block: the 6-bit kinds' are per 16 inputs */
 static inline int scale_parts(int kind) { return is_q6(kind) ? 2 : 1; }
 

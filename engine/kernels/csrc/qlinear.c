@@ -13,7 +13,8 @@
  *         high bits of output j at input 2P + o, bits 4o+2..4o+3 output j + 8's; float d[2][16]
  *   Q4_K  super-blocks: float D[16], M[16], then 8 blocks of Q4's nibbles and uint8 s[16], n[16]:
  *         a block's d = D s and m = M n are computed as it is read (blocks.h), as Q4_1 holds them
- *   Q6_KS super-blocks: float D[16], then 8 blocks of Q6_K's weights and int8 s[2][16]: d = D s
+ *   Q6_KS super-blocks: float D[16], then 8 blocks of int8 q - 32 (laid out as Q8_0's q) and int8
+ *         s[2][16]: d = D s
  *
  * A tile of up to 6 rows of x times one panel keeps 6 x 16 running sums in registers (AVX2; with
  * AVX-512, tiles of up to 16 rows and a panel in one register: the section further down). Within a
@@ -50,7 +51,7 @@ enum { FEW_ROWS = 6, CHUNK = 4 };
 /* the integer weight q of output j at input k of a block (the layouts above), one at a time: the
  * generic vectors' widening */
 static inline __attribute__((always_inline)) int q_at(const uint8_t *blk, int k, int j, const int kind) {
-    if (kind == Q8_0) return (int8_t)blk[k * 16 + j];
+    if (is_int8(kind)) return (int8_t)blk[k * 16 + j];
     const int low = j < 8 ? blk[k * 8 + j] & 15 : blk[k * 8 + j - 8] >> 4;
     if (kind == Q5_1) return low | ((blk[256 + (k / 4) * 8 + j % 8] >> (2 * (k % 4) + j / 8)) & 1) << 4;
     if (is_q6(kind)) return low | ((blk[256 + (k / 2) * 8 + j % 8] >> (4 * (k % 2) + 2 * (j / 8))) & 3) << 4;
@@ -81,7 +82,7 @@ static inline __attribute__((always_inline)) void widen_high(const uint8_t *blk,
 /* the 16 integer weights of input k as two vectors of 8 floats (outputs 0-7 and 8-15) */
 static inline __attribute__((always_inline)) void widen(const uint8_t *blk, int k, v8 *w0, v8 *w1, const int kind) {
 #ifdef __AVX2__
-    if (kind == Q8_0) {
+    if (is_int8(kind)) {
         const __m128i q = _mm_loadu_si128((const __m128i *)(blk + k * 16));
         *w0 = (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
         *w1 = (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)));
@@ -291,7 +292,7 @@ static inline __attribute__((always_inline)) void rows_panel(const float *x, int
                             : S == 2 ? p[0][i][1] + p[1][i][1] : p[0][i][1];
                 y[i][0] += d0 * q0;
                 y[i][1] += d1 * q1;
-                if (kind != Q8_0) {
+                if (needs_xsum(kind)) {
                     const float xs = xsum[i * blocks * parts + b * parts + part];
                     const v8 sv = {xs, xs, xs, xs, xs, xs, xs, xs};
                     const v8 m0 = has_min(kind) ? sc.m0 : d0 * (float)-q_offset(kind);
@@ -319,7 +320,7 @@ enum { WIDE_TILE = 16 };
 /* input k of a block: its 16 integer weights as floats, in output order (Q4: byte j holds output j
  * in its low nibble and output j + 8 in its high one) */
 static inline __attribute__((always_inline)) __m512 widen16(const uint8_t *blk, int k, const int kind) {
-    if (kind == Q8_0) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + k * 16))));
+    if (is_int8(kind)) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + k * 16))));
     if (!is_q4(kind)) {  /* Q5_1, Q6_K: AVX2's two halves side by side */
         __m256i i0, i1;
         widen_high(blk, k, &i0, &i1, kind);
@@ -466,7 +467,7 @@ static inline __attribute__((always_inline)) void row_panel16(const float *x, co
             scales16(panel, b, blk, &d, &m, &e, kind);
             if (part) d = e;
             y = _mm512_fmadd_ps(d, _mm512_add_ps(_mm512_add_ps(p[0], p[1]), _mm512_add_ps(p[2], p[3])), y);
-            if (kind != Q8_0) {
+            if (needs_xsum(kind)) {
                 if (!has_min(kind)) m = _mm512_mul_ps(d, _mm512_set1_ps((float)-q_offset(kind)));
                 y = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[b * parts + part]), y);
             }
@@ -644,9 +645,9 @@ int rill_qlinear(const float *x, int64_t x_row, const uint8_t *panels, const flo
     if (kind < 0 || kind >= NUM_KINDS || (is_super(kind) && in % 256)) return -2;
     if (rows <= 0) return 0;
     /* the offsets and minimums need each row's sum of x per block (Q6_K: per 16 inputs), on the
-     * row-by-row path only */
+     * row-by-row path only (not Q8_0's or Q6_KS's weights, which are their values) */
     const int parts = scale_parts(kind), span = 32 / parts;
-    const int64_t sums = kind != Q8_0 && rows <= FEW_ROWS ? (rows * blocks * parts + 15) / 16 * 16 : 0;
+    const int64_t sums = needs_xsum(kind) && rows <= FEW_ROWS ? (rows * blocks * parts + 15) / 16 * 16 : 0;
     /* AVX-512: more rows than FEW_ROWS take the wide tiles, on x packed once for all panels */
 #ifdef __AVX512F__
     const int64_t packed = rows > FEW_ROWS ? (rows * in + 15) / 16 * 16 : 0;

@@ -270,6 +270,10 @@ static inline __attribute__((always_inline)) void write_float(const uint8_t *q, 
         memcpy(dst, qt, sizeof qt);
         return;
     }
+    if (kind == Q6_KS) {  /* input k, output o: q - 32 as int8 */
+        for (int i = 0; i < 32 * 16; i++) dst[i] = (uint8_t)(qt[i] - 32);
+        return;
+    }
     for (int k = 0; k < 32; k++)  /* input k, output j | output j + 8 in the high nibble */
         put64(dst + k * 8, (get64(qt + k * 16) & LOW4) | (get64(qt + k * 16 + 8) & LOW4) << 4);
     if (kind == Q5_1)  /* inputs 4G + g, output j: bit 2g output j's fifth bit, 2g + 1 output j + 8's */
