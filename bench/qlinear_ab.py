@@ -40,7 +40,7 @@ def build(revision: str, where: Path) -> Path:
     for name in KERNELS:
         obj = where / f"old_{name}.o"
         renamed = [f"-D{fn}={fn}_a" for fn in ("rill_qlinear", "rill_qlinear_i8", "rill_qlinear_vector_bits",
-                                                   "rill_qlinear_few_rows")]
+                                                   "rill_qlinear_few_rows", "rill_qlinear_widen_rows")]
         subprocess.run(["cc", *FLAGS, "-c", str(old / name), "-o", str(obj), *renamed], check=True)
         objects.append(str(obj))
     binary = where / "qlinear_ab"

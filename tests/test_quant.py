@@ -69,7 +69,7 @@ def test_super_blocks_compute_bit_for_bit_what_the_blocks_of_their_products_comp
     """The K types stay in their super-blocks (Q4_K 0.79x the bytes of the q4_1 blocks of the same
     weights, Q6_K and Q3_K 1.08x q6_k's: their weights a byte each), whose d and m are the products
     the kernel computes as it reads them: the same outputs bit for bit on every path (1 to 13 rows,
-    64), rows reordered and a partial panel, except q6_ks's few-row path, which sums d (q - 32) x
+    64), rows reordered and a partial panel, except q6_ks's widening path (AVX2: up to 12 rows), which sums d (q - 32) x
     where q6_k sums d q x - 32 d x (the same up to float32 rounding); with int8 activations the
     layer holds the plain blocks."""
     from engine.model.quant import blocks_of_gguf, super_products
@@ -85,7 +85,7 @@ def test_super_blocks_compute_bit_for_bit_what_the_blocks_of_their_products_comp
     assert layer.panels.numel() == as_plain.panels.numel() * ratio
     for rows in [*range(1, 14), 64]:
         x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
-        if kind == "q6_ks" and rows <= kernel.few_rows:
+        if kind == "q6_ks" and rows <= kernel.widen_rows:
             torch.testing.assert_close(layer(x), as_plain(x), rtol=1e-5, atol=1e-5)
         else:
             assert torch.equal(layer(x), as_plain(x)), rows
@@ -120,7 +120,7 @@ def test_gguf_blocks_dequantize_as_gguf_py_does_bit_for_bit(ggml_type):
 
 
 @pytest.mark.parametrize("ggml_type", list(HELD_AS))
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 13, 17, 40, 64, 1300])  # every path of both ISAs (as above)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 10, 13, 17, 40, 64, 1300])  # every path of both ISAs (as above)
 def test_the_kernel_on_gguf_blocks_equals_the_float_product_with_gguf_pys_weight(kernel, ggml_type, rows):
     """Float32 activations: F.linear with the weight transformers reads from the same blocks, and
     int8 activations: the same product of the rounded inputs (the int8 kernel exists for every kind)."""

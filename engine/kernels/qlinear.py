@@ -47,6 +47,8 @@ class QuantKernel:
         self.isa = {512: "AVX-512", 256: "AVX2"}.get(bits, "generic vectors")
         library.rill_qlinear_few_rows.restype = ctypes.c_int
         self.few_rows = library.rill_qlinear_few_rows()  # up to this many rows widen the weights in registers
+        library.rill_qlinear_widen_rows.restype = ctypes.c_int
+        self.widen_rows = library.rill_qlinear_widen_rows()  # ... once per tile of few_rows (more: de-quantized)
 
     def __call__(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int,
                  kind: str, int8: bool = False) -> torch.Tensor:

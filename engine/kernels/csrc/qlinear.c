@@ -36,16 +36,20 @@
 #include <immintrin.h>
 #endif
 
-/* FEW_ROWS: up to this many rows widen the weights in registers (AVX2: once for all of them,
+/* FEW_ROWS: up to this many rows widen the weights in registers once for all of them (AVX2:
  * rows_panel; AVX-512: one row, and from 2 rows its tiles, which widen each input once for all
- * rows, take less time; rill_qlinear_few_rows says which). CHUNK: more rows
- * de-quantize this many blocks (8 KB of floats, beside 32 rows' 16 KB of x: within L1) before
- * their tiles run over all of them, so a tile loads and stores its sums once per 128 inputs, not
- * per 32: 0.83-0.91x the time of 3072 x 576 / 576 x 1536 at 24 and 32 rows (Q4_1, two threads) */
+ * rows, take less time; rill_qlinear_few_rows says which). WIDEN_ROWS: up to this many rows widen
+ * them in registers once per tile of FEW_ROWS (AVX2: 7-12 rows as two rows_panel tiles, 0.90-0.97x
+ * the time of de-quantizing at 8 rows and 0.75-0.88x at 12, on the 1.7B's and SmolLM2-135M's
+ * shapes, every kind tried (bench.qlinear_ab); 16 rows about even, 32 and 64 rows 1.02-1.13x, so
+ * no further). CHUNK: more rows de-quantize this many blocks (8 KB of floats, beside 32 rows' 16 KB
+ * of x: within L1) before their tiles run over all of them, so a tile loads and stores its sums once
+ * per 128 inputs, not per 32: 0.83-0.91x the time of 3072 x 576 / 576 x 1536 at 24 and 32 rows
+ * (Q4_1, two threads) */
 #ifdef __AVX512F__
-enum { FEW_ROWS = 1, CHUNK = 4 };
+enum { FEW_ROWS = 1, WIDEN_ROWS = 1, CHUNK = 4 };
 #else
-enum { FEW_ROWS = 6, CHUNK = 4 };
+enum { FEW_ROWS = 6, WIDEN_ROWS = 12, CHUNK = 4 };
 #endif
 
 /* the integer weight q of output j at input k of a block (the layouts above), one at a time: the
@@ -533,24 +537,35 @@ static inline __attribute__((always_inline)) void panel_rows_wide(const float *x
 }
 #endif
 
+#ifndef __AVX512F__
+/* up to FEW_ROWS rows of x times one panel, widened in registers (rows_panel, n a constant) */
+static inline __attribute__((always_inline)) void widen_tile(const float *x, int64_t x_row, const float *xsum,
+                                                             const uint8_t *panel, int64_t blocks, int64_t n,
+                                                             float *acc, const int kind) {
+    switch (n) {
+        case 1: rows_panel(x, x_row, xsum, panel, blocks, acc, 1, kind); break;
+        case 2: rows_panel(x, x_row, xsum, panel, blocks, acc, 2, kind); break;
+        case 3: rows_panel(x, x_row, xsum, panel, blocks, acc, 3, kind); break;
+        case 4: rows_panel(x, x_row, xsum, panel, blocks, acc, 4, kind); break;
+        case 5: rows_panel(x, x_row, xsum, panel, blocks, acc, 5, kind); break;
+        default: rows_panel(x, x_row, xsum, panel, blocks, acc, 6, kind); break;
+    }
+}
+#endif
+
 /* rows of x times one panel: a few rows widen the weights in registers (the panel
  * stays in L1); more rows de-quantize each block once into floats and reuse it for all rows */
 static inline __attribute__((always_inline)) void panel_rows(const float *x, int64_t x_row, const float *xsum,
                                                              const uint8_t *panel, int64_t blocks, int64_t rows,
                                                              float *acc, float *w, const int kind) {
-    if (rows <= FEW_ROWS) {
+    if (rows <= WIDEN_ROWS) {
 #ifdef __AVX512F__
         for (int64_t r = 0; r < rows; r++)
             row_panel16(x + r * x_row, xsum + r * blocks * scale_parts(kind), panel, blocks, acc + r * 16, kind);
 #else
-        switch (rows) {
-            case 1: rows_panel(x, x_row, xsum, panel, blocks, acc, 1, kind); break;
-            case 2: rows_panel(x, x_row, xsum, panel, blocks, acc, 2, kind); break;
-            case 3: rows_panel(x, x_row, xsum, panel, blocks, acc, 3, kind); break;
-            case 4: rows_panel(x, x_row, xsum, panel, blocks, acc, 4, kind); break;
-            case 5: rows_panel(x, x_row, xsum, panel, blocks, acc, 5, kind); break;
-            default: rows_panel(x, x_row, xsum, panel, blocks, acc, 6, kind); break;
-        }
+        for (int64_t m = 0; m < rows; m += FEW_ROWS)  /* tiles of FEW_ROWS, each widening the weights again */
+            widen_tile(x + m * x_row, x_row, xsum + m * blocks * scale_parts(kind), panel, blocks,
+                       rows - m < FEW_ROWS ? rows - m : FEW_ROWS, acc + m * 16, kind);
 #endif
         return;
     }
@@ -647,7 +662,7 @@ int rill_qlinear(const float *x, int64_t x_row, const uint8_t *panels, const flo
     /* the offsets and minimums need each row's sum of x per block (Q6_K: per 16 inputs), on the
      * row-by-row path only (not Q8_0's or Q6_KS's weights, which are their values) */
     const int parts = scale_parts(kind), span = 32 / parts;
-    const int64_t sums = needs_xsum(kind) && rows <= FEW_ROWS ? (rows * blocks * parts + 15) / 16 * 16 : 0;
+    const int64_t sums = needs_xsum(kind) && rows <= WIDEN_ROWS ? (rows * blocks * parts + 15) / 16 * 16 : 0;
     /* AVX-512: more rows than FEW_ROWS take the wide tiles, on x packed once for all panels */
 #ifdef __AVX512F__
     const int64_t packed = rows > FEW_ROWS ? (rows * in + 15) / 16 * 16 : 0;
@@ -676,6 +691,7 @@ int rill_qlinear(const float *x, int64_t x_row, const uint8_t *panels, const flo
 /* up to how many rows this build widens the weights in registers (engine/runner/native.py computes
  * a Q8_0 head whole up to there rather than screening it) */
 int rill_qlinear_few_rows(void) { return FEW_ROWS; }
+int rill_qlinear_widen_rows(void) { return WIDEN_ROWS; }
 
 /* the vector width this build's float32 block tiles use, for the start-up log: 512 with AVX-512
  * (-march=native on a CPU that has it), 256 with AVX2, else 0 (GCC's generic vectors) */

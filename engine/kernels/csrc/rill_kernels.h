@@ -22,6 +22,8 @@ int rill_qlinear_i8(const float *x, int64_t x_row, const uint8_t *panels, const 
 int rill_qlinear_vector_bits(void);
 /* up to how many rows the float32 block kernel widens the weights in registers (1 with AVX-512, 6 else) */
 int rill_qlinear_few_rows(void);
+/* up to how many rows it widens them once per tile of those rows, de-quantizing past it (1 with AVX-512, 12 else) */
+int rill_qlinear_widen_rows(void);
 /* csrc/repack.c: a GGUF tensor's raw rows (ggml type number `type`; rows in `order`, or NULL) into
  * the panels of the kind that holds that type (int8: qlinear_i8.c's layout). Returns 0, or -2 for a
  * type it does not read or rows of other bytes. */
