@@ -69,9 +69,9 @@ def test_super_blocks_compute_bit_for_bit_what_the_blocks_of_their_products_comp
     """The K types stay in their super-blocks (Q4_K 0.79x the bytes of the q4_1 blocks of the same
     weights, Q6_K and Q3_K 1.08x q6_k's: their weights a byte each), whose d and m are the products
     the kernel computes as it reads them: the same outputs bit for bit on every path (1 to 13 rows,
-    64), rows reordered and a partial panel, except q6_ks's widening path (AVX2: up to 12 rows), which sums d (q - 32) x
-    where q6_k sums d q x - 32 d x (the same up to float32 rounding); with int8 activations the
-    layer holds the plain blocks."""
+    64), rows reordered and a partial panel, except q6_ks's widening path (AVX2: up to 12 rows),
+    which sums d (q - 32) x where q6_k sums d q x - 32 d x (the same up to float32 rounding); with
+    int8 activations the layer holds the plain blocks."""
     from engine.model.quant import blocks_of_gguf, super_products
 
     raw = random_gguf_blocks(ggml_type, 40, 512, seed=5)

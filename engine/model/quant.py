@@ -318,17 +318,15 @@ def _super_panels(q: np.ndarray, d: np.ndarray, m: np.ndarray | None, kind: str)
     if pad:
         q = np.concatenate([q, np.zeros((pad, blocks, 32), q.dtype)])
         d, m = (None if a is None else np.concatenate([a, np.zeros((pad, *a.shape[1:]), np.float32)]) for a in (d, m))
-    panels, supers, plain = (out + pad) // 16, blocks // 8, SUPER_KINDS[kind]
-    if kind == "q4_k":  # its weights as q4_1's
-        laid = panels_of_blocks(q, *super_products(d, m), plain).numpy().reshape(panels, blocks, -1)[..., :256]
-    else:  # q - 32 as int8, as q8_0's
+    panels, supers = (out + pad) // 16, blocks // 8
+    if kind == "q4_k":  # weights as q4_1's; [output, block, scale | min] -> [panel, block, scale | min, output]
+        laid = panels_of_blocks(q, *super_products(d, m), SUPER_KINDS[kind]).numpy().reshape(panels, blocks, -1)[..., :256]
+        ints = np.stack([d[..., 1], m[..., 1]], axis=-1).astype(np.uint8)
+        heads = np.stack([d[:, ::8, 0], m[:, ::8, 0]], axis=-1)
+    else:  # weights q - 32 as int8, as q8_0's; [output, block, part]: int8
         values = (q.astype(np.int16) - 32).astype(np.int8)
         laid = panels_of_blocks(values, np.zeros(values.shape[:2], np.float32), None, "q8_0").numpy()
         laid = laid.reshape(panels, blocks, -1)[..., :512]
-    if kind == "q4_k":  # [output, block, scale | min] -> [panel, block, scale | min, output]
-        ints = np.stack([d[..., 1], m[..., 1]], axis=-1).astype(np.uint8)
-        heads = np.stack([d[:, ::8, 0], m[:, ::8, 0]], axis=-1)
-    else:  # [output, block, part]: int8
         ints = d[..., 1].astype(np.int8).view(np.uint8)
         heads = d[:, ::8, 0, 0, None]
     ints = ints.reshape(panels, 16, blocks, 2).transpose(0, 2, 3, 1).reshape(panels, blocks, 32)

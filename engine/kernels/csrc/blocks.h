@@ -22,7 +22,7 @@
  * as their d, computed where it is used (the same floats): Q4_K 0.79x Q4_1's bytes for the same
  * weights. Q6_KS keeps its six-bit weights a byte each, 1.08x Q6_K's bytes: widening a byte takes
  * the instructions Q4's nibbles do, where Q6_K's two planes took twice as many, which bound a
- * one-row step on AVX2 (0.75x the time of a Q6_K 2048 x 8192 at one row there).
+ * one-row step on AVX2 (0.74-0.77x the time of the six-bit planes at one row there, bench.qlinear_ab).
  * GGUF's Q8_0, IQ4_NL and IQ4_XS are held as Q8_0; Q4_K as Q4_K; Q5_1 and Q5_K as Q5_1; Q6_K and
  * Q3_K (q + 32) as Q6_KS; Q5_0 (q + 16) as Q6_K; with int8 activations Q4_K as Q4_1 and Q6_KS as
  * Q6_K (engine/model/quant.py, csrc/repack.c). */

@@ -277,6 +277,7 @@ static inline __attribute__((always_inline)) void rows_panel(const float *x, int
         const uint8_t *blk = block_at(panel, b, kind);
         prefetch_ahead(blk, kind);
         const float *xb = x + b * 32;
+        const block_scales sc = scales_of(panel, b, blk, kind);  /* once for both parts of a 6-bit block */
         for (int part = 0; part < parts; part++) {
             v8 p[4][6][2];
             for (int s = 0; s < S; s++)
@@ -287,7 +288,6 @@ static inline __attribute__((always_inline)) void rows_panel(const float *x, int
                     widen(blk, k0 + s, &w0, &w1, kind);
                     tile_input(xb, x_row, k0 + s, w0, w1, MR, p[s]);
                 }
-            const block_scales sc = scales_of(panel, b, blk, kind);
             const v8 d0 = part ? sc.e0 : sc.d0, d1 = part ? sc.e1 : sc.d1;
             for (int i = 0; i < MR; i++) {
                 const v8 q0 = S == 4 ? (p[0][i][0] + p[1][i][0]) + (p[2][i][0] + p[3][i][0])
