@@ -55,7 +55,7 @@ from engine.request import RequestOutput, Sequence
 from engine.runner.step_output import StepOutput
 from engine.sampler import _draw, distribution, pick
 
-NGRAM_MAX = 4  # the longest suffix looked up
+NGRAM_MAX = 6  # the longest suffix looked up (4 -> 6: the input-grounded prompts 1.00-1.17x, BENCHMARKS.md session 29)
 NGRAM_MIN = 2  # the shortest: one token matches too often to be worth a guess
 MAX_COOLDOWN = 16  # steps a sequence whose guesses keep failing waits before guessing again
 

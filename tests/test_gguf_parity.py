@@ -75,6 +75,24 @@ def test_every_block_type_greedy_equals_generate_on_the_dequantized_model(every_
 
 
 @pytest.mark.embedded
+def test_every_block_type_equals_generate_in_decode_steps_of_1_to_12_rows(every_type):
+    """Twelve sequences decoding side by side, one finishing per step from the fifth on, so the
+    decode steps take 12, 11, ... 1 rows: every few-row path of the kernels (AVX2 widens the
+    weights in registers up to 12 rows: one tile to 6, two from 7; AVX-512's wide tiles) and the
+    head's screen from 7 rows, against `generate` on each prompt alone."""
+    path, _, reference, _ = every_type
+    prompts = [[(211 + 37 * i + 5 * j) % 3000 + 40 for j in range(2 + (7 * i) % 11)] for i in range(12)]
+    lengths = [MAX_TOKENS - i for i in range(12)]  # 16 .. 5 tokens
+    loaded = load_model(str(path))
+    assert "blocks from the GGUF" in loaded.weights, loaded.weights  # the kernels, not a fallback
+    llm = LLM(loaded, EngineConfig())
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    got = [r.token_ids for r in llm.generate(prompts, params)]
+    for prompt, tokens, n in zip(prompts, got, lengths):
+        assert tokens == greedy(reference, prompt)[:n], f"prompt of {len(prompt)} tokens, {n} out, diverged"
+
+
+@pytest.mark.embedded
 def test_quantize_none_holds_exactly_transformers_weights(every_type):
     """Every tensor de-quantized in memory, by name and q/k order as transformers reads them."""
     path, _, reference, _ = every_type
