@@ -46,6 +46,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def free_ports(count: int) -> list[int]:
+    """`count` free ports, all different: each socket stays bound until every port is drawn (one
+    `free_port()` after another can hand out the same port twice, and a Ray node given one port
+    for two of its components refuses to start)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            sockets.append(socket.socket())
+            sockets[-1].bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
 def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The test process's environment without any rill setting, offline, plus `extra`."""
     env = {k: v for k, v in os.environ.items() if k not in _SETTING_VARIABLES}

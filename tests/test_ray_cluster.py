@@ -26,6 +26,7 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +34,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.servers import ROOT, clean_env, free_port, python, run_server
+from tests.servers import ROOT, clean_env, free_port, free_ports, python, run_server
 
 pytest.importorskip("ray.serve", reason="--backend ray needs requirements-ray.txt")
 pytestmark = [pytest.mark.ray, pytest.mark.server]
@@ -72,6 +73,7 @@ class RayCluster:
     address: str  # the head's GCS, 127.0.0.1:PORT
     token: str
     temp_dir: Path  # the token file, the hook, the logs, and Ray's --temp-dir (sessions, sockets)
+    ports: Iterator[int]  # every port the two nodes take, drawn at once so that no two are the same
     head: subprocess.Popen | None = None
     worker: subprocess.Popen | None = None
 
@@ -131,7 +133,7 @@ class RayCluster:
 def _ray_start(cluster: RayCluster, name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen:
     """`ray start --block ARGS` in its own session, every port it would take by default a free one."""
     ports = [x for flag in ("--dashboard-agent-listen-port", "--dashboard-agent-grpc-port", "--runtime-env-agent-port",
-                            "--metrics-export-port") for x in (flag, str(free_port()))]
+                            "--metrics-export-port") for x in (flag, str(next(cluster.ports)))]
     with open(cluster.temp_dir / f"{name}.log", "wb") as log:
         return subprocess.Popen([str(Path(python()).parent / "ray"), "start", "--block", "--disable-usage-stats",
                                  "--temp-dir", str(cluster.temp_dir / "ray"), *args, *ports],
@@ -148,8 +150,9 @@ def _wait_started(cluster: RayCluster, name: str, process: subprocess.Popen) -> 
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    cluster = RayCluster(f"127.0.0.1:{free_port()}", secrets.token_hex(32),
-                         Path(tempfile.mkdtemp(prefix="rill-ray-")))  # short: Ray's socket paths live under it
+    ports = iter(free_ports(13))  # the GCS, the dashboard, the client server, 2 metrics ports, 4 agents' a node
+    cluster = RayCluster(f"127.0.0.1:{next(ports)}", secrets.token_hex(32),
+                         Path(tempfile.mkdtemp(prefix="rill-ray-")), ports)  # short: Ray's socket paths live under it
     (cluster.temp_dir / "token").write_text(cluster.token)
     (cluster.temp_dir / "hook").mkdir()
     (cluster.temp_dir / "hook" / "rill_ray_loopback.py").write_text(LOOPBACK_HOOK)
@@ -158,12 +161,12 @@ def ray_cluster():
             patch.delenv(name, raising=False)
         env = clean_env({**LOOPBACK, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(cluster.temp_dir / "token"),
                          "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",  # SIGTERM stops a node at once, not in 30 s
-                         "AUTOSCALER_METRIC_PORT": str(free_port()), "DASHBOARD_METRIC_PORT": str(free_port())})
+                         "AUTOSCALER_METRIC_PORT": str(next(ports)), "DASHBOARD_METRIC_PORT": str(next(ports))})
         try:
             cluster.head = _ray_start(cluster, "head", [
                 "--head", "--node-ip-address", "127.0.0.1", "--port", cluster.address.rsplit(":", 1)[1],
-                "--num-cpus", "0", "--include-dashboard", "false", "--dashboard-port", str(free_port()),
-                "--ray-client-server-port", str(free_port())], env)
+                "--num-cpus", "0", "--include-dashboard", "false", "--dashboard-port", str(next(ports)),
+                "--ray-client-server-port", str(next(ports))], env)
             cluster.wait_for_nodes(0)  # the GCS answers: the worker can join while the head starts the rest
             cluster.worker = _ray_start(cluster, "worker", ["--address", cluster.address, "--num-cpus", "1"], {
                 **env, "PYTHONPATH": str(cluster.temp_dir / "hook"), "RAY_START_HOOK": "rill_ray_loopback.keep_loopback"})
