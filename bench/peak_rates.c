@@ -1,0 +1,73 @@
+/* The peak multiply-add rates of this CPU's AVX2 routes for a block kernel's products, on every
+ * thread, in registers only (no memory): what bounds a prefill or a batched step before any data
+ * moves. Built and run by bench/peak_rates.py.
+ *
+ *   float32   vfmadd231ps: 8 products a register, 10 chains (the latency of 4-5 cycles hidden)
+ *   int8      vpmaddubsw (32 unsigned x signed byte products, pairs summed to 16 bits), vpmaddwd by
+ *             ones (pairs to 32 bits), vpaddd: llama.cpp's route on AVX2 for int8 activations
+ *   int16     vpmaddwd (16 products, pairs summed to 32 bits), vpaddd
+ *
+ * A float32 activation's 24-bit significand needs three int8 pieces or two int16 pieces (scaled by
+ * a block's exponent) for products as exact as float32's, so the exact integer routes run at a third
+ * and a half of these rates. */
+#include <immintrin.h>
+#include <omp.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+enum { CHAINS_F32 = 10, CHAINS_INT = 4 };
+
+static double float32_rate(long iters) {
+    float sink = 0;
+    const double t = omp_get_wtime();
+    #pragma omp parallel reduction(+ : sink)
+    {
+        __m256 a[CHAINS_F32], x = _mm256_set1_ps(1.0001f), y = _mm256_set1_ps(0.9999f);
+        for (int i = 0; i < CHAINS_F32; i++) a[i] = _mm256_set1_ps((float)i);
+        for (long n = 0; n < iters; n++) {
+            for (int i = 0; i < CHAINS_F32; i++) a[i] = _mm256_fmadd_ps(x, a[i], y);
+            __asm__("" : "+x"(x));
+        }
+        for (int i = 1; i < CHAINS_F32; i++) a[0] = _mm256_add_ps(a[0], a[i]);
+        sink += a[0][0];
+    }
+    const double seconds = omp_get_wtime() - t;
+    if (sink == 1234.5f) puts("");  /* the sums are used */
+    return (double)omp_get_max_threads() * iters * CHAINS_F32 * 8 / seconds / 1e9;
+}
+
+/* bytes: 1 for the int8 route (32 products a step), 2 for the int16 one (16) */
+static double integer_rate(long iters, int bytes) {
+    int sink = 0;
+    const double t = omp_get_wtime();
+    #pragma omp parallel reduction(+ : sink)
+    {
+        __m256i acc[CHAINS_INT], w[CHAINS_INT], x = _mm256_set1_epi8(3), ones = _mm256_set1_epi16(1);
+        for (int i = 0; i < CHAINS_INT; i++) acc[i] = _mm256_set1_epi32(i), w[i] = _mm256_set1_epi8((char)(7 + i));
+        for (long n = 0; n < iters; n++) {
+            for (int i = 0; i < CHAINS_INT; i++) /* each chain its own weights: nothing to share */
+                acc[i] = _mm256_add_epi32(acc[i], bytes == 1 ? _mm256_madd_epi16(_mm256_maddubs_epi16(w[i], x), ones)
+                                                             : _mm256_madd_epi16(w[i], x));
+            __asm__("" : "+x"(w[0]), "+x"(w[1]), "+x"(w[2]), "+x"(w[3]), "+x"(x));
+        }
+        for (int i = 1; i < CHAINS_INT; i++) acc[0] = _mm256_add_epi32(acc[0], acc[i]);
+        sink += _mm256_extract_epi32(acc[0], 0);
+    }
+    const double seconds = omp_get_wtime() - t;
+    if (sink == 12345) puts("");
+    return (double)omp_get_max_threads() * iters * CHAINS_INT * (32 / bytes) / seconds / 1e9;
+}
+
+int main(int argc, char **argv) {
+    const long iters = argc > 1 ? atol(argv[1]) : 300000000L;
+    #pragma omp parallel
+    { __asm__(""); }  /* the threads started before anything is timed */
+    const double f32 = float32_rate(iters), i8 = integer_rate(iters, 1), i16 = integer_rate(iters, 2);
+    printf("threads %d\n", omp_get_max_threads());
+    printf("float32 multiply-add: %.1f GMAC/s\n", f32);
+    printf("int8 (vpmaddubsw, llama.cpp's, one piece): %.1f GMAC/s; exact in three pieces: %.1f (%.2fx float32)\n", i8,
+           i8 / 3, i8 / 3 / f32);
+    printf("int16 (vpmaddwd, one piece): %.1f GMAC/s; exact in two pieces: %.1f (%.2fx float32)\n", i16, i16 / 2,
+           i16 / 2 / f32);
+    return 0;
+}
