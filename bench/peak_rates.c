@@ -48,7 +48,8 @@ static double integer_rate(long iters, int bytes) {
             for (int i = 0; i < CHAINS_INT; i++) /* each chain its own weights: nothing to share */
                 acc[i] = _mm256_add_epi32(acc[i], bytes == 1 ? _mm256_madd_epi16(_mm256_maddubs_epi16(w[i], x), ones)
                                                              : _mm256_madd_epi16(w[i], x));
-            __asm__("" : "+x"(w[0]), "+x"(w[1]), "+x"(w[2]), "+x"(w[3]), "+x"(x));
+            for (int i = 0; i < CHAINS_INT; i++) __asm__("" : "+x"(w[i]));
+            __asm__("" : "+x"(x));
         }
         for (int i = 1; i < CHAINS_INT; i++) acc[0] = _mm256_add_epi32(acc[0], acc[i]);
         sink += _mm256_extract_epi32(acc[0], 0);

@@ -13,6 +13,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from bench.peers import cpu_line
+
 SOURCE = Path(__file__).with_name("peak_rates.c")
 
 
@@ -23,9 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as where:
         binary = Path(where) / "peak_rates"
         subprocess.run(["cc", "-O3", "-march=native", "-fopenmp", "-o", str(binary), str(SOURCE)], check=True)
-        model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("model name")), "unknown CPU")
-        print(f"CPU: {model}")
+        print(f"CPU: {cpu_line()}")
         print(subprocess.run([str(binary), str(args.iterations)], check=True, capture_output=True, text=True).stdout,
               end="")
     return 0

@@ -41,9 +41,7 @@ _SETTING_VARIABLES = ("MODEL_ID", "API_KEY", "DTYPE", "DEVICE", "MAX_NUM_SEQS", 
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def free_ports(count: int) -> list[int]:

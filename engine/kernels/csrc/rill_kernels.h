@@ -20,7 +20,7 @@ int rill_qlinear_i8(const float *x, int64_t x_row, const uint8_t *panels, const 
                     int64_t rows, int64_t out, int64_t in, int threads, int kind);
 /* the vector width of this build's block tiles: 512 (AVX-512), 256 (AVX2) or 0 (generic) */
 int rill_qlinear_vector_bits(void);
-/* up to how many rows the float32 block kernel widens the weights in registers (1 with AVX-512, 6 else) */
+/* up to how many rows the float32 block kernel widens the weights in registers once for all rows (1 with AVX-512, 6 else) */
 int rill_qlinear_few_rows(void);
 /* up to how many rows it widens them once per tile of those rows, de-quantizing past it (1 with AVX-512, 12 else) */
 int rill_qlinear_widen_rows(void);
