@@ -70,7 +70,8 @@ def test_super_blocks_compute_bit_for_bit_what_the_blocks_of_their_products_comp
     weights, Q6_K and Q3_K 1.08x q6_k's: their weights a byte each), whose d and m are the products
     the kernel computes as it reads them: the same outputs bit for bit on every path (1 to 13 rows,
     64), rows reordered and a partial panel, except q6_ks's widening path (AVX2: up to 12 rows),
-    which sums d (q - 32) x where q6_k sums d q x - 32 d x (the same up to float32 rounding); with
+    which sums d (q - 32) x where q6_k sums d q x - 32 d x (the same up to float32 rounding), and
+    on a CPU with AMX q6_ks's tiles from their rows on (q6_k has none: float32 rounding again); with
     int8 activations the layer holds the plain blocks."""
     from engine.model.quant import blocks_of_gguf, super_products
 
@@ -85,7 +86,8 @@ def test_super_blocks_compute_bit_for_bit_what_the_blocks_of_their_products_comp
     assert layer.panels.numel() == as_plain.panels.numel() * ratio
     for rows in [*range(1, 14), 64]:
         x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
-        if kind == "q6_ks" and rows <= kernel.widen_rows:
+        amx_one_side = kernel.amx_rows and rows >= kernel.amx_rows  # AMX tiles take q6_ks, not q6_k
+        if kind == "q6_ks" and (rows <= kernel.widen_rows or amx_one_side):
             torch.testing.assert_close(layer(x), as_plain(x), rtol=1e-5, atol=1e-5)
         else:
             assert torch.equal(layer(x), as_plain(x)), rows
@@ -163,7 +165,10 @@ def test_from_gguf_says_what_it_cannot_take(kernel):
 
 def test_the_kernel_is_built_for_the_widest_vectors_this_cpu_has(kernel, caplog):
     flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
-    assert kernel.isa == ("AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "generic vectors")
+    widest = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "generic vectors"
+    amx = {"amx_tile", "amx_bf16", "avx512_bf16", "avx512vbmi"} <= set(flags)  # and Linux lends the tiles
+    assert bool(kernel.amx_rows) == amx
+    assert kernel.isa == widest + (f", AMX tiles from {kernel.amx_rows} rows" if amx else "")
     with caplog.at_level("INFO", logger="rill"):
         load_model(None)
     assert f"weights: block kernels built for this CPU's {kernel.isa}" in caplog.text

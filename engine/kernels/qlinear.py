@@ -49,6 +49,17 @@ class QuantKernel:
         self.few_rows = library.rill_qlinear_few_rows()  # up to this many rows widen the weights in registers
         library.rill_qlinear_widen_rows.restype = ctypes.c_int
         self.widen_rows = library.rill_qlinear_widen_rows()  # ... once per tile of few_rows (more: de-quantized)
+        # AMX tiles (csrc/qlinear_amx.c) from amx_rows rows, where this build has them and Linux lends them
+        self._amx_rows, self._amx_ready = library.rill_qlinear_amx_rows, library.rill_qlinear_amx_ready
+        self._amx_rows.argtypes, self._amx_rows.restype, self._amx_ready.restype = [ctypes.c_int], ctypes.c_int, ctypes.c_int
+        self.amx_rows = self._amx_rows(-1) if self._amx_rows(-1) > 0 and self._amx_ready() else 0
+        if self.amx_rows:
+            self.isa += f", AMX tiles from {self.amx_rows} rows"
+
+    def set_amx_rows(self, rows: int) -> int:
+        """AMX tiles from `rows` rows on (0: never; tests and benchmarks A/B with it); returns the
+        setting before, 0 where this CPU has no tiles (a no-op there)."""
+        return self._amx_rows(rows) if self.amx_rows else 0
 
     def __call__(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int,
                  kind: str, int8: bool = False) -> torch.Tensor:
@@ -81,22 +92,22 @@ class QuantKernel:
 
 def _quant_agrees(kernel: QuantKernel) -> bool:
     """The kernels against F.linear on the de-quantized weight, for each kind: 1 to 13 rows (the
-    row-by-row path and the tiles of 6 with every partial one), a partial panel, bias or none;
+    row-by-row path and the tiles of 6 with every partial one), 16, 17 and 35 (AMX's tiles of 16), a partial panel, bias or none;
     the int8-activation kernel against F.linear of the rounded activations (`quantize_activations`);
     `repack` against numpy's panels for every GGUF type, rows reordered or not, both layouts; the
-    super-block kinds (q4_k, q6_ks) from Q4_K's and Q6_K's raw rows, 1 to 13 rows."""
+    super-block kinds (q4_k, q6_ks) from Q4_K's and Q6_K's raw rows, the same rows."""
     from engine.model.quant import (GGUF_BLOCKS, GGUF_TYPES, QuantLinear, blocks_of_gguf, dequantize, held_kind,
                                     panels_of_blocks, quantize_activations, quantize_blocks, random_gguf_blocks)
 
     gen = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(21, 64, generator=gen), torch.randn(21, generator=gen)
-    wide = torch.randn(13, 70, generator=gen)
+    wide = torch.randn(35, 70, generator=gen)
     for kind in (kind for kind in KINDS if kind not in SUPER_KINDS):  # super-blocks: from GGUF only (below)
         q, d, m = quantize_blocks(weight, kind)
         reference = dequantize(q, d, m, kind)
         for b, int8 in ((bias, False), (None, False), (bias, True), (None, True)):
             layer = QuantLinear(q, d, m, kind, b, kernel, int8)
-            for rows in range(1, 14):
+            for rows in (*range(1, 14), 16, 17, 35):  # from 12: AMX tiles where the CPU has them
                 x = wide[:rows, :64].contiguous()
                 expected = torch.nn.functional.linear(quantize_activations(x) if int8 else x, reference, b)
                 if not torch.allclose(layer(x), expected, atol=1e-4, rtol=1e-4):
@@ -112,7 +123,7 @@ def _quant_agrees(kernel: QuantKernel) -> bool:
     for ggml_type in ("q4_k", "q6_k"):  # the super-block kinds' kernels: two super-blocks a row
         raw = random_gguf_blocks(ggml_type, 21, 512, seed=2)
         layer, reference = QuantLinear.from_gguf(raw, ggml_type, bias, kernel), dequantize(*blocks_of_gguf(raw, ggml_type))
-        for rows in range(1, 14):
+        for rows in (*range(1, 14), 16, 17, 35):  # from 12: AMX tiles where the CPU has them
             x = torch.randn(rows, 512, generator=gen)
             if not torch.allclose(layer(x), torch.nn.functional.linear(x, reference, bias), atol=1e-4, rtol=1e-4):
                 return False

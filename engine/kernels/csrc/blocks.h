@@ -133,6 +133,32 @@ static inline float round_block(const float *xb, int8_t *q) {
     return d;
 }
 
+#ifdef __AVX512F__
+/* block b's d and m (Q6_K: e, the d of inputs 16-31), as qlinear.c's scales_of computes them, in one
+ * register each (the float32 kernel's AVX-512 tiles and the AMX kernel) */
+static inline __attribute__((always_inline)) void scales16(const uint8_t *panel, int64_t b, const uint8_t *blk,
+                                                           __m512 *d, __m512 *m, __m512 *e, const int kind) {
+    if (is_super(kind)) {
+        const float *head = super_head(panel, b, kind);
+        const __m128i s0 = _mm_loadu_si128((const __m128i *)(blk + scales_at(kind)));
+        const __m128i s1 = _mm_loadu_si128((const __m128i *)(blk + scales_at(kind) + 16));
+        if (kind == Q6_KS) {
+            *d = _mm512_mul_ps(_mm512_loadu_ps(head), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s0)));
+            *e = _mm512_mul_ps(_mm512_loadu_ps(head), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s1)));
+            return;
+        }
+        *d = _mm512_mul_ps(_mm512_loadu_ps(head), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(s0)));
+        *m = _mm512_mul_ps(_mm512_loadu_ps(head + 16), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(s1)));
+        return;
+    }
+    const float *scales = (const float *)(blk + scales_at(kind));
+    *d = _mm512_loadu_ps(scales);
+    if (has_min(kind)) *m = _mm512_loadu_ps(scales + 16);
+    if (is_q6(kind)) *e = _mm512_loadu_ps(scales + 16);
+}
+
+#endif
+
 /* panel p's sums acc [rows][16] (+ bias) into its columns of y [rows, out]; a full panel a row per
  * zmm store (AVX-512), the same sums: 0.96-1.00x the time of the float32 kernel at 16 and 32 rows,
  * 0.96-0.99x at 8 (bench.qlinear_ab, SmolLM2's shapes), where scalar stores were 2-4% of it */

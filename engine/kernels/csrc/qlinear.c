@@ -335,28 +335,6 @@ static inline __attribute__((always_inline)) __m512 widen16(const uint8_t *blk, 
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(nibbles));
 }
 
-/* block b's d and m (Q6_K: e, the d of inputs 16-31), scales_of's floats in one register each */
-static inline __attribute__((always_inline)) void scales16(const uint8_t *panel, int64_t b, const uint8_t *blk,
-                                                           __m512 *d, __m512 *m, __m512 *e, const int kind) {
-    if (is_super(kind)) {
-        const float *head = super_head(panel, b, kind);
-        const __m128i s0 = _mm_loadu_si128((const __m128i *)(blk + scales_at(kind)));
-        const __m128i s1 = _mm_loadu_si128((const __m128i *)(blk + scales_at(kind) + 16));
-        if (kind == Q6_KS) {
-            *d = _mm512_mul_ps(_mm512_loadu_ps(head), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s0)));
-            *e = _mm512_mul_ps(_mm512_loadu_ps(head), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s1)));
-            return;
-        }
-        *d = _mm512_mul_ps(_mm512_loadu_ps(head), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(s0)));
-        *m = _mm512_mul_ps(_mm512_loadu_ps(head + 16), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(s1)));
-        return;
-    }
-    const float *scales = (const float *)(blk + scales_at(kind));
-    *d = _mm512_loadu_ps(scales);
-    if (has_min(kind)) *m = _mm512_loadu_ps(scales + 16);
-    if (is_q6(kind)) *e = _mm512_loadu_ps(scales + 16);
-}
-
 /* integer weights q as floats -> de-quantized, the same operations per lane as dequant_input (so the
  * same floats); d: Q6_K's of the half that input is in */
 static inline __attribute__((always_inline)) __m512 scale16(__m512 q, __m512 d, __m512 m, const int kind) {
@@ -659,6 +637,8 @@ int rill_qlinear(const float *x, int64_t x_row, const uint8_t *panels, const flo
     const int64_t blocks = in / 32;
     if (kind < 0 || kind >= NUM_KINDS || (is_super(kind) && in % 256)) return -2;
     if (rows <= 0) return 0;
+    const int tiles = rill_qlinear_amx(x, x_row, panels, bias, y, rows, out, in, threads, kind);
+    if (tiles != -3) return tiles;
     /* the offsets and minimums need each row's sum of x per block (Q6_K: per 16 inputs), on the
      * row-by-row path only (not Q8_0's or Q6_KS's weights, which are their values) */
     const int parts = scale_parts(kind), span = 32 / parts;
