@@ -7,6 +7,7 @@ modules that hold them are in engine/model/quant.py."""
 from __future__ import annotations
 
 import ctypes
+import os
 from pathlib import Path
 
 import numpy as np
@@ -53,8 +54,16 @@ class QuantKernel:
         self._amx_rows, self._amx_ready = library.rill_qlinear_amx_rows, library.rill_qlinear_amx_ready
         self._amx_rows.argtypes, self._amx_rows.restype, self._amx_ready.restype = [ctypes.c_int], ctypes.c_int, ctypes.c_int
         self.amx_rows = self._amx_rows(-1) if self._amx_rows(-1) > 0 and self._amx_ready() else 0
-        if self.amx_rows:
-            self.isa += f", AMX tiles from {self.amx_rows} rows"
+        wanted = os.environ.get("RILL_AMX_ROWS", "").strip()  # from how many rows (0: never), for A/B runs
+        if wanted:
+            if not wanted.isdigit():
+                raise ValueError(f"RILL_AMX_ROWS must be a number of rows (0: no AMX tiles); given {wanted!r}")
+            if self.amx_rows:
+                self.amx_rows = int(wanted)
+                self._amx_rows(self.amx_rows)
+        if self.amx_rows:  # each kind from where its tiles beat the float32 kernel (csrc/qlinear_amx.c)
+            self.isa += (", AMX tiles (Q8_0 from 1 row, Q4 from 3, Q6_K from 16)" if self.amx_rows == 1
+                         else f", AMX tiles from {self.amx_rows} rows")
 
     def set_amx_rows(self, rows: int) -> int:
         """AMX tiles from `rows` rows on (0: never; tests and benchmarks A/B with it); returns the
@@ -92,7 +101,7 @@ class QuantKernel:
 
 def _quant_agrees(kernel: QuantKernel) -> bool:
     """The kernels against F.linear on the de-quantized weight, for each kind: 1 to 13 rows (the
-    row-by-row path and the tiles of 6 with every partial one), 16, 17 and 35 (AMX's tiles of 16), a partial panel, bias or none;
+    row-by-row path and the tiles of 6 with every partial one), 16, 17 and 35 (AMX's tiles of up to 16 rows), a partial panel, bias or none;
     the int8-activation kernel against F.linear of the rounded activations (`quantize_activations`);
     `repack` against numpy's panels for every GGUF type, rows reordered or not, both layouts; the
     super-block kinds (q4_k, q6_ks) from Q4_K's and Q6_K's raw rows, the same rows."""
@@ -107,7 +116,7 @@ def _quant_agrees(kernel: QuantKernel) -> bool:
         reference = dequantize(q, d, m, kind)
         for b, int8 in ((bias, False), (None, False), (bias, True), (None, True)):
             layer = QuantLinear(q, d, m, kind, b, kernel, int8)
-            for rows in (*range(1, 14), 16, 17, 35):  # from 12: AMX tiles where the CPU has them
+            for rows in (*range(1, 14), 16, 17, 35):  # AMX tiles where the CPU has them: Q8_0 from 1, Q4 from 3, Q6_K from 16
                 x = wide[:rows, :64].contiguous()
                 expected = torch.nn.functional.linear(quantize_activations(x) if int8 else x, reference, b)
                 if not torch.allclose(layer(x), expected, atol=1e-4, rtol=1e-4):
@@ -123,7 +132,7 @@ def _quant_agrees(kernel: QuantKernel) -> bool:
     for ggml_type in ("q4_k", "q6_k"):  # the super-block kinds' kernels: two super-blocks a row
         raw = random_gguf_blocks(ggml_type, 21, 512, seed=2)
         layer, reference = QuantLinear.from_gguf(raw, ggml_type, bias, kernel), dequantize(*blocks_of_gguf(raw, ggml_type))
-        for rows in (*range(1, 14), 16, 17, 35):  # from 12: AMX tiles where the CPU has them
+        for rows in (*range(1, 14), 16, 17, 35):  # AMX tiles where the CPU has them: Q8_0 from 1, Q4 from 3, Q6_K from 16
             x = torch.randn(rows, 512, generator=gen)
             if not torch.allclose(layer(x), torch.nn.functional.linear(x, reference, bias), atol=1e-4, rtol=1e-4):
                 return False

@@ -27,8 +27,9 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-/* rows from which the tiles run (rill_qlinear_amx_rows changes it; 0: never) */
-static int amx_min_rows = 12;
+/* rows from which the tiles run, at least (rill_qlinear_amx_rows changes it; 0: never), beside
+ * each kind's own (kind_rows) */
+static int amx_min_rows = 1;
 /* Linux's answer to the tiles' request: 0 not asked yet, 1 granted, -1 refused */
 static int amx_granted = 0;
 
@@ -60,18 +61,24 @@ typedef struct __attribute__((packed, aligned(64))) {
     uint8_t rows[16];
 } tile_config;
 
-/* span: inputs per scale (32, or 16 for Q6_KS's halves); every tile has 16 rows (x's pieces are
- * padded with zero rows to a multiple of 16) */
-static void configure_tiles(int span) {
+/* span: inputs per scale (32, or 16 for Q6_KS's halves); every tile has T rows: 16, or 8 for a
+ * step of 8 rows (x's pieces are padded with zero rows to a multiple of T) */
+static void configure_tiles(int span, int T) {
     tile_config c = {0};
     c.palette = 1;
     c.rows[TB0] = c.rows[TB1] = span / 2, c.colsb[TB0] = c.colsb[TB1] = 64;
-    c.rows[TA0] = c.rows[TA1] = c.rows[TA2] = 16, c.colsb[TA0] = c.colsb[TA1] = c.colsb[TA2] = span * 2;
-    c.rows[TC0] = c.rows[TC1] = 16, c.colsb[TC0] = c.colsb[TC1] = 64;
+    c.rows[TA0] = c.rows[TA1] = c.rows[TA2] = T, c.colsb[TA0] = c.colsb[TA1] = c.colsb[TA2] = span * 2;
+    c.rows[TC0] = c.rows[TC1] = T, c.colsb[TC0] = c.colsb[TC1] = 64;
     _tile_loadconfig(&c);
 }
 
 static inline int amx_kind(int kind) { return is_q4(kind) || is_int8(kind); }
+/* From how many rows each kind's tiles beat the float32 kernel (rill_qlinear_amx_rows(1) against 0
+ * in one process, Intel Xeon with AMX, 2 threads, SmolLM2-135M's and -1.7B's shapes): Q8_0 from one
+ * row (0.65-0.98x the time; widening its bytes to float bounds the float32 kernel's few rows); Q4's
+ * nibbles from 3 (0.89-0.96x; 1.05-1.14x at one row, 0.95-1.09x at two); Q6_KS, whose halves take
+ * tiles of 16 inputs, from 16 (0.73-0.87x, the 49152-output head 1.04x; 1.30x at 1-8 rows). */
+static inline int kind_rows(int kind) { return kind == Q8_0 ? 1 : kind == Q6_KS ? 16 : 3; }
 
 /* what widen_block permutes with, built once per thread: the bfloat16 of the integers 0..31 (the
  * nibbles' table), the byte indices of a Q4 B row (row i of four from one 64-byte load), the order of
@@ -132,16 +139,16 @@ static inline __attribute__((always_inline)) void widen_block(const uint8_t *blk
 /* rows [r0, r1) of x -> their three bfloat16 pieces (planes of `plane` values, row r at r * in) and
  * their sums per scale; rows from x's `rows` on are zeros */
 static void split_rows(const float *x, int64_t x_row, int64_t r0, int64_t r1, int64_t rows, int64_t in,
-                       int64_t plane, uint16_t *pieces, float *xsum, int span, int sums) {
+                       int64_t plane, uint16_t *pieces, float *xsum, int span, int sums, int T) {
     const int64_t per_row = in / span;
     for (int64_t r = r0; r < r1; r++) {
         const float *xr = x + r * x_row;
         for (int64_t k = 0; k < in; k += 16) {
             __m512 v = r < rows ? _mm512_loadu_ps(xr + k) : _mm512_setzero_ps();
-            uint16_t *at = pieces + (r / 16) * 48 * in + (k / span) * 48 * span + (r % 16) * span + k % span;
+            uint16_t *at = pieces + (r / T) * 3 * T * in + (k / span) * 3 * T * span + (r % T) * span + k % span;
             for (int p = 0; p < 3; p++) {
                 const __m256bh h = _mm512_cvtneps_pbh(v);
-                _mm256_storeu_si256((__m256i *)(at + p * 16 * span), (__m256i)h);
+                _mm256_storeu_si256((__m256i *)(at + p * T * span), (__m256i)h);
                 v = _mm512_sub_ps(v, _mm512_cvtpbh_ps(h));
             }
         }
@@ -162,11 +169,11 @@ static inline __attribute__((always_inline)) void panel_tiles(const uint16_t *pi
                                                               const uint8_t *panel, int64_t panel_bytes,
                                                               int64_t blocks, int64_t s0, int64_t s1, int64_t in,
                                                               float *acc, uint16_t *bf, float *sums,
-                                                              const widen_consts *c, const int G, const int kind) {
+                                                              const widen_consts *c, const int T, const int G, const int kind) {
     const int parts = scale_parts(kind), span = 32 / parts;
     const int64_t units = blocks * parts, per_row = units, rows = s1 - s0;
     for (int64_t i = 0; i < G * rows * 16; i += 16) _mm512_store_ps(acc + i, _mm512_setzero_ps());
-    for (int64_t row0 = s0; row0 < s1; row0 += 16) {
+    for (int64_t row0 = s0; row0 < s1; row0 += T) {
         __m512 d[2], m[2], e[2];
         for (int64_t u = 0; u < units; u++) {
             const int64_t b = u / parts, part = u % parts;
@@ -184,9 +191,9 @@ static inline __attribute__((always_inline)) void panel_tiles(const uint16_t *pi
                 _tile_loadd(TB1, bf + 512 + part * 8 * 32, 64);
                 _tile_zero(TC1);
             }
-            const uint16_t *a = pieces + row0 * 3 * in + u * 48 * span;
+            const uint16_t *a = pieces + row0 * 3 * in + u * 3 * T * span;
             for (int p = 0; p < 3; p++) {
-                _tile_loadd(TA0, a + p * 16 * span, span * 2);
+                _tile_loadd(TA0, a + p * T * span, span * 2);
                 _tile_dpbf16ps(TC0, TA0, TB0);
                 if (G == 2) _tile_dpbf16ps(TC1, TA0, TB1);
             }
@@ -197,7 +204,7 @@ static inline __attribute__((always_inline)) void panel_tiles(const uint16_t *pi
                 const __m512 dp = part ? e[g] : d[g];
                 const __m512 mp = has_min(kind) ? m[g] : _mm512_mul_ps(dp, _mm512_set1_ps((float)-q_offset(kind)));
                 float *y = acc + (g * rows + row0 - s0) * 16;
-                for (int i = 0; i < 16; i++) {
+                for (int i = 0; i < T; i++) {
                     __m512 v = _mm512_fmadd_ps(dp, _mm512_load_ps(sums + g * 256 + i * 16), _mm512_load_ps(y + i * 16));
                     if (needs_xsum(kind)) v = _mm512_fmadd_ps(mp, _mm512_set1_ps(xs[i * per_row]), v);
                     _mm512_store_ps(y + i * 16, v);
@@ -215,11 +222,13 @@ static inline int64_t piece_set_rows(int64_t in) {
 int rill_qlinear_amx(const float *x, int64_t x_row, const uint8_t *panels, const float *bias, float *y,
                      int64_t rows, int64_t out, int64_t in, int threads, int kind) {
     if (amx_min_rows <= 0 || rows < amx_min_rows || kind < 0 || kind >= NUM_KINDS || !amx_kind(kind)) return -3;
+    if (rows < kind_rows(kind)) return -3;
     if ((is_super(kind) && in % 256) || in % 32 || !amx_ready()) return -3;
     const int parts = scale_parts(kind), span = 32 / parts, sums_needed = needs_xsum(kind);
     const int64_t blocks = in / 32, per_row = blocks * parts, num_panels = (out + 15) / 16;
     const int64_t panel_bytes = blocks * block_bytes(kind), set = piece_set_rows(in);
-    const int64_t padded = (rows + 15) / 16 * 16, plane = padded * in;  /* whole tiles: zero rows after x's */
+    const int T = rows < 16 ? (int)rows : 16;  /* fewer rows: one tile of them, not zeros up to 16 */
+    const int64_t padded = (rows + T - 1) / T * T, plane = padded * in;  /* whole tiles: zero rows after x's */
     uint16_t *pieces = aligned_alloc(64, (size_t)(3 * plane) * 2);
     float *xsum = aligned_alloc(64, ((size_t)(padded * per_row) * 4 + 63) / 64 * 64);
     float *accs = aligned_alloc(64, sizeof(float) * (size_t)(threads * 2 * set * 16));
@@ -235,8 +244,8 @@ int rill_qlinear_amx(const float *x, int64_t x_row, const uint8_t *panels, const
         const widen_consts consts = widen_constants();
         #pragma omp for schedule(static)
         for (int64_t r = 0; r < padded; r += 4)
-            split_rows(x, x_row, r, r + 4, rows, in, plane, pieces, xsum, span, sums_needed);
-        configure_tiles(span);
+            split_rows(x, x_row, r, r + 4 < padded ? r + 4 : padded, rows, in, plane, pieces, xsum, span, sums_needed, T);
+        configure_tiles(span, T);
         for (int64_t s0 = 0; s0 < padded; s0 += set) {  /* the threads go on to the next set unwaited */
             const int64_t s1 = s0 + set < padded ? s0 + set : padded, real = (s1 < rows ? s1 : rows) - s0;
             #pragma omp for schedule(guided) nowait
@@ -244,13 +253,13 @@ int rill_qlinear_amx(const float *x, int64_t x_row, const uint8_t *panels, const
                 const int64_t p = 2 * pair;
                 const uint8_t *panel = panels + p * panel_bytes;
                 if (p + 1 < num_panels) {
-#define TILES(K) panel_tiles(pieces, xsum, panel, panel_bytes, blocks, s0, s1, in, acc, bf, sums, &consts, 2, K)
+#define TILES(K) panel_tiles(pieces, xsum, panel, panel_bytes, blocks, s0, s1, in, acc, bf, sums, &consts, T, 2, K)
                     PER_KIND(kind, TILES)
 #undef TILES
                     store_panel(acc, bias, y + s0 * out, real, out, p);
                     store_panel(acc + (s1 - s0) * 16, bias, y + s0 * out, real, out, p + 1);
                 } else {
-#define TILES(K) panel_tiles(pieces, xsum, panel, panel_bytes, blocks, s0, s1, in, acc, bf, sums, &consts, 1, K)
+#define TILES(K) panel_tiles(pieces, xsum, panel, panel_bytes, blocks, s0, s1, in, acc, bf, sums, &consts, T, 1, K)
                     PER_KIND(kind, TILES)
 #undef TILES
                     store_panel(acc, bias, y + s0 * out, real, out, p);

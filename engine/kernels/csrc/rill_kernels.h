@@ -18,11 +18,12 @@ int rill_qlinear(const float *x, int64_t x_row, const uint8_t *panels, const flo
                  int64_t rows, int64_t out, int64_t in, int threads, int kind);
 int rill_qlinear_i8(const float *x, int64_t x_row, const uint8_t *panels, const float *bias, float *y,
                     int64_t rows, int64_t out, int64_t in, int threads, int kind);
-/* csrc/qlinear_amx.c: rill_qlinear's product on AMX tiles (exact: x in three bfloat16 pieces) for
- * rows_amx rows or more; -3 where it declines (no AMX in this build or from Linux, a kind it does not
- * take, fewer rows), and rill_qlinear then computes it. rill_qlinear_amx_rows sets rows_amx (0: never,
- * below 0: unchanged) and returns the one before (-1: no AMX in this build); rill_qlinear_amx_ready
- * asks Linux for the tiles once and says whether they were granted. */
+/* csrc/qlinear_amx.c: rill_qlinear's product on AMX tiles (exact: x in three bfloat16 pieces) from
+ * each kind's rows on (and at least rows_amx); -3 where it declines (no AMX in this build or from
+ * Linux, a kind it does not take, fewer rows), and rill_qlinear then computes it.
+ * rill_qlinear_amx_rows sets rows_amx (0: never, below 0: unchanged) and returns the one before (-1:
+ * no AMX in this build); rill_qlinear_amx_ready asks Linux for the tiles once and says whether they
+ * were granted. */
 int rill_qlinear_amx(const float *x, int64_t x_row, const uint8_t *panels, const float *bias, float *y,
                      int64_t rows, int64_t out, int64_t in, int threads, int kind);
 int rill_qlinear_amx_rows(int rows);
