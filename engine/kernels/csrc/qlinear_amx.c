@@ -34,17 +34,15 @@ static int amx_min_rows = 1;
 static int amx_granted = 0;
 
 enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 };
-/* tile registers: B and C twice (a unit computing while the one before is scaled), A (literal
- * numbers: GCC's tile intrinsics put them into the instruction's text) */
+/* tile registers: B and C of each of two panels, A (literal numbers: GCC's tile intrinsics put them
+ * into the instruction's text) */
 #define TB0 0
 #define TB1 1
-#define TA0 2
-#define TA1 3
-#define TA2 4
-#define TC0 5
-#define TC1 6
+#define TA 2
+#define TC0 3
+#define TC1 4
 /* x's pieces held for a set of rows at a time (beside their sums), each panel reading them all */
-enum { PIECE_SET_BYTES = 768 * 1024 };
+enum { PIECE_SET_BYTES = 1536 * 1024 };
 
 static int amx_ready(void) {
     int state = __atomic_load_n(&amx_granted, __ATOMIC_ACQUIRE);
@@ -67,7 +65,7 @@ static void configure_tiles(int span, int T) {
     tile_config c = {0};
     c.palette = 1;
     c.rows[TB0] = c.rows[TB1] = span / 2, c.colsb[TB0] = c.colsb[TB1] = 64;
-    c.rows[TA0] = c.rows[TA1] = c.rows[TA2] = T, c.colsb[TA0] = c.colsb[TA1] = c.colsb[TA2] = span * 2;
+    c.rows[TA] = T, c.colsb[TA] = span * 2;
     c.rows[TC0] = c.rows[TC1] = T, c.colsb[TC0] = c.colsb[TC1] = 64;
     _tile_loadconfig(&c);
 }
@@ -160,53 +158,55 @@ static void split_rows(const float *x, int64_t x_row, int64_t r0, int64_t r1, in
     }
 }
 
-/* Rows [s0, s1) (whole tiles of 16) times G panels (1 or 2, side by side from `panel`, panel_bytes
- * apart) into acc [G][s1 - s0][16]. Unit u of a panel's blocks: its block u / parts, the half u % parts
- * of it (Q6_KS's halves have a scale each). Each of x's three A tiles of a unit is loaded once for
- * the G panels: x's pieces come from L2 (a tile's rows over all inputs are 3 x 16 x in bfloat16),
- * and loaded once per panel they bound the tiles (1.2x the time of two panels a pass). */
+/* Rows [s0, s1) (whole tiles of T rows) times G panels (1 or 2, side by side from `panel`,
+ * panel_bytes apart) into acc [G][s1 - s0][16]. Unit u of a panel's blocks: its block u / parts, the
+ * half u % parts of it (Q6_KS's halves have a scale each). A unit's B tiles are widened and loaded
+ * once for every tile of rows, and each of x's A tiles is loaded once for the G panels (x's pieces
+ * come from L2: a tile of rows over all inputs is 3 x T x in bfloat16). */
 static inline __attribute__((always_inline)) void panel_tiles(const uint16_t *pieces, const float *xsum,
                                                               const uint8_t *panel, int64_t panel_bytes,
                                                               int64_t blocks, int64_t s0, int64_t s1, int64_t in,
                                                               float *acc, uint16_t *bf, float *sums,
-                                                              const widen_consts *c, const int T, const int G, const int kind) {
+                                                              const widen_consts *c, const int T, const int G,
+                                                              const int kind) {
     const int parts = scale_parts(kind), span = 32 / parts;
     const int64_t units = blocks * parts, per_row = units, rows = s1 - s0;
     for (int64_t i = 0; i < G * rows * 16; i += 16) _mm512_store_ps(acc + i, _mm512_setzero_ps());
-    for (int64_t row0 = s0; row0 < s1; row0 += T) {
-        __m512 d[2], m[2], e[2];
-        for (int64_t u = 0; u < units; u++) {
-            const int64_t b = u / parts, part = u % parts;
-            if (part == 0)
-                for (int g = 0; g < G; g++) {
-                    const uint8_t *blk = block_at(panel + g * panel_bytes, b, kind);
-                    prefetch_ahead(blk, kind);
-                    widen_block(blk, bf + g * 512, c, kind);
-                    d[g] = m[g] = e[g] = _mm512_setzero_ps();
-                    scales16(panel + g * panel_bytes, b, blk, &d[g], &m[g], &e[g], kind);
-                }
-            _tile_loadd(TB0, bf + part * 8 * 32, 64);
-            _tile_zero(TC0);
-            if (G == 2) {
-                _tile_loadd(TB1, bf + 512 + part * 8 * 32, 64);
-                _tile_zero(TC1);
+    __m512 d[2], m[2], e[2];
+    for (int64_t u = 0; u < units; u++) {
+        const int64_t b = u / parts, part = u % parts;
+        if (part == 0)
+            for (int g = 0; g < G; g++) {
+                const uint8_t *blk = block_at(panel + g * panel_bytes, b, kind);
+                prefetch_ahead(blk, kind);
+                widen_block(blk, bf + g * 512, c, kind);
+                d[g] = m[g] = e[g] = _mm512_setzero_ps();
+                scales16(panel + g * panel_bytes, b, blk, &d[g], &m[g], &e[g], kind);
             }
+        _tile_loadd(TB0, bf + part * 8 * 32, 64);
+        if (G == 2) _tile_loadd(TB1, bf + 512 + part * 8 * 32, 64);
+        __m512 dp[2], mp[2];
+        for (int g = 0; g < G; g++) {
+            dp[g] = part ? e[g] : d[g];
+            mp[g] = has_min(kind) ? m[g] : _mm512_mul_ps(dp[g], _mm512_set1_ps((float)-q_offset(kind)));
+        }
+        for (int64_t row0 = s0; row0 < s1; row0 += T) {
+            _tile_zero(TC0);
+            if (G == 2) _tile_zero(TC1);
             const uint16_t *a = pieces + row0 * 3 * in + u * 3 * T * span;
             for (int p = 0; p < 3; p++) {
-                _tile_loadd(TA0, a + p * T * span, span * 2);
-                _tile_dpbf16ps(TC0, TA0, TB0);
-                if (G == 2) _tile_dpbf16ps(TC1, TA0, TB1);
+                _tile_loadd(TA, a + p * T * span, span * 2);
+                _tile_dpbf16ps(TC0, TA, TB0);
+                if (G == 2) _tile_dpbf16ps(TC1, TA, TB1);
             }
             _tile_stored(TC0, sums, 64);
             if (G == 2) _tile_stored(TC1, sums + 256, 64);
             const float *xs = xsum + row0 * per_row + u;
             for (int g = 0; g < G; g++) {
-                const __m512 dp = part ? e[g] : d[g];
-                const __m512 mp = has_min(kind) ? m[g] : _mm512_mul_ps(dp, _mm512_set1_ps((float)-q_offset(kind)));
                 float *y = acc + (g * rows + row0 - s0) * 16;
                 for (int i = 0; i < T; i++) {
-                    __m512 v = _mm512_fmadd_ps(dp, _mm512_load_ps(sums + g * 256 + i * 16), _mm512_load_ps(y + i * 16));
-                    if (needs_xsum(kind)) v = _mm512_fmadd_ps(mp, _mm512_set1_ps(xs[i * per_row]), v);
+                    __m512 v = _mm512_fmadd_ps(dp[g], _mm512_load_ps(sums + g * 256 + i * 16), _mm512_load_ps(y + i * 16));
+                    if (needs_xsum(kind)) v = _mm512_fmadd_ps(mp[g], _mm512_set1_ps(xs[i * per_row]), v);
                     _mm512_store_ps(y + i * 16, v);
                 }
             }
