@@ -168,7 +168,7 @@ def test_the_kernel_is_built_for_the_widest_vectors_this_cpu_has(kernel, caplog)
     widest = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "generic vectors"
     amx = {"amx_tile", "amx_bf16", "avx512_bf16", "avx512vbmi"} <= set(flags)  # and Linux lends the tiles
     assert bool(kernel.amx_rows) == amx
-    assert kernel.isa.startswith(widest) and ("AMX tiles (Q8_0 from 1 row" in kernel.isa) == amx
+    assert kernel.isa.startswith(widest) and ("AMX tiles (" in kernel.isa) == amx
     with caplog.at_level("INFO", logger="rill"):
         load_model(None)
     assert f"weights: block kernels built for this CPU's {kernel.isa}" in caplog.text

@@ -62,7 +62,7 @@ class QuantKernel:
                 self.amx_rows = int(wanted)
                 self._amx_rows(self.amx_rows)
         if self.amx_rows:  # each kind from where its tiles beat the float32 kernel (csrc/qlinear_amx.c)
-            self.isa += (", AMX tiles (Q8_0 from 1 row, Q4 from 3, Q6_K from 16)" if self.amx_rows == 1
+            self.isa += (", AMX tiles (Q8_0 2-6 rows and 16+, Q4 3-6 and 16+, Q6_K 16+)" if self.amx_rows == 1
                          else f", AMX tiles from {self.amx_rows} rows")
 
     def set_amx_rows(self, rows: int) -> int:
@@ -116,7 +116,7 @@ def _quant_agrees(kernel: QuantKernel) -> bool:
         reference = dequantize(q, d, m, kind)
         for b, int8 in ((bias, False), (None, False), (bias, True), (None, True)):
             layer = QuantLinear(q, d, m, kind, b, kernel, int8)
-            for rows in (*range(1, 14), 16, 17, 35):  # AMX tiles where the CPU has them: Q8_0 from 1, Q4 from 3, Q6_K from 16
+            for rows in (*range(1, 14), 16, 17, 35):  # AMX tiles where the CPU has them (2-6 rows, 16+)
                 x = wide[:rows, :64].contiguous()
                 expected = torch.nn.functional.linear(quantize_activations(x) if int8 else x, reference, b)
                 if not torch.allclose(layer(x), expected, atol=1e-4, rtol=1e-4):
@@ -132,7 +132,7 @@ def _quant_agrees(kernel: QuantKernel) -> bool:
     for ggml_type in ("q4_k", "q6_k"):  # the super-block kinds' kernels: two super-blocks a row
         raw = random_gguf_blocks(ggml_type, 21, 512, seed=2)
         layer, reference = QuantLinear.from_gguf(raw, ggml_type, bias, kernel), dequantize(*blocks_of_gguf(raw, ggml_type))
-        for rows in (*range(1, 14), 16, 17, 35):  # AMX tiles where the CPU has them: Q8_0 from 1, Q4 from 3, Q6_K from 16
+        for rows in (*range(1, 14), 16, 17, 35):  # AMX tiles where the CPU has them (2-6 rows, 16+)
             x = torch.randn(rows, 512, generator=gen)
             if not torch.allclose(layer(x), torch.nn.functional.linear(x, reference, bias), atol=1e-4, rtol=1e-4):
                 return False

@@ -10,9 +10,15 @@
  * row's sum of x in float32, in the order row_panel16 adds them.
  *
  * Layout: B, a block's weights for one panel of 16 outputs, 16 rows of 32 bfloat16 (row r: inputs
- * 2r and 2r + 1 of output n at 2n and 2n + 1, the pair layout TDPBF16PS reads), widened from the
- * panel as it is read; A, 16 rows of x's pieces, bfloat16 [3][rows][in], split once per call; C,
- * 16 x 16 float32 sums, stored after each block and scaled into each row's running sums.
+ * 2r and 2r + 1 of output n at 2n and 2n + 1, the pair layout TDPBF16PS reads; Q6_KS: two tiles of 8
+ * rows, one per half), widened from the panel as it is read; A, a tile of T rows (16, or all of
+ * fewer) of one piece over one block's inputs, x split once per call and laid out tile after tile
+ * (each tile load reads 1 KB in a row); C, T x 16 float32 sums, stored after each block and scaled
+ * into each row's running sums.
+ *
+ * Profiled (perf, 512 rows of a 2048 x 2048 Q4_K): the tile products were not what bound it; without
+ * them the time went down 25%, without the widening 25-33%, without the scaling 20%. So B is widened
+ * once for a set of rows and two panels share each A tile.
  *
  * Linux lends the tiles' state to a process that asks (arch_prctl ARCH_REQ_XCOMP_PERM): refused,
  * or on a build without AMX, rill_qlinear_amx declines and the float32 kernel runs. */
@@ -28,7 +34,7 @@
 #include <unistd.h>
 
 /* rows from which the tiles run, at least (rill_qlinear_amx_rows changes it; 0: never), beside
- * each kind's own (kind_rows) */
+ * where each kind's take them (amx_takes) */
 static int amx_min_rows = 1;
 /* Linux's answer to the tiles' request: 0 not asked yet, 1 granted, -1 refused */
 static int amx_granted = 0;
@@ -71,12 +77,18 @@ static void configure_tiles(int span, int T) {
 }
 
 static inline int amx_kind(int kind) { return is_q4(kind) || is_int8(kind); }
-/* From how many rows each kind's tiles beat the float32 kernel (rill_qlinear_amx_rows(1) against 0
- * in one process, Intel Xeon with AMX, 2 threads, SmolLM2-135M's and -1.7B's shapes): Q8_0 from one
- * row (0.65-0.98x the time; widening its bytes to float bounds the float32 kernel's few rows); Q4's
- * nibbles from 3 (0.89-0.96x; 1.05-1.14x at one row, 0.95-1.09x at two); Q6_KS, whose halves take
- * tiles of 16 inputs, from 16 (0.73-0.87x, the 49152-output head 1.04x; 1.30x at 1-8 rows). */
-static inline int kind_rows(int kind) { return kind == Q8_0 ? 1 : kind == Q6_KS ? 16 : 3; }
+/* Where the tiles beat the float32 kernel, measured (Intel Xeon with AMX, 2 threads): linears alone
+ * (rill_qlinear_amx_rows(1) against 0 in one process, SmolLM2-135M's and -1.7B's shapes), then whole
+ * decode steps (bench numbers in BENCHMARKS.md). Q8_0 and Q4 from 2 and 3 rows (at one row the
+ * steps were 2% slower: the float32 kernel's one row is bound by memory there too); Q6_KS, whose
+ * halves take tiles of 16 inputs, from 16 (0.73-0.87x the time; 1.30x at 1-8 rows on the 49152-output
+ * head). From 7 to 15 rows the float32 kernel's AVX-512 tiles (one or two of up to 16 rows) made
+ * steps as fast or faster (8 rows: 1.5-2%, 12 rows: 3.5%), though the tiles won on linears alone;
+ * at 2-6 rows the steps were 1-9% faster with the tiles, at 16 6%, at 24-32 46-66%. */
+static inline int amx_takes(int64_t rows, int kind) {
+    if (kind == Q6_KS) return rows >= 16;
+    return rows >= (kind == Q8_0 ? 2 : 3) && (rows <= 6 || rows >= 16);
+}
 
 /* what widen_block permutes with, built once per thread: the bfloat16 of the integers 0..31 (the
  * nibbles' table), the byte indices of a Q4 B row (row i of four from one 64-byte load), the order of
@@ -222,7 +234,7 @@ static inline int64_t piece_set_rows(int64_t in) {
 int rill_qlinear_amx(const float *x, int64_t x_row, const uint8_t *panels, const float *bias, float *y,
                      int64_t rows, int64_t out, int64_t in, int threads, int kind) {
     if (amx_min_rows <= 0 || rows < amx_min_rows || kind < 0 || kind >= NUM_KINDS || !amx_kind(kind)) return -3;
-    if (rows < kind_rows(kind)) return -3;
+    if (!amx_takes(rows, kind)) return -3;
     if ((is_super(kind) && in % 256) || in % 32 || !amx_ready()) return -3;
     const int parts = scale_parts(kind), span = 32 / parts, sums_needed = needs_xsum(kind);
     const int64_t blocks = in / 32, per_row = blocks * parts, num_panels = (out + 15) / 16;
