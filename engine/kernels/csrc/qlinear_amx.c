@@ -77,7 +77,6 @@ static void configure_tiles(int span, int T) {
     _tile_loadconfig(&c);
 }
 
-static inline int amx_kind(int kind) { return is_q4(kind) || is_int8(kind); }
 /* Where the tiles beat the float32 kernel, measured (Intel Xeon with AMX, 2 threads): linears alone
  * (rill_qlinear_amx_rows(1) against 0 in one process, SmolLM2-135M's and -1.7B's shapes), then whole
  * decode steps (bench numbers in BENCHMARKS.md). Q8_0 and Q4 from 2 and 3 rows (at one row the
@@ -87,6 +86,7 @@ static inline int amx_kind(int kind) { return is_q4(kind) || is_int8(kind); }
  * steps as fast or faster (8 rows: 1.5-2%, 12 rows: 3.5%), though the tiles won on linears alone;
  * at 2-6 rows the steps were 1-9% faster with the tiles, at 16 6%, at 24-32 46-66%. */
 static inline int amx_takes(int64_t rows, int kind) {
+    if (!is_q4(kind) && !is_int8(kind)) return 0;  /* Q5_1, Q6_K: their bits on two planes, no tiles */
     if (kind == Q6_KS) return rows >= 16;
     return rows >= (kind == Q8_0 ? 2 : 3) && (rows <= 6 || rows >= 16);
 }
@@ -235,8 +235,7 @@ static inline int64_t piece_set_rows(int64_t in) {
 
 int rill_qlinear_amx(const float *x, int64_t x_row, const uint8_t *panels, const float *bias, float *y,
                      int64_t rows, int64_t out, int64_t in, int threads, int kind) {
-    if (amx_min_rows <= 0 || rows < amx_min_rows || kind < 0 || kind >= NUM_KINDS || !amx_kind(kind)) return -3;
-    if (!amx_takes(rows, kind)) return -3;
+    if (amx_min_rows <= 0 || rows < amx_min_rows || kind < 0 || kind >= NUM_KINDS || !amx_takes(rows, kind)) return -3;
     if ((is_super(kind) && in % 256) || in % 32 || !amx_ready()) return -3;
     const int parts = scale_parts(kind), span = 32 / parts, sums_needed = needs_xsum(kind);
     const int64_t blocks = in / 32, per_row = blocks * parts, num_panels = (out + 15) / 16;
