@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CSRC = ROOT / "engine" / "kernels" / "csrc"
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # fused q/k/v, o, fused gate/up, down
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=gnu11"]
-KERNELS = ("qlinear.c", "qlinear_i8.c")
+KERNELS = ("qlinear.c", "qlinear_i8.c", "qlinear_amx.c")  # the AMX tiles' file where a revision has it
 
 
 def build(revision: str, where: Path) -> Path:
@@ -37,10 +37,11 @@ def build(revision: str, where: Path) -> Path:
                                   capture_output=True, text=True, check=True).stdout
             (old / name).write_text(text)
     objects = []
-    for name in KERNELS:
+    for name in (n for n in KERNELS if (old / n).exists()):
         obj = where / f"old_{name}.o"
         renamed = [f"-D{fn}={fn}_a" for fn in ("rill_qlinear", "rill_qlinear_i8", "rill_qlinear_vector_bits",
-                                                   "rill_qlinear_few_rows", "rill_qlinear_widen_rows")]
+                                                   "rill_qlinear_few_rows", "rill_qlinear_widen_rows",
+                                                   "rill_qlinear_amx", "rill_qlinear_amx_rows", "rill_qlinear_amx_ready")]
         subprocess.run(["cc", *FLAGS, "-c", str(old / name), "-o", str(obj), *renamed], check=True)
         objects.append(str(obj))
     binary = where / "qlinear_ab"

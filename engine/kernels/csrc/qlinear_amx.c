@@ -18,7 +18,14 @@
  *
  * Profiled (perf, 512 rows of a 2048 x 2048 Q4_K): the tile products were not what bound it; without
  * them the time went down 25%, without the widening 25-33%, without the scaling 20%. So B is widened
- * once for a set of rows and two panels share each A tile.
+ * once for a set of rows and two panels share each A tile. Measured since (6144 x 2048 Q4_K): one
+ * TDPBF16PS takes 5 ns whether its A has 2 or 16 rows and whether it waits on the one before it, but
+ * the vector work beside it hardly overlaps it (16 rows' scaling after each block: 5.3 -> 6.7-8.6 ns a
+ * product); and x's pieces read through L1 pushed the running sums out of it (at 512 rows the scaling
+ * was 46% of the time). So x's tiles are loaded as a stream (TILELOADDT1: 0.86x the time at 512 rows,
+ * 0.93x at 32), and the scaling and widening are issued after the next products (0.96x). Tried, not
+ * kept: each panel alone with its 16 rows' sums in registers (no faster: each product then reads 1.3 KB
+ * of tiles from L2), units in pairs sharing one store of the sums (1.02-1.05x the time).
  *
  * Linux lends the tiles' state to a process that asks (arch_prctl ARCH_REQ_XCOMP_PERM): refused,
  * or on a build without AMX, rill_qlinear_amx declines and the float32 kernel runs. */
@@ -47,6 +54,11 @@ enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 };
 #define TA 2
 #define TC0 3
 #define TC1 4
+/* the second set of C tiles (and its A): a tile of rows' products go into one set while the other
+ * set's sums are stored and scaled */
+#define TA2 5
+#define TC2 6
+#define TC3 7
 /* x's pieces held for a set of rows at a time (beside their sums), each panel reading them all, its
  * B tiles widened once for the set: 1.5 MB (768 KB: 1.3x the time of 512 rows of 2048 x 8192, 4 MB 1.2x) */
 enum { PIECE_SET_BYTES = 1536 * 1024 };
@@ -72,8 +84,9 @@ static void configure_tiles(int span, int T) {
     tile_config c = {0};
     c.palette = 1;
     c.rows[TB0] = c.rows[TB1] = span / 2, c.colsb[TB0] = c.colsb[TB1] = 64;
-    c.rows[TA] = T, c.colsb[TA] = span * 2;
-    c.rows[TC0] = c.rows[TC1] = T, c.colsb[TC0] = c.colsb[TC1] = 64;
+    c.rows[TA] = c.rows[TA2] = T, c.colsb[TA] = c.colsb[TA2] = span * 2;
+    c.rows[TC0] = c.rows[TC1] = c.rows[TC2] = c.rows[TC3] = T;
+    c.colsb[TC0] = c.colsb[TC1] = c.colsb[TC2] = c.colsb[TC3] = 64;
     _tile_loadconfig(&c);
 }
 
@@ -172,11 +185,31 @@ static void split_rows(const float *x, int64_t x_row, int64_t r0, int64_t r1, in
     }
 }
 
+/* A tile of rows' products waiting to be scaled: where its sums go (acc), its x sums, its scales */
+typedef struct { float *y; const float *xs; __m512 d[2], m[2]; int live; } pending_tile;
+
+/* the sums of a pending tile (C set `set`, stored into sums) scaled into its rows' running sums */
+static inline __attribute__((always_inline)) void scale_tile(pending_tile *pt, const float *sums, int64_t rows,
+                                                             int64_t per_row, const int T, const int G, const int kind) {
+    for (int g = 0; g < G; g++) {
+        float *y = pt->y + g * rows * 16;
+        const float *sg = sums + g * 256;
+        for (int i = 0; i < T; i++) {
+            __m512 v = _mm512_fmadd_ps(pt->d[g], _mm512_load_ps(sg + i * 16), _mm512_load_ps(y + i * 16));
+            if (needs_xsum(kind)) v = _mm512_fmadd_ps(pt->m[g], _mm512_set1_ps(pt->xs[i * per_row]), v);
+            _mm512_store_ps(y + i * 16, v);
+        }
+    }
+    pt->live = 0;
+}
+
 /* Rows [s0, s1) (whole tiles of T rows) times G panels (1 or 2, side by side from `panel`,
  * panel_bytes apart) into acc [G][s1 - s0][16]. Unit u of a panel's blocks: its block u / parts, the
  * half u % parts of it (Q6_KS's halves have a scale each). A unit's B tiles are widened and loaded
  * once for every tile of rows, and each of x's A tiles is loaded once for the G panels (x's pieces
- * come from L2: a tile of rows over all inputs is 3 x T x in bfloat16). */
+ * come from L2: a tile of rows over all inputs is 3 x T x in bfloat16). The C tiles alternate between
+ * two sets, so a tile's products are issued before the previous tile's sums are stored and scaled:
+ * the vector work runs while the tiles multiply, not after them. */
 static inline __attribute__((always_inline)) void panel_tiles(const uint16_t *pieces, const float *xsum,
                                                               const uint8_t *panel, int64_t panel_bytes,
                                                               int64_t blocks, int64_t s0, int64_t s1, int64_t in,
@@ -186,45 +219,80 @@ static inline __attribute__((always_inline)) void panel_tiles(const uint16_t *pi
     const int parts = scale_parts(kind), span = 32 / parts;
     const int64_t units = blocks * parts, per_row = units, rows = s1 - s0;
     for (int64_t i = 0; i < G * rows * 16; i += 16) _mm512_store_ps(acc + i, _mm512_setzero_ps());
-    __m512 d[2], m[2], e[2];
+    __m512 d[2], m[2], e[2], nd[2], nm[2], ne[2];
+    pending_tile pend[2] = {{0}, {0}};
+    int set = 0;
+    /* block b's B rows in bf + (b & 1) * 1024: the next block is widened while this one's tiles multiply,
+       so its stores are in L1 long before its tiles are loaded */
+    for (int g = 0; g < G; g++) {
+        const uint8_t *blk = block_at(panel + g * panel_bytes, 0, kind);
+        widen_block(blk, bf + g * 512, c, kind);
+        nd[g] = nm[g] = ne[g] = _mm512_setzero_ps();
+        scales16(panel + g * panel_bytes, 0, blk, &nd[g], &nm[g], &ne[g], kind);
+    }
     for (int64_t u = 0; u < units; u++) {
         const int64_t b = u / parts, part = u % parts;
+        const uint16_t *bb = bf + (b & 1) * 1024;
         if (part == 0)
-            for (int g = 0; g < G; g++) {
-                const uint8_t *blk = block_at(panel + g * panel_bytes, b, kind);
-                prefetch_ahead(blk, kind);
-                widen_block(blk, bf + g * 512, c, kind);
-                d[g] = m[g] = e[g] = _mm512_setzero_ps();
-                scales16(panel + g * panel_bytes, b, blk, &d[g], &m[g], &e[g], kind);
-            }
-        _tile_loadd(TB0, bf + part * 8 * 32, 64);
-        if (G == 2) _tile_loadd(TB1, bf + 512 + part * 8 * 32, 64);
+            for (int g = 0; g < G; g++) d[g] = nd[g], m[g] = nm[g], e[g] = ne[g];
+        _tile_loadd(TB0, bb + part * 8 * 32, 64);
+        if (G == 2) _tile_loadd(TB1, bb + 512 + part * 8 * 32, 64);
         __m512 dp[2], mp[2];
         for (int g = 0; g < G; g++) {
             dp[g] = part ? e[g] : d[g];
             mp[g] = has_min(kind) ? m[g] : _mm512_mul_ps(dp[g], _mm512_set1_ps((float)-q_offset(kind)));
         }
-        for (int64_t row0 = s0; row0 < s1; row0 += T) {
-            _tile_zero(TC0);
-            if (G == 2) _tile_zero(TC1);
+        for (int64_t row0 = s0; row0 < s1; row0 += T, set ^= 1) {
             const uint16_t *a = pieces + row0 * 3 * in + u * 3 * T * span;
-            for (int p = 0; p < 3; p++) {
-                _tile_loadd(TA, a + p * T * span, span * 2);
-                _tile_dpbf16ps(TC0, TA, TB0);
-                if (G == 2) _tile_dpbf16ps(TC1, TA, TB1);
-            }
-            _tile_stored(TC0, sums, 64);
-            if (G == 2) _tile_stored(TC1, sums + 256, 64);
-            const float *xs = xsum + row0 * per_row + u;
-            for (int g = 0; g < G; g++) {
-                float *y = acc + (g * rows + row0 - s0) * 16;
-                for (int i = 0; i < T; i++) {
-                    __m512 v = _mm512_fmadd_ps(dp[g], _mm512_load_ps(sums + g * 256 + i * 16), _mm512_load_ps(y + i * 16));
-                    if (needs_xsum(kind)) v = _mm512_fmadd_ps(mp[g], _mm512_set1_ps(xs[i * per_row]), v);
-                    _mm512_store_ps(y + i * 16, v);
+            if (set == 0) {
+                _tile_zero(TC0);
+                if (G == 2) _tile_zero(TC1);
+                for (int p = 0; p < 3; p++) {
+                    _tile_stream_loadd(TA, a + p * T * span, span * 2);
+                    _tile_dpbf16ps(TC0, TA, TB0);
+                    if (G == 2) _tile_dpbf16ps(TC1, TA, TB1);
+                }
+            } else {
+                _tile_zero(TC2);
+                if (G == 2) _tile_zero(TC3);
+                for (int p = 0; p < 3; p++) {
+                    _tile_stream_loadd(TA2, a + p * T * span, span * 2);
+                    _tile_dpbf16ps(TC2, TA2, TB0);
+                    if (G == 2) _tile_dpbf16ps(TC3, TA2, TB1);
                 }
             }
+            if (row0 == s0 && part == 0 && b + 1 < blocks)
+                for (int g = 0; g < G; g++) {
+                    const uint8_t *blk = block_at(panel + g * panel_bytes, b + 1, kind);
+                    prefetch_ahead(blk, kind);
+                    widen_block(blk, bf + ((b + 1) & 1) * 1024 + g * 512, c, kind);
+                    nd[g] = nm[g] = ne[g] = _mm512_setzero_ps();
+                    scales16(panel + g * panel_bytes, b + 1, blk, &nd[g], &nm[g], &ne[g], kind);
+                }
+            if (set == 0 && pend[1].live) {  /* the other set's tile, issued before these */
+                _tile_stored(TC2, sums + 512, 64);
+                if (G == 2) _tile_stored(TC3, sums + 768, 64);
+                scale_tile(&pend[1], sums + 512, rows, per_row, T, G, kind);
+            } else if (set == 1 && pend[0].live) {
+                _tile_stored(TC0, sums, 64);
+                if (G == 2) _tile_stored(TC1, sums + 256, 64);
+                scale_tile(&pend[0], sums, rows, per_row, T, G, kind);
+            }
+            pending_tile *pt = &pend[set];
+            pt->y = acc + (row0 - s0) * 16, pt->xs = xsum + row0 * per_row + u, pt->live = 1;
+            for (int g = 0; g < G; g++) pt->d[g] = dp[g], pt->m[g] = mp[g];
         }
+    }
+    /* the last tile's products (the one before it was scaled as these were issued) */
+    if (pend[0].live) {
+        _tile_stored(TC0, sums, 64);
+        if (G == 2) _tile_stored(TC1, sums + 256, 64);
+        scale_tile(&pend[0], sums, rows, per_row, T, G, kind);
+    }
+    if (pend[1].live) {
+        _tile_stored(TC2, sums + 512, 64);
+        if (G == 2) _tile_stored(TC3, sums + 768, 64);
+        scale_tile(&pend[1], sums + 512, rows, per_row, T, G, kind);
     }
 }
 
@@ -251,8 +319,8 @@ int rill_qlinear_amx(const float *x, int64_t x_row, const uint8_t *panels, const
     }
     #pragma omp parallel num_threads(threads)
     {
-        uint16_t bf[2 * 16 * 32] __attribute__((aligned(64)));
-        float sums[2 * 16 * 16] __attribute__((aligned(64)));
+        uint16_t bf[2 * 2 * 16 * 32] __attribute__((aligned(64)));
+        float sums[4 * 16 * 16] __attribute__((aligned(64)));
         float *acc = accs + (size_t)omp_get_thread_num() * (size_t)(2 * set * 16);
         const widen_consts consts = widen_constants();
         #pragma omp for schedule(static)
