@@ -1,6 +1,7 @@
 """The block kernels (csrc/qlinear.c, csrc/qlinear_i8.c, and csrc/qlinear_amx.c where the revision
 has it) of a git revision against the working tree's, side by side in one C process: SmolLM2-135M's
-four linear shapes (or --shapes), Q4_1, weights from memory, medians of 40 alternations (of about 0.1 s a build: seconds a shape).
+four linear shapes (or --shapes), Q4_1, weights from memory, medians of 40 alternations (of about
+0.1 s a build: seconds a shape).
 
     python -m bench.qlinear_ab 948ef9f [--rows 1,8] [--threads 2] [--int8] [--shapes 6144x2048,...] [--kinds 2:5]
 
