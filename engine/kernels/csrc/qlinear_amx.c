@@ -203,6 +203,33 @@ static inline __attribute__((always_inline)) void scale_tile(pending_tile *pt, c
     pt->live = 0;
 }
 
+/* C set `set`'s pending tile, if any: its sums stored (set 0: TC0/TC1, set 1: TC2/TC3) and scaled */
+static inline __attribute__((always_inline)) void flush_set(pending_tile *pend, int set, float *sums, int64_t rows,
+                                                            int64_t per_row, const int T, const int G, const int kind) {
+    if (!pend[set].live) return;
+    if (set == 0) {
+        _tile_stored(TC0, sums, 64);
+        if (G == 2) _tile_stored(TC1, sums + 256, 64);
+    } else {
+        _tile_stored(TC2, sums + 512, 64);
+        if (G == 2) _tile_stored(TC3, sums + 768, 64);
+    }
+    scale_tile(&pend[set], sums + set * 512, rows, per_row, T, G, kind);
+}
+
+/* block b of the G panels widened into bf (G x 512 bfloat16) and its scales read */
+static inline __attribute__((always_inline)) void widen_blocks(const uint8_t *panel, int64_t panel_bytes, int64_t b,
+                                                               uint16_t *bf, __m512 *d, __m512 *m, __m512 *e,
+                                                               const widen_consts *c, const int G, const int kind) {
+    for (int g = 0; g < G; g++) {
+        const uint8_t *blk = block_at(panel + g * panel_bytes, b, kind);
+        prefetch_ahead(blk, kind);
+        widen_block(blk, bf + g * 512, c, kind);
+        d[g] = m[g] = e[g] = _mm512_setzero_ps();
+        scales16(panel + g * panel_bytes, b, blk, &d[g], &m[g], &e[g], kind);
+    }
+}
+
 /* Rows [s0, s1) (whole tiles of T rows) times G panels (1 or 2, side by side from `panel`,
  * panel_bytes apart) into acc [G][s1 - s0][16]. Unit u of a panel's blocks: its block u / parts, the
  * half u % parts of it (Q6_KS's halves have a scale each). A unit's B tiles are widened and loaded
@@ -224,12 +251,7 @@ static inline __attribute__((always_inline)) void panel_tiles(const uint16_t *pi
     int set = 0;
     /* block b's B rows in bf + (b & 1) * 1024: the next block is widened while this one's tiles multiply,
        so its stores are in L1 long before its tiles are loaded */
-    for (int g = 0; g < G; g++) {
-        const uint8_t *blk = block_at(panel + g * panel_bytes, 0, kind);
-        widen_block(blk, bf + g * 512, c, kind);
-        nd[g] = nm[g] = ne[g] = _mm512_setzero_ps();
-        scales16(panel + g * panel_bytes, 0, blk, &nd[g], &nm[g], &ne[g], kind);
-    }
+    widen_blocks(panel, panel_bytes, 0, bf, nd, nm, ne, c, G, kind);
     for (int64_t u = 0; u < units; u++) {
         const int64_t b = u / parts, part = u % parts;
         const uint16_t *bb = bf + (b & 1) * 1024;
@@ -261,39 +283,17 @@ static inline __attribute__((always_inline)) void panel_tiles(const uint16_t *pi
                     if (G == 2) _tile_dpbf16ps(TC3, TA2, TB1);
                 }
             }
-            if (row0 == s0 && part == 0 && b + 1 < blocks)
-                for (int g = 0; g < G; g++) {
-                    const uint8_t *blk = block_at(panel + g * panel_bytes, b + 1, kind);
-                    prefetch_ahead(blk, kind);
-                    widen_block(blk, bf + ((b + 1) & 1) * 1024 + g * 512, c, kind);
-                    nd[g] = nm[g] = ne[g] = _mm512_setzero_ps();
-                    scales16(panel + g * panel_bytes, b + 1, blk, &nd[g], &nm[g], &ne[g], kind);
-                }
-            if (set == 0 && pend[1].live) {  /* the other set's tile, issued before these */
-                _tile_stored(TC2, sums + 512, 64);
-                if (G == 2) _tile_stored(TC3, sums + 768, 64);
-                scale_tile(&pend[1], sums + 512, rows, per_row, T, G, kind);
-            } else if (set == 1 && pend[0].live) {
-                _tile_stored(TC0, sums, 64);
-                if (G == 2) _tile_stored(TC1, sums + 256, 64);
-                scale_tile(&pend[0], sums, rows, per_row, T, G, kind);
-            }
+            if (row0 == s0 && part == 0 && b + 1 < blocks)  /* the next block, while these multiply */
+                widen_blocks(panel, panel_bytes, b + 1, bf + ((b + 1) & 1) * 1024, nd, nm, ne, c, G, kind);
+            flush_set(pend, set ^ 1, sums, rows, per_row, T, G, kind);  /* the other set, issued before these */
             pending_tile *pt = &pend[set];
             pt->y = acc + (row0 - s0) * 16, pt->xs = xsum + row0 * per_row + u, pt->live = 1;
             for (int g = 0; g < G; g++) pt->d[g] = dp[g], pt->m[g] = mp[g];
         }
     }
     /* the last tile's products (the one before it was scaled as these were issued) */
-    if (pend[0].live) {
-        _tile_stored(TC0, sums, 64);
-        if (G == 2) _tile_stored(TC1, sums + 256, 64);
-        scale_tile(&pend[0], sums, rows, per_row, T, G, kind);
-    }
-    if (pend[1].live) {
-        _tile_stored(TC2, sums + 512, 64);
-        if (G == 2) _tile_stored(TC3, sums + 768, 64);
-        scale_tile(&pend[1], sums + 512, rows, per_row, T, G, kind);
-    }
+    flush_set(pend, 0, sums, rows, per_row, T, G, kind);
+    flush_set(pend, 1, sums, rows, per_row, T, G, kind);
 }
 
 static inline int64_t piece_set_rows(int64_t in) {
