@@ -285,7 +285,11 @@ static inline __attribute__((always_inline)) void panel_tiles(const uint16_t *pi
             }
             if (row0 == s0 && part == 0 && b + 1 < blocks)  /* the next block, while these multiply */
                 widen_blocks(panel, panel_bytes, b + 1, bf + ((b + 1) & 1) * 1024, nd, nm, ne, c, G, kind);
-            flush_set(pend, set ^ 1, sums, rows, per_row, T, G, kind);  /* the other set, issued before these */
+            if (set == 0) /* the other set, issued before these; a constant set in each call (flush_set with
+                             set ^ 1 made 512 rows of 6144 x 2048 1.17-1.19x slower) */
+                flush_set(pend, 1, sums, rows, per_row, T, G, kind);
+            else
+                flush_set(pend, 0, sums, rows, per_row, T, G, kind);
             pending_tile *pt = &pend[set];
             pt->y = acc + (row0 - s0) * 16, pt->xs = xsum + row0 * per_row + u, pt->live = 1;
             for (int g = 0; g < G; g++) pt->d[g] = dp[g], pt->m[g] = mp[g];
