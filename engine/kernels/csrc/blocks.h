@@ -92,14 +92,19 @@ static inline int scale_parts(int kind) { return is_q6(kind) ? 2 : 1; }
  * widening takes about as long as reading the weights, and without it the two took turns (the
  * hardware prefetcher alone left each thread waiting at every block). Measured in a C harness,
  * Q4_1 weights from memory, two threads: 0.71-0.99x the time at one row, 0.91-0.94x at 8 (float32
- * activations), 0.47-0.62x with int8 activations (with the sums apart, below). */
+ * activations), 0.47-0.62x with int8 activations (with the sums apart, below). Asked for into every
+ * level (T0), not as non-temporal (NTA): on the Intel AMX host (session 32) NTA's lines bypassed L2
+ * and the one-row step read at half the bandwidth (bench.qlinear_ab, 1 row: 0.62-0.78x the time on
+ * the 1.7B's shapes, 0.35-0.39x on SmolLM2-135M's; 32 rows on AMX tiles 0.84x; whole decode steps
+ * of one sequence 1.44x the tok/s on the 1.7B, 1.63x on the 135M); T1 and T2 measured as T0, and
+ * 4 or 16 blocks ahead as 8. On an AMD AVX2 host T0 measured within 2% of NTA (session 25). */
 enum { PREFETCH_BLOCKS = 8 };
 static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *blk, const int kind) {
     /* super-blocks: PREFETCH_BLOCKS is one, so this is the same block of the next one, and past
        it the head of the one after (asked for by its block 7) */
     const int64_t extra = is_super(kind) ? super_head_bytes(kind) : 0;
     for (int64_t o = 0; o < block_bytes(kind) + extra; o += 64)
-        __builtin_prefetch(blk + PREFETCH_BLOCKS * block_bytes(kind) + o, 0, 0);
+        __builtin_prefetch(blk + PREFETCH_BLOCKS * block_bytes(kind) + o, 0, 3);
 }
 
 /* Floats between two threads' sums (16 per row for one panel's outputs, then a cache line of
