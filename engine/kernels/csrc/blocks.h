@@ -1,7 +1,7 @@
-/* What csrc/qlinear.c and csrc/qlinear_i8.c share about the GGUF blocks they compute from: the
- * kinds, the bytes of one panel's block (its weights, then float scales d[16] (Q6_K: d[2][16], one
- * per 16 inputs), Q4_1/Q5_1: and m[16]), the prefetch of the block ahead, where each thread's sums
- * go and how a panel's sums reach y.
+/* What the block kernels (csrc/qlinear.c, qlinear_i8.c, qlinear_amx.c) share about the GGUF blocks
+ * they compute from: the kinds, the bytes of one panel's block (its weights, then float scales d[16]
+ * (Q6_K: d[2][16], one per 16 inputs), Q4_1/Q5_1: and m[16]), the prefetch of the block ahead,
+ * where each thread's sums go and how a panel's sums reach y.
  *
  * The kinds of block, each holding 32 inputs of a panel's 16 outputs (w: one de-quantized weight):
  *   Q8_0  int8 q                                  w = d q                 576 bytes (1.125 per weight)
@@ -98,13 +98,13 @@ static inline int scale_parts(int kind) { return is_q6(kind) ? 2 : 1; }
  * the 1.7B's shapes, 0.35-0.39x on SmolLM2-135M's; 32 rows on AMX tiles 0.84x; whole decode steps
  * of one sequence 1.44x the tok/s on the 1.7B, 1.63x on the 135M); T1 and T2 measured as T0, and
  * 4 or 16 blocks ahead as 8. On an AMD AVX2 host T0 measured within 2% of NTA (session 25). */
-enum { PREFETCH_BLOCKS = 8 };
+enum { PREFETCH_BLOCKS = 8, PREFETCH_T0 = 3 /* __builtin_prefetch's locality: every cache level */ };
 static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *blk, const int kind) {
     /* super-blocks: PREFETCH_BLOCKS is one, so this is the same block of the next one, and past
        it the head of the one after (asked for by its block 7) */
     const int64_t extra = is_super(kind) ? super_head_bytes(kind) : 0;
     for (int64_t o = 0; o < block_bytes(kind) + extra; o += 64)
-        __builtin_prefetch(blk + PREFETCH_BLOCKS * block_bytes(kind) + o, 0, 3);
+        __builtin_prefetch(blk + PREFETCH_BLOCKS * block_bytes(kind) + o, 0, PREFETCH_T0);
 }
 
 /* Floats between two threads' sums (16 per row for one panel's outputs, then a cache line of
