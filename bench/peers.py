@@ -773,7 +773,8 @@ class LargePlan:
     recipe: str = "q4_k_m"
     clients: tuple[int, ...] = (1, 8, 32)  # closed-loop levels of ~20-token prompts
     max_tokens: int = 64  # per request of those levels
-    ttft_prompts: tuple[int, ...] = (1000, 4000)  # prompt tokens of the TTFT runs (one client, 4 tokens out)
+    ttft_prompts: tuple[int, ...] = (1000, 4000)  # prompt tokens of the TTFT runs (one client)
+    ttft_max_tokens: int = 32  # tokens out of a TTFT run: their ITL is one visitor's decode after a long prompt
     ttft_requests: int = 3
     requests_per_client: int = 2
     min_requests: int = 8
@@ -867,7 +868,7 @@ def measure_large(name: str, plan: LargePlan, gguf: Path, tokenizer_dir: Path, t
                     result["runs"]["decode"] = asyncio.run(run_benchmark(args, tokenizer, make_api(args),
                                                                          label=f"{name} decode"))
                 for tokens in plan.ttft_prompts:
-                    args = _large_args(plan, proc.url, tokenizer_dir, model_name, pid, (1,), tokens, 4,
+                    args = _large_args(plan, proc.url, tokenizer_dir, model_name, pid, (1,), tokens, plan.ttft_max_tokens,
                                        requests=plan.ttft_requests, warmup=0 if plan.clients else 1)
                     result["runs"][f"ttft-{tokens}"] = asyncio.run(run_benchmark(args, tokenizer, make_api(args),
                                                                                  label=f"{name} ttft {tokens}"))
@@ -884,9 +885,10 @@ def _large_level(result: dict | None, clients: int) -> dict | None:
     return _level({"runs": {"decode": (result or {}).get("runs", {}).get("decode")}}, "decode", clients)
 
 
-def _ttft(result: dict | None, tokens: int) -> float | None:
+def _ttft(result: dict | None, tokens: int, key: str = "ttft_s") -> float | None:
+    """The TTFT run's p50 of `key` (ttft_s, or itl_s: the decode after that prompt)."""
     level = _level(result, f"ttft-{tokens}", 1)
-    return level["ttft_s"]["p50"] if level else None
+    return level[key]["p50"] if level else None
 
 
 def _ratio(a, b, bold: bool = False) -> str:
@@ -900,7 +902,7 @@ def large_markdown(results: dict[str, dict], plan: LargePlan) -> str:
     """The large-model table: ready time, peak RSS, tok/s (ITL p50) per client count, TTFT p50
     per prompt length; then each rill's ratios to llama-server."""
     head = (["ready", "peak RSS"] + [f"{c} client{'s' * (c > 1)}" for c in plan.clients]
-            + [f"TTFT ~{t:,}-token prompt" for t in plan.ttft_prompts])
+            + [f"TTFT ~{t:,}-token prompt (ITL after it)" for t in plan.ttft_prompts])
     out = ["| server | " + " | ".join(head) + " |", "|---|" + "---|" * len(head)]
     for name, result in results.items():
         cells = ["-" if result.get("ready_s") is None else f"{result['ready_s']:,.1f} s",
@@ -908,7 +910,8 @@ def large_markdown(results: dict[str, dict], plan: LargePlan) -> str:
         for clients in plan.clients:
             s = _large_level(result, clients)
             cells.append("-" if s is None else f"{s['output_tokens_per_s']:,.1f} tok/s (ITL {_ms(s['itl_s']['p50'])} ms)")
-        cells += ["-" if _ttft(result, t) is None else f"{_ms(_ttft(result, t))} ms" for t in plan.ttft_prompts]
+        cells += ["-" if _ttft(result, t) is None else f"{_ms(_ttft(result, t))} ms (ITL {_ms(_ttft(result, t, 'itl_s'))} ms)"
+                  for t in plan.ttft_prompts]
         error = result.get("error")
         label = name + (f" (failed: {error.splitlines()[0][:120]})" if error else "")
         out.append(f"| {label} | " + " | ".join(cells) + " |")
@@ -922,7 +925,9 @@ def large_markdown(results: dict[str, dict], plan: LargePlan) -> str:
             cells.append("-" if not a or not b else
                          f"{_ratio(a['output_tokens_per_s'], b['output_tokens_per_s'], bold=True)} "
                          f"(ITL {_ratio(a['itl_s']['p50'], b['itl_s']['p50'])})")
-        cells += [_ratio(_ttft(ours, t), _ttft(peer, t)) for t in plan.ttft_prompts]
+        cells += ["-" if not _ttft(ours, t) or not _ttft(peer, t) else
+                  f"{_ratio(_ttft(ours, t), _ttft(peer, t))} (ITL {_ratio(_ttft(ours, t, 'itl_s'), _ttft(peer, t, 'itl_s'))})"
+                  for t in plan.ttft_prompts]
         out.append(f"| {name} / llama-server | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
@@ -981,7 +986,8 @@ def run_large(shape_text: str, servers: list[str], *, setup: bool = False, out: 
         if name == "llama-server":
             results[name]["variant"] = make(name).variant
         out.write_text(json.dumps(document, indent=2))
-    ttft = f"; TTFT: one client, {plan.ttft_requests} prompts of each length, 4 tokens out" if plan.ttft_prompts else ""
+    ttft = (f"; TTFT: one client, {plan.ttft_requests} prompts of each length, {plan.ttft_max_tokens} tokens out "
+            f"(their ITL: one visitor's decode after a long prompt)" if plan.ttft_prompts else "")
     md = (f"{shape.key}-shaped llama, random weights, {plan.recipe.upper()} ({gguf.stat().st_size / 1e9:.2f} GB), "
           f"SmolLM2's tokenizer; `/v1/completions`, `ignore_eos`, temperature {plan.temperature:g}, "
           f"~20-token prompts, {plan.max_tokens} tokens out, closed loop, one server at a time{ttft}; "

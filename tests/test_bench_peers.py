@@ -301,7 +301,7 @@ def _run(levels=(), ttft=()):
     if levels:
         runs["decode"] = {"levels": [_level(c, tok_s, itl, 0.1) for c, tok_s, itl in levels]}
     for tokens, seconds in ttft:
-        runs[f"ttft-{tokens}"] = {"levels": [_level(1, 10.0, 0.05, seconds)]}
+        runs[f"ttft-{tokens}"] = {"levels": [_level(1, 10.0, seconds / 40, seconds)]}
     return runs
 
 
@@ -318,12 +318,13 @@ def test_large_table_and_ratios():
                          "runs": _run([(1, 25.0, 0.04), (8, 60.0, 0.12)], [(1000, 1.0), (4000, 6.0)])},
     }
     table = peers.large_markdown(results, plan).splitlines()
-    assert table[0] == ("| server | ready | peak RSS | 1 client | 8 clients | TTFT ~1,000-token prompt | "
-                        "TTFT ~4,000-token prompt |")
-    assert table[2] == "| rill | 40.0 s | 3.00 GiB | 20.0 tok/s (ITL 50.0 ms) | 90.0 tok/s (ITL 80.0 ms) | 2,000 ms | 9,000 ms |"
+    assert table[0] == ("| server | ready | peak RSS | 1 client | 8 clients | TTFT ~1,000-token prompt (ITL after it) | "
+                        "TTFT ~4,000-token prompt (ITL after it) |")
+    assert table[2] == ("| rill | 40.0 s | 3.00 GiB | 20.0 tok/s (ITL 50.0 ms) | 90.0 tok/s (ITL 80.0 ms) | "
+                        "2,000 ms (ITL 50.0 ms) | 9,000 ms (ITL 225 ms) |")
     assert table[3] == "| rill-int8 (failed: exited with -9 before it served a completion:) | - | 21.00 GiB | - | - | - | - |"
     assert table[5] == ("| rill / llama-server | 20.00x | 2.00x | **0.80x** (ITL 1.25x) | **1.50x** (ITL 0.67x) | "
-                        "2.00x | 1.50x |")
+                        "2.00x (ITL 2.00x) | 1.50x (ITL 1.50x) |")
     assert table[6] == "| rill-int8 / llama-server | - | 14.00x | - | - | - | - |"
     assert len(table) == 7
 
