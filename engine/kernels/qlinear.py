@@ -53,8 +53,8 @@ class QuantKernel:
         # AMX tiles (csrc/qlinear_amx.c) from amx_rows rows, where this build has them and Linux lends them
         self._amx_rows, self._amx_ready = library.rill_qlinear_amx_rows, library.rill_qlinear_amx_ready
         self._amx_rows.argtypes, self._amx_rows.restype, self._amx_ready.restype = [ctypes.c_int], ctypes.c_int, ctypes.c_int
-        available = self._amx_rows(-1) > 0 and self._amx_ready()
-        self.amx_rows = self._amx_rows(-1) if available else 0
+        built_rows = self._amx_rows(-1)  # 0: built without the tiles
+        self.amx_rows = built_rows if built_rows > 0 and self._amx_ready() else 0
         wanted = os.environ.get("RILL_AMX_ROWS", "").strip()  # from how many rows (0: never), for A/B runs
         if wanted:
             if not wanted.isdigit():
