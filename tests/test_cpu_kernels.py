@@ -78,10 +78,15 @@ def test_kernel_sliding_window_and_softcap(kernel):
 
 
 def test_kernel_alone_with_one_sequence_uses_every_thread_path(kernel):
-    """One sequence (tasks split per KV head) and many (one task per sequence) agree with torch."""
-    for lens in ([300], [3] * 40):
-        got, want = _attend(kernel, 8, 4, 64, lens, seed=2)
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    """On 2 threads: one sequence of a short context (a task per KV head), of a long one (ranges of
+    positions over whole rows), two of each, and many (one task per sequence) agree with torch."""
+    threads, kernel.threads = kernel.threads, 2
+    try:
+        for lens in ([100], [300], [100, 90], [600, 300], [3] * 40):
+            got, want = _attend(kernel, 8, 4, 64, lens, seed=2)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    finally:
+        kernel.threads = threads
 
 
 def test_long_contexts_of_few_sequences_split_into_position_ranges_equal_the_torch_path(kernel):

@@ -1,11 +1,11 @@
 /* Decode attention on the paged KV cache, float32, for CPUs (built by engine/kernels/build.py).
  *
- * One query token per sequence; each sequence is one task (or each (sequence, KV head) pair when
- * sequences are few, and for long contexts each range of its positions, merged after): it reads
- * its keys and values straight from their cache slots, a tile of positions at a time, each
- * position's row once for all heads, with an online softmax. No gathered copy of the context and
- * no mask tensor, unlike the torch path in attention.py, which computes the same thing with
- * index_select + scaled_dot_product_attention.
+ * One query token per sequence; each sequence is one task (or, when sequences are few, each range
+ * of its positions, merged after, and for contexts too short for that each (sequence, KV head)
+ * pair): it reads its keys and values straight from their cache slots, a tile of positions at a
+ * time, each position's row once for all heads, with an online softmax. No gathered copy of the
+ * context and no mask tensor, unlike the torch path in attention.py, which computes the same
+ * thing with index_select + scaled_dot_product_attention.
  *
  * Layouts (element strides; the last dimension of every tensor is contiguous):
  *   q        query of token t, head qh at q + t * q_tok + qh * q_head, head_dim floats
@@ -537,17 +537,23 @@ void rill_decode_attention(const float *q, int64_t q_tok, int64_t q_head, const 
             merge_states(shared_parts + b * state_width + (int64_t)qh * (head_dim + 2), shared_ranges,
                          (int64_t)num_seqs * state_width, state + b * state_width + (int64_t)qh * (head_dim + 2), head_dim);
     free(shared_parts);
-    /* one task per sequence (its cache rows are read whole, once); per KV head when there are
-       too few sequences to keep every thread busy, and then, for long contexts, per range of
-       positions too (SmolLM2's 3 KV heads left one of 2 threads waiting a third of the time):
-       each range leaves its softmax state, merged in order afterwards */
-    const int split = num_seqs < 4 * threads ? kv_heads : 1;
+    /* one task per sequence (its cache rows are read whole, once); when there are too few
+       sequences to keep every thread busy, per range of positions (each range's softmax state
+       merged in order afterwards), the rows still read whole, front to back; and when a context
+       is too short for ranges, per KV head. A task per KV head reads a slice of every row, rows
+       8 KB apart on a 1.7B: its one-row step took 1.19x the time of ranges over whole rows at
+       2,000 positions, 1.07x at 500 (the 135M's 1.05x at 2,000; BENCHMARKS.md session 33) */
     int64_t longest = 0;
     for (int b = 0; b < num_seqs; b++) {
         const int64_t own = lens[b] - own_start(lens[b], shared[b], window);
         longest = own > longest ? own : longest;
     }
-    int ranges = split > 1 ? split_ranges(num_seqs * split, longest, threads) : 1;
+    int split = 1, ranges = 1;
+    if (num_seqs < 4 * threads) {
+        ranges = split_ranges(num_seqs, longest, threads);
+        if (num_seqs * ranges < threads) /* too short to share: a task per KV head */
+            split = kv_heads, ranges = split_ranges(num_seqs * split, longest, threads);
+    }
     float *parts = ranges > 1 ? malloc(sizeof(float) * (size_t)num_seqs * ranges * state_width) : NULL;
     if (!parts) ranges = 1;
     const int tasks = num_seqs * split * ranges;
