@@ -28,7 +28,7 @@ import time
 import torch
 
 from bench.speculative import CODE, TASKS, excerpt, run_one
-from bench.verify_cost import Oracle
+from bench.verify_cost import timed_steps
 from engine import EngineConfig, SamplingParams
 from engine.chat_template import encode_chat
 from engine.core import EngineCore
@@ -39,15 +39,8 @@ from engine.speculative import Speculator
 
 def step_costs(core: EngineCore, prompt: list[int], answer: list[int], k_max: int) -> list[float]:
     """ms of a step of 1..k_max + 1 rows over a plain step's, always-right guesses on `answer`."""
-    ms = []
-    for k in range(k_max + 1):
-        core.speculator = Oracle(k, answer, len(prompt)) if k else None
-        best = None
-        for _ in range(2):
-            tokens, seconds, _, accepted = run_one(core, prompt, len(answer))
-            per_step = seconds / max(len(tokens) - 1 - accepted, 1)
-            best = per_step if best is None else min(best, per_step)
-        ms.append(best)
+    ms = [min(seconds / max(steps, 1) for seconds, steps in timed_steps(core, prompt, answer, k, 2)[0])
+          for k in range(k_max + 1)]
     core.speculator = None
     return [m / ms[0] for m in ms]
 

@@ -36,6 +36,19 @@ class Oracle(Speculator):
             seq.draft_token_ids = self.answer[done:done + k] if k else []
 
 
+def timed_steps(core: EngineCore, prompt: list[int], answer: list[int], k: int, rounds: int
+                ) -> tuple[list[tuple[float, int]], list[int]]:
+    """`rounds` runs of `prompt` with always-right guesses of k tokens (k = 0: no speculation):
+    each run's (decode seconds, steps after the first token), and the last run's tokens. The core's
+    speculator is left as the runs had it."""
+    core.speculator = Oracle(k, answer, len(prompt)) if k else None
+    timings, tokens = [], []
+    for _ in range(rounds):
+        tokens, seconds, _, accepted = run_one(core, prompt, len(answer))
+        timings.append((seconds, len(tokens) - 1 - accepted))  # each step after the first: 1 + its accepted
+    return timings, tokens
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.verify_cost", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M GGUF")
@@ -57,11 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'k':>3} {'steps':>6} {'ms/step':>8} {'tok/s':>8} {'step x k=0':>10} {'speed x k=0':>11} same")
     base = None
     for k in ks:
-        core.speculator = Oracle(k, answer, len(prompt)) if k else None
-        timings = []
-        for _ in range(args.rounds):
-            tokens, seconds, _, accepted = run_one(core, prompt, args.max_tokens)
-            timings.append((seconds, len(tokens) - 1 - accepted))  # each step after the first: 1 + its accepted
+        timings, tokens = timed_steps(core, prompt, answer, k, args.rounds)
         seconds, steps = sorted(timings)[len(timings) // 2]
         ms, speed = seconds / max(steps, 1) * 1e3, (len(tokens) - 1) / seconds
         base = base or (ms, speed)

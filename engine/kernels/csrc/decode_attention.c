@@ -188,11 +188,11 @@ static inline __attribute__((always_inline)) void shared_range(
         for (int i0 = 0; i0 < n; i0 += PB) {
             /* this head's slice of the next tile's rows (rows 8 KB apart on a 1.7B: no hardware
                prefetcher follows them), a few positions per block of scores */
-            for (int i = i0; i < i0 + PB && i < next_n; i++)
-                for (int64_t b = 0; b < (int64_t)D * (int64_t)sizeof(float); b += 64) {
-                    __builtin_prefetch((const char *)(k + slots[next + i] * row_width + (int64_t)h * D) + b, 0, 3);
-                    __builtin_prefetch((const char *)(v + slots[next + i] * row_width + (int64_t)h * D) + b, 0, 3);
-                }
+            for (int i = i0; i < i0 + PB && i < next_n; i++) {
+                const int64_t at = slots[next + i] * row_width + (int64_t)h * D;
+                for (int64_t b = 0; b < (int64_t)D * (int64_t)sizeof(float); b += 64) /* 3: every cache level (T0) */
+                    __builtin_prefetch((const char *)(k + at) + b, 0, 3), __builtin_prefetch((const char *)(v + at) + b, 0, 3);
+            }
             const float *k0 = kr[i0], *k1 = kr[i0 + 1], *k2 = kr[i0 + 2], *k3 = kr[i0 + 3];
             for (int j0 = 0; j0 < nqp; j0 += QB) {
                 v8 a[PB][2] = {{{0}, {0}}, {{0}, {0}}, {{0}, {0}}, {{0}, {0}}};
