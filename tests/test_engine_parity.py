@@ -91,6 +91,8 @@ def test_native_decode_steps_equal_generate(tiny_model, native, limit):
     else:
         assert runner.native_prompt_tokens == (runner.prompt_tokens if native else 0)
     assert engine_outputs(llm, prompts[:1]) == refs[:1]  # alone
+    # the longest alone: its decode attention in ranges of positions over whole cache rows
+    assert engine_outputs(llm, prompts[-1:]) == refs[-1:]
 
 
 def test_the_kernels_portable_paths_equal_generate(tiny_model, tmp_path, monkeypatch, portable_kernels):
