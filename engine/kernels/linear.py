@@ -17,11 +17,15 @@ import torch.nn.functional as F
 from engine.kernels.build import checked_kernel
 
 
-def panels_of(weight: torch.Tensor) -> torch.Tensor:
-    """[out, in] -> [ceil(out / 16), in, 16]: panel p holds the weights of outputs 16p..16p+15."""
+PANEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the panels may hold: 16-bit weights kept as they are
+
+
+def panels_of(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[out, in] -> [ceil(out / 16), in, 16] in `dtype`: panel p holds the weights of outputs
+    16p..16p+15 (a 16-bit weight of the same dtype is copied bit for bit)."""
     out_features, in_features = weight.shape
     full, rest = divmod(out_features, 16)
-    panels = torch.zeros(full + (rest > 0), in_features, 16, dtype=torch.float32)
+    panels = torch.zeros(full + (rest > 0), in_features, 16, dtype=dtype)
     panels[:full] = weight[:full * 16].view(full, 16, in_features).transpose(1, 2)
     if rest:
         panels[full, :, :rest] = weight[full * 16:].t()
@@ -53,35 +57,44 @@ def call_panel_kernel(fn, threads: int, x: torch.Tensor, panels: torch.Tensor, b
 
 
 class LinearKernel:
-    """`rill_linear` from the compiled library: x [rows, in] times the panels of a weight."""
+    """`rill_linear` / `rill_linear16` from the compiled library: x [rows, in] times the panels of a
+    weight, float32, bfloat16 or float16 (widened exactly as they are read)."""
 
     def __init__(self, library: ctypes.CDLL, path: Path):
         self.path = path
-        self._fn = library.rill_linear
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        self._fn, self._fn16 = library.rill_linear, library.rill_linear16
         self._fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
-        self._fn.restype = None
+        self._fn16.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int, ctypes.c_int]
+        self._fn.restype = self._fn16.restype = None
         self.threads = torch.get_num_threads()
 
     def __call__(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
                  out_features: int) -> torch.Tensor:
         """x: [rows, in] float32 (rows may be strided); panels from `panels_of`; bias padded like them."""
-        return call_panel_kernel(self._fn, self.threads, x, panels, bias, out_features)[0]
+        if panels.dtype == torch.float32:
+            return call_panel_kernel(self._fn, self.threads, x, panels, bias, out_features)[0]
+        return call_panel_kernel(self._fn16, self.threads, x, panels, bias, out_features,
+                                 int(panels.dtype == torch.float16))[0]
 
 
 def _linear_agrees(kernel: LinearKernel) -> bool:
     """The kernel against F.linear: 1 to 13 rows (tiles of 6 and every partial one), a width that
-    is no multiple of 8, a partial panel, with and without bias, rows with a stride."""
+    is no multiple of 8, a partial panel, with and without bias, rows with a stride; float32 panels
+    and 16-bit ones against the float32 weight they widen to."""
     gen = torch.Generator().manual_seed(0)
-    weight, bias = torch.randn(21, 37, generator=gen), torch.randn(21, generator=gen)
+    bias = torch.randn(21, generator=gen)
     wide = torch.randn(13, 40, generator=gen)
-    panels = panels_of(weight)
-    for b in (bias, None):
-        padded = padded_bias(b, panels.shape[0], 21)
-        for rows in range(1, 14):
-            x = wide[:rows, :37]
-            if not torch.allclose(kernel(x, panels, padded, 21), F.linear(x, weight, b), atol=1e-5, rtol=1e-5):
-                return False
+    for dtype in PANEL_DTYPES:
+        weight = torch.randn(21, 37, generator=gen).to(dtype)
+        panels = panels_of(weight, dtype)
+        for b in (bias, None):
+            padded = padded_bias(b, panels.shape[0], 21)
+            for rows in range(1, 14):
+                x = wide[:rows, :37]
+                want = F.linear(x, weight.float(), b)
+                if not torch.allclose(kernel(x, panels, padded, 21), want, atol=1e-5, rtol=1e-5):
+                    return False
     return True
 
 

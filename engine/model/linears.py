@@ -56,17 +56,25 @@ class PackedLinear(nn.Module):
 
 
 class PanelLinear(nn.Module):
-    """`nn.Linear` for inference on CPU in float32, on `LinearKernel` (csrc/linear.c): the weight
-    held as panels of 16 output features, [ceil(out / 16), in, 16], the last one zero-padded."""
+    """`nn.Linear` for inference on CPU with float32 activations, on `LinearKernel` (csrc/linear.c):
+    the weight held as panels of 16 output features, [ceil(out / 16), in, 16], the last one
+    zero-padded; float32, or a checkpoint's bfloat16 / float16 weights kept as they are."""
 
     kind = "C kernel"  # where it runs, for `describe_linears`
 
-    def __init__(self, linear: nn.Linear, kernel: LinearKernel):
+    def __init__(self, linear: nn.Linear | None, kernel: LinearKernel, *, weight: torch.Tensor | None = None,
+                 bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32):
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        if linear is not None:
+            weight, bias = linear.weight, linear.bias
+        self.out_features, self.in_features = weight.shape
         self.kernel = kernel
-        self.panels = panels_of(linear.weight.detach())
-        self.bias = padded_bias(linear.bias, self.panels.shape[0], self.out_features)
+        self.panels = panels_of(weight.detach(), dtype)
+        self.bias = padded_bias(bias, self.panels.shape[0], self.out_features)
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        return self.panels.dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -74,7 +82,8 @@ class PanelLinear(nn.Module):
         return y.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"weights={str(self.panels.dtype).removeprefix('torch.')}")
 
 
 def _works(dtype: torch.dtype) -> bool:

@@ -221,6 +221,44 @@ def _load_gguf(gguf: Path, *, quantize: str, cache_dir, int8: bool, **kwargs) ->
     return model, tokenizer, report.describe()
 
 
+def _load_lean(folder: Path, *, dtype_asked, quantize: str, cache_dir, int8: bool, device, dtype,
+               trust_remote_code, attn_implementation) -> tuple | None:
+    """A safetensors folder on the CPU, lean (engine/model/safetensors_lean.py): with `--dtype auto`
+    its 16-bit linears kept as they are, or with `quantize` quantized tensor by tensor. None when
+    this load is not for it (another dtype or device asked, no safetensors, no C linear, names
+    transformers converts): the caller takes `from_pretrained`. Returns (model, tokenizer, weights)."""
+    from engine.model.safetensors_lean import (KEEP_DTYPES, LeanLoadUnsupported, checkpoint_dtype, checkpoint_files,
+                                               load_safetensors)
+
+    quantized = quantize not in ("auto", "none")
+    asked = dtype_asked if isinstance(dtype_asked, str) else None
+    files = checkpoint_files(folder)
+    if device.type != "cpu" or dtype != torch.float32 or not files:
+        return None
+    if not quantized and ((asked or "auto").strip().lower() != "auto" or checkpoint_dtype(files) not in KEEP_DTYPES):
+        return None  # --dtype float32 or a float32 checkpoint: the float32 model of before
+    from engine.kernels.linear import linear_kernel
+
+    kernel = linear_kernel(rill_cache_dir(cache_dir))
+    quant_kernel = _block_kernel(cache_dir, wanted=True) if quantized else None
+    if kernel is None:
+        logger.warning("weights: the C linear is unavailable here; loading %s in float32", folder.name)
+        return None
+    try:
+        model, tokenizer, report = load_safetensors(folder, kernel=kernel, quant_kernel=quant_kernel,
+                                                    quantize=quantize if quantized else None, int8=int8,
+                                                    trust_remote_code=trust_remote_code,
+                                                    attn_implementation=attn_implementation)
+    except LeanLoadUnsupported as why:
+        logger.info("loading %s through from_pretrained (float32): %s", folder.name, why)
+        return None
+    except (OSError, ValueError, KeyError, RuntimeError) as error:
+        raise ModelLoadError(f"could not load model folder {str(folder)!r}: {_first_line(error)}; check that it is "
+                             f"a Transformers causal language model (config.json, weights, tokenizer)") from error
+    logger.info("read %s in %.1f s: %s", folder.name, report.seconds, report.describe())
+    return model, tokenizer, report.describe()
+
+
 def _block_kernel(cache_dir, wanted: bool):
     """The block kernel built for this CPU, or None (the reason logged); `wanted`: a quantize
     option that needs it, so its absence is a ModelLoadError."""
@@ -311,7 +349,11 @@ def _load_model(model_id, *, dtype, device, trust_remote_code, cache_dir, attn_i
                         "give a folder saved with save_pretrained (config.json, weights, tokenizer), "
                         "a .gguf file or a Hugging Face Hub id")
                 raise ModelLoadError(f"model folder {str(path.resolve())!r} has no config.json; {hint}")
-            model, tokenizer = _load_pretrained(str(path), what="model folder", **kwargs)
+            lean = _load_lean(path, dtype_asked=dtype, quantize=quantize, cache_dir=cache_dir, int8=int8, **kwargs)
+            if lean is not None:
+                model, tokenizer, weights = lean
+            else:
+                model, tokenizer = _load_pretrained(str(path), what="model folder", **kwargs)
             name, source = path.resolve().name, str(path.resolve())
         elif _looks_like_path(model_id):
             raise ModelLoadError(f"model path {model_id!r} does not exist; give an existing model folder "
@@ -321,7 +363,11 @@ def _load_model(model_id, *, dtype, device, trust_remote_code, cache_dir, attn_i
             name, source = model_id.split("/")[-1], model_id
 
     model.eval()
-    weights = _quantize(model, quantize, weights, resolved_device, resolved_dtype, cache_dir, int8)
+    if weights is None or "quantized at load" not in weights:
+        weights = _quantize(model, quantize, weights, resolved_device, resolved_dtype, cache_dir, int8)
+    else:
+        from engine.model.quant import fuse_projections
+        fuse_projections(model)
     _return_freed_memory()
     loaded = LoadedModel(model=model, tokenizer=tokenizer, name=name, source=source,
                          context_length=context_length_of(model.config, tokenizer),

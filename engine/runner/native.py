@@ -37,7 +37,10 @@ def _lin(module) -> tuple[Lin, int, object]:
     """The C description of a projection module: (struct, the width the kernel writes, owner kept alive)."""
     if not isinstance(module, (PanelLinear, QuantLinear, FusedProjections)):
         raise TypeError(type(module).__name__)
-    kind = -1 if isinstance(module, PanelLinear) else KINDS[module.kind] + (INT8_KIND if module.int8 else 0)
+    if isinstance(module, PanelLinear):  # float32, bfloat16 or float16 panels (csrc/rill_kernels.h)
+        kind = {torch.float32: -1, torch.bfloat16: -2, torch.float16: -3}[module.panels.dtype]
+    else:
+        kind = KINDS[module.kind] + (INT8_KIND if module.int8 else 0)
     bias = module.bias.data_ptr() if module.bias is not None else None
     width = module.out_features  # for a fused group: its padded parts end to end
     return Lin(module.panels.data_ptr(), bias, width, module.in_features, kind), width, module

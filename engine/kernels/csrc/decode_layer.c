@@ -29,6 +29,11 @@
 
 /* 0, or -2 when a kernel could not allocate its buffers */
 static int linear(const rill_lin *lin, const float *x, int64_t x_row, float *y, int64_t rows, int threads) {
+    if (lin->kind == -2 || lin->kind == -3) {
+        rill_linear16(x, x_row, (const uint16_t *)lin->panels, lin->bias, y, rows, lin->out, lin->in, threads,
+                      lin->kind == -3);
+        return 0;
+    }
     if (lin->kind < 0) {
         rill_linear(x, x_row, (const float *)lin->panels, lin->bias, y, rows, lin->out, lin->in, threads);
         return 0;

@@ -16,21 +16,85 @@
  * 50 us beside it): static 13.7 / 40.8 ms a step at 1 / 8 sequences, guided 11.2 / 35.8,
  * dynamic,1 15.7 / 42.9; over HTTP one client 46.7 -> 58.6 tok/s, eight 126.9 -> 142.5.
  *
+ * rill_linear16 takes the same panels in bfloat16 or float16 (a checkpoint's own weights, kept).
+ *
  * x [rows, in] (row stride x_row, each row contiguous); panels [ceil(out / 16), in, 16];
  * bias [ceil(out / 16) * 16] (zero-padded) or NULL; y [rows, out] contiguous.
  */
 #include <stdint.h>
+#include <string.h>
 #include "rill_kernels.h"
 #include "vec8.h"
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
-/* MR rows of x (a constant once inlined) times one panel; `cols` of its 16 outputs are real */
-static inline __attribute__((always_inline)) void tile(const float *x, int64_t x_row, const float *panel,
+/* How a panel holds its weights: float32, or 16-bit values widened to float32 exactly as they
+ * are loaded (a bfloat16 is a float32 whose low 16 bits are zero; every float16 is a float32), so
+ * the products are the float32 model's and a one-row step reads half the bytes. */
+enum { W_F32 = 0, W_BF16 = 1, W_F16 = 2 };
+
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+/* eight weights of a panel at element offset `at`, as floats */
+static inline __attribute__((always_inline)) v8 weights8(const void *panel, int64_t at, const int wt) {
+    if (wt == W_F32) return load8((const float *)panel + at);
+    const uint16_t *h = (const uint16_t *)panel + at;
+    if (wt == W_BF16) {  /* the 16 bits into the high half of a float32 */
+        u16x8 b;
+        memcpy(&b, h, sizeof b);
+        const u32x8 w = __builtin_convertvector(b, u32x8) << 16;
+        v8 f;
+        memcpy(&f, &w, sizeof f);
+        return f;
+    }
+#if defined(__F16C__)
+    v8 f;
+    const __m256 c = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+    memcpy(&f, &c, sizeof f);
+    return f;
+#else
+    v8 f;
+    for (int j = 0; j < 8; j++) {
+        _Float16 v;
+        memcpy(&v, h + j, sizeof v);
+        f[j] = (float)v;
+    }
+    return f;
+#endif
+}
+
+/* MR rows of x (a constant once inlined) times one panel; `cols` of its 16 outputs are real. One or
+ * two rows run two inputs at a time into two sets of sums: one set alone waits on each multiply-add
+ * before the next, and the panel's bytes could not stream at the memory's pace. */
+static inline __attribute__((always_inline)) void tile(const float *x, int64_t x_row, const void *panel,
                                                        int64_t in, const float *bias, float *y, int64_t y_row,
-                                                       int cols, const int MR) {
-    v8 acc[6][2];
+                                                       int cols, const int MR, const int wt) {
+    v8 acc[6][2], odd[2][2];
     for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = (v8){0};
-    for (int64_t k = 0; k < in; k++) {
-        const v8 w0 = load8(panel + k * 16), w1 = load8(panel + k * 16 + 8);
+    for (int i = 0; i < 2; i++) odd[i][0] = odd[i][1] = (v8){0};
+    int64_t k = 0;
+    if (MR <= 2) {
+        for (; k + 2 <= in; k += 2) {
+            const v8 w0 = weights8(panel, k * 16, wt), w1 = weights8(panel, k * 16 + 8, wt);
+            const v8 u0 = weights8(panel, k * 16 + 16, wt), u1 = weights8(panel, k * 16 + 24, wt);
+            for (int i = 0; i < MR; i++) {
+                const float xi = x[i * x_row + k], xj = x[i * x_row + k + 1];
+                const v8 xv = {xi, xi, xi, xi, xi, xi, xi, xi}, xw = {xj, xj, xj, xj, xj, xj, xj, xj};
+                acc[i][0] += xv * w0;
+                acc[i][1] += xv * w1;
+                odd[i][0] += xw * u0;
+                odd[i][1] += xw * u1;
+            }
+        }
+        for (int i = 0; i < MR; i++) {
+            acc[i][0] += odd[i][0];
+            acc[i][1] += odd[i][1];
+        }
+    }
+    for (; k < in; k++) {
+        const v8 w0 = weights8(panel, k * 16, wt), w1 = weights8(panel, k * 16 + 8, wt);
         for (int i = 0; i < MR; i++) {
             const float xi = x[i * x_row + k];
             const v8 xv = {xi, xi, xi, xi, xi, xi, xi, xi};
@@ -55,25 +119,39 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t x
     }
 }
 
-void rill_linear(const float *x, int64_t x_row, const float *panels, const float *bias, float *y,
-                 int64_t rows, int64_t out, int64_t in, int threads) {
-    const int64_t num_panels = (out + 15) / 16;
+/* every panel's tiles, the weights' type `wt` a constant in each copy */
+static inline __attribute__((always_inline)) void panels_times(const float *x, int64_t x_row, const void *panels,
+                                                               const float *bias, float *y, int64_t rows,
+                                                               int64_t out, int64_t in, int threads, const int wt) {
+    const int64_t num_panels = (out + 15) / 16, size = wt == W_F32 ? 4 : 2;
     #pragma omp parallel for schedule(guided) num_threads(threads)
     for (int64_t p = 0; p < num_panels; p++) {
-        const float *panel = panels + p * in * 16, *b = bias ? bias + p * 16 : 0;
+        const void *panel = (const uint8_t *)panels + p * in * 16 * size;
+        const float *b = bias ? bias + p * 16 : 0;
         const int cols = out - p * 16 < 16 ? (int)(out - p * 16) : 16;
         float *yp = y + p * 16;
         int64_t m = 0;
-        for (; m + 6 <= rows; m += 6) tile(x + m * x_row, x_row, panel, in, b, yp + m * out, out, cols, 6);
+        for (; m + 6 <= rows; m += 6) tile(x + m * x_row, x_row, panel, in, b, yp + m * out, out, cols, 6, wt);
         const float *xm = x + m * x_row;
         float *ym = yp + m * out;
         switch (rows - m) {
-            case 5: tile(xm, x_row, panel, in, b, ym, out, cols, 5); break;
-            case 4: tile(xm, x_row, panel, in, b, ym, out, cols, 4); break;
-            case 3: tile(xm, x_row, panel, in, b, ym, out, cols, 3); break;
-            case 2: tile(xm, x_row, panel, in, b, ym, out, cols, 2); break;
-            case 1: tile(xm, x_row, panel, in, b, ym, out, cols, 1); break;
+            case 5: tile(xm, x_row, panel, in, b, ym, out, cols, 5, wt); break;
+            case 4: tile(xm, x_row, panel, in, b, ym, out, cols, 4, wt); break;
+            case 3: tile(xm, x_row, panel, in, b, ym, out, cols, 3, wt); break;
+            case 2: tile(xm, x_row, panel, in, b, ym, out, cols, 2, wt); break;
+            case 1: tile(xm, x_row, panel, in, b, ym, out, cols, 1, wt); break;
             default: break;
         }
     }
+}
+
+void rill_linear(const float *x, int64_t x_row, const float *panels, const float *bias, float *y,
+                 int64_t rows, int64_t out, int64_t in, int threads) {
+    panels_times(x, x_row, panels, bias, y, rows, out, in, threads, W_F32);
+}
+
+void rill_linear16(const float *x, int64_t x_row, const uint16_t *panels, const float *bias, float *y,
+                   int64_t rows, int64_t out, int64_t in, int threads, int half) {
+    if (half) panels_times(x, x_row, panels, bias, y, rows, out, in, threads, W_F16);
+    else panels_times(x, x_row, panels, bias, y, rows, out, in, threads, W_BF16);
 }

@@ -10,6 +10,9 @@
  * outputs, plus bias (padded like the panels, or NULL) */
 void rill_linear(const float *x, int64_t x_row, const float *panels, const float *bias, float *y,
                  int64_t rows, int64_t out, int64_t in, int threads);
+/* the same over panels of 16-bit weights, widened exactly: bfloat16 (half 0) or float16 (half 1) */
+void rill_linear16(const float *x, int64_t x_row, const uint16_t *panels, const float *bias, float *y,
+                   int64_t rows, int64_t out, int64_t in, int threads, int half);
 
 /* csrc/qlinear.c (float32 activations) and csrc/qlinear_i8.c (int8 activations): the same over
  * GGUF blocks; kind: 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q5_1, 4 Q6_K (csrc/blocks.h). Return 0, -1 when out
@@ -46,7 +49,8 @@ void rill_decode_attention(const float *q, int64_t q_tok, int64_t q_head, const 
                            const int64_t *lens, float *out, int num_seqs, int heads, int kv_heads,
                            int head_dim, float scale, int64_t window, float softcap, int threads);
 
-/* a linear as the kernels hold it: kind -1 float32 panels (csrc/linear.c), 0-4 blocks (qlinear.c),
+/* a linear as the kernels hold it: kind -1 float32 panels (csrc/linear.c), -2 bfloat16 and -3 float16
+ * panels (the same file), 0-4 blocks (qlinear.c),
  * 16 + 0-4 the same kinds of blocks with int8 activations (qlinear_i8.c; INT8_KIND in blocks.h);
  * out is the padded width the kernel writes (a multiple of 16 for fused groups) */
 typedef struct {

@@ -1,0 +1,237 @@
+"""A folder of safetensors loaded lean: tensors read where they lie in the mapped file, linears
+packed straight into the C kernels' panels, one tensor at a time.
+
+`load_safetensors` builds the transformers module tree with its parameters on the meta device (as
+engine/model/gguf.py does), maps each `*.safetensors` file, and walks its tensors:
+
+- the weight of a plain `nn.Linear` becomes a `PanelLinear` holding the checkpoint's own values
+  (bfloat16 or float16 kept as they are, widened exactly by the kernel: the float32 model's
+  products), or with `quantize` a `QuantLinear` of blocks quantized from that one tensor;
+- a 16-bit input embedding of a plain `nn.Embedding` keeps its 16-bit table (`HalfEmbedding`);
+- everything else (norms, biases, what has no kernel) becomes float32.
+
+The file's pages under a packed tensor are released once its panels exist, so the load never holds
+the checkpoint and the packed model at once, and no float32 copy of the model is ever made. Where
+the checkpoint's names do not match the model's (a conversion transformers applies at load), it
+says why with `LeanLoadUnsupported` and the caller takes `from_pretrained`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from engine.model.gguf import _parameters_on_meta, _set_tensor
+
+log = logging.getLogger("rill.loading")
+
+# safetensors dtype names -> (numpy storage, torch dtype)
+_DTYPES = {"BF16": (np.uint16, torch.bfloat16), "F16": (np.float16, torch.float16), "F32": (np.float32, torch.float32)}
+KEEP_DTYPES = (torch.bfloat16, torch.float16)  # kept as they are in the panels
+
+
+class LeanLoadUnsupported(RuntimeError):
+    """This checkpoint cannot be loaded lean; `str(error)` says why (the caller loads it in float)."""
+
+
+@dataclass
+class SafetensorsLoad:
+    """What `load_safetensors` did, for the log and `/health`."""
+
+    kept: dict[str, int] = field(default_factory=dict)  # dtype -> linears holding the checkpoint's values
+    quantized: dict[str, int] = field(default_factory=dict)  # kind -> linears quantized at load
+    seconds: float = 0.0
+
+    def describe(self) -> str:
+        parts = [f"{dtype} kept ({count} linears, C kernel)" for dtype, count in sorted(self.kept.items())]
+        parts += [f"{kind} blocks quantized at load ({count} linears)" for kind, count in sorted(self.quantized.items())]
+        return "; ".join(parts) or "float"
+
+
+class HalfEmbedding(nn.Module):
+    """`nn.Embedding` over a 16-bit table kept as it is: a lookup widens only the rows it reads
+    (exactly: every bfloat16 and float16 is a float32)."""
+
+    def __init__(self, table: torch.Tensor, dtype: torch.dtype, padding_idx: int | None):
+        super().__init__()
+        self.register_buffer("table", table, persistent=False)
+        self.dtype, self.padding_idx = dtype, padding_idx
+        self.num_embeddings, self.embedding_dim = table.shape
+
+    @property
+    def weight(self) -> torch.Tensor:  # what code reading `embed_tokens.weight` expects (its dtype, device)
+        return self.table
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.table[input_ids].to(self.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {str(self.table.dtype).removeprefix('torch.')} kept"
+
+
+@dataclass
+class _Tensor:
+    """One tensor of a mapped file: its values as a torch view of the mapping (no copy)."""
+
+    name: str
+    values: torch.Tensor
+    file: "_Mapped"
+    start: int
+    nbytes: int
+
+
+class _Mapped:
+    """A `.safetensors` file mapped read-only; its header parsed (8 bytes of length, then JSON)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        with open(path, "rb") as handle:
+            self.map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        length = int.from_bytes(self.map[:8], "little")
+        if length <= 0 or 8 + length > len(self.map):
+            raise LeanLoadUnsupported(f"{path.name} is not a safetensors file (its header length is {length})")
+        self.header = json.loads(self.map[8:8 + length])
+        self.header.pop("__metadata__", None)
+        self.data_start = 8 + length
+        self.buffer = np.frombuffer(self.map, dtype=np.uint8)
+
+    def tensors(self):
+        for name, info in self.header.items():
+            kind = _DTYPES.get(info["dtype"])
+            if kind is None:
+                raise LeanLoadUnsupported(f"tensor {name!r} is {info['dtype']}; the lean loader reads "
+                                          f"{', '.join(_DTYPES)}")
+            start, end = (self.data_start + offset for offset in info["data_offsets"])
+            with warnings.catch_warnings():  # a read-only mapping: nothing here writes to it
+                warnings.simplefilter("ignore", UserWarning)
+                values = torch.from_numpy(self.buffer[start:end].view(kind[0])).view(kind[1])
+            values = values.view(*info["shape"]) if info["shape"] else values[0]
+            yield _Tensor(name, values, self, start, end - start)
+
+    def release(self, tensor: _Tensor) -> None:
+        """The pages under `tensor` out of the process's resident memory (read again from the file
+        if anything touches them later)."""
+        first = tensor.start - tensor.start % mmap.PAGESIZE
+        end = min(tensor.start + tensor.nbytes, len(self.map))
+        if end > first:
+            self.map.madvise(mmap.MADV_DONTNEED, first, end - first)
+
+
+def checkpoint_files(folder: Path) -> list[Path]:
+    """The folder's safetensors files (one, or the shards its index names), or [] when it has none."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / shard for shard in shards]
+    single = folder / "model.safetensors"
+    return [single] if single.is_file() else []
+
+
+def checkpoint_dtype(files: list[Path]) -> torch.dtype | None:
+    """The dtype most of the checkpoint's two-dimensional tensors hold (by count), or None."""
+    counts: dict[torch.dtype, int] = {}
+    for path in files:
+        with open(path, "rb") as handle:
+            length = int.from_bytes(handle.read(8), "little")
+            header = json.loads(handle.read(length))
+        for name, info in header.items():
+            if name != "__metadata__" and len(info.get("shape", ())) == 2 and info["dtype"] in _DTYPES:
+                dtype = _DTYPES[info["dtype"]][1]
+                counts[dtype] = counts.get(dtype, 0) + 1
+    return max(counts, key=counts.get) if counts else None
+
+
+def _linear_make(tensor: torch.Tensor, bias: torch.Tensor | None, kernel, quant_kernel, quantize: str | None,
+                 int8: bool, report: SafetensorsLoad) -> nn.Module:
+    from engine.model.linears import PanelLinear
+    from engine.model.quant import QuantLinear, quantize_blocks
+
+    if quantize and tensor.shape[1] % 32 == 0:
+        q, d, m = quantize_blocks(tensor.float(), quantize)  # this one tensor in float32, never the model
+        report.quantized[quantize] = report.quantized.get(quantize, 0) + 1
+        return QuantLinear(q, d, m, quantize, bias, quant_kernel, int8)
+    dtype = tensor.dtype if tensor.dtype in KEEP_DTYPES else torch.float32
+    if dtype in KEEP_DTYPES:
+        name = str(dtype).removeprefix("torch.")
+        report.kept[name] = report.kept.get(name, 0) + 1
+    return PanelLinear(None, kernel, weight=tensor, bias=bias, dtype=dtype)
+
+
+def load_safetensors(folder: Path, *, kernel, quant_kernel=None, quantize: str | None = None, int8: bool = False,
+                     trust_remote_code: bool = False, attn_implementation: str | None = None):
+    """The model of a safetensors folder on the CPU, lean: returns (model, tokenizer, SafetensorsLoad).
+    `kernel`: the C linear (engine/kernels/linear.py); `quantize` (a kind of `quantize_blocks`) with
+    `quant_kernel`: the linears quantized at load instead. Raises LeanLoadUnsupported when the
+    checkpoint's tensors do not map onto the model one to one."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    started = time.monotonic()
+    files = checkpoint_files(folder)
+    if not files:
+        raise LeanLoadUnsupported("no model.safetensors (or its index) in the folder")
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    kwargs = {"dtype": torch.float32, "trust_remote_code": trust_remote_code}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    with _parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config, **kwargs)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    linears = {name + ".weight": module for name, module in model.named_modules() if type(module) is nn.Linear}
+    embeddings = {name + ".weight": module for name, module in model.named_modules() if type(module) is nn.Embedding}
+    mapped = [_Mapped(path) for path in files]
+    tensors = {t.name: t for m in mapped for t in m.tensors()}
+    unknown = [name for name in tensors if name not in params]
+    if unknown:
+        raise LeanLoadUnsupported(f"{len(unknown)} checkpoint tensors have other names than the model's "
+                                  f"parameters ({', '.join(unknown[:3])}{', ...' if len(unknown) > 3 else ''})")
+    report = SafetensorsLoad()
+    # every float tensor first, so that each linear finds its bias in place
+    for name, tensor in tensors.items():
+        if name in linears and tensor.values.dim() == 2:
+            continue
+        module = embeddings.get(name)
+        if module is not None and tensor.values.dtype in KEEP_DTYPES:
+            owner, _, leaf = name.removesuffix(".weight").rpartition(".")
+            setattr(model.get_submodule(owner), leaf,
+                    HalfEmbedding(tensor.values.clone(), torch.float32, module.padding_idx))
+        else:
+            _set_tensor(model, name, tensor.values.float().clone())
+        tensor.file.release(tensor)
+    output, inputs = model.get_output_embeddings(), model.get_input_embeddings()
+    input_name = next((name + ".weight" for name, module in model.named_modules() if module is inputs), None)
+    head_name = next((key for key, module in linears.items() if module is output), None)
+    tied = head_name is not None and head_name not in tensors
+    for name, module in linears.items():
+        tensor = tensors.get(name)
+        if tensor is None:
+            if not (tied and name == head_name):
+                continue
+            tensor = tensors.get(input_name)  # the tied input embedding's table
+            if tensor is None:
+                continue
+        owner, _, leaf = name.removesuffix(".weight").rpartition(".")
+        bias = module.bias if module.bias is not None and module.bias.device.type != "meta" else None
+        setattr(model.get_submodule(owner), leaf, _linear_make(tensor.values, bias, kernel, quant_kernel, quantize,
+                                                               int8, report))
+        tensor.file.release(tensor)
+    missing = [name for name, param in model.named_parameters() if param.device.type == "meta"]
+    if missing:
+        raise LeanLoadUnsupported(f"the checkpoint has no tensor for {len(missing)} of the model's weights "
+                                  f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})")
+    del tensors, mapped
+    if (folder / "generation_config.json").is_file():  # what from_pretrained reads beside the weights
+        from transformers import GenerationConfig
+        model.generation_config = GenerationConfig.from_pretrained(folder)
+    model.eval()
+    report.seconds = time.monotonic() - started
+    return model, tokenizer, report
