@@ -187,7 +187,7 @@ def _config(arch: str, vocab_size: int, ids: dict):
     raise ValueError(f"arch must be one of {', '.join(ARCHS)}. Given: {arch!r}")
 
 
-def _save_model(config, tokenizer, out_dir: Path, seed: int) -> Path:
+def _save_model(config, tokenizer, out_dir: Path, seed: int, dtype: str = "float32") -> Path:
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -198,7 +198,7 @@ def _save_model(config, tokenizer, out_dir: Path, seed: int) -> Path:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config = GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
                                                pad_token_id=config.pad_token_id)
-    model.save_pretrained(out_dir)
+    model.to(getattr(torch, dtype)).save_pretrained(out_dir)  # a Hub checkpoint's bfloat16 / float16, or float32
     tokenizer.save_pretrained(out_dir)
     return out_dir
 
@@ -208,11 +208,12 @@ def _special_ids(tokenizer) -> dict:
                 pad_token_id=tokenizer.convert_tokens_to_ids(PAD))
 
 
-def build_tiny_model(arch: str, out_dir: str | Path, tokenizer=None, seed: int = SEED) -> Path:
-    """Write a tiny random-weight `arch` model (fp32, safetensors) with its tokenizer into `out_dir`."""
+def build_tiny_model(arch: str, out_dir: str | Path, tokenizer=None, seed: int = SEED, dtype: str = "float32") -> Path:
+    """Write a tiny random-weight `arch` model (safetensors in `dtype`: float32, bfloat16 or float16,
+    the float32 weights rounded) with its tokenizer into `out_dir`."""
     tokenizer = tokenizer if tokenizer is not None else build_tokenizer(TINY_VOCAB)
     config = _config(arch, len(tokenizer), _special_ids(tokenizer))
-    return _save_model(config, tokenizer, Path(out_dir), seed)
+    return _save_model(config, tokenizer, Path(out_dir), seed, dtype)
 
 
 def build_tiny_qwen3(out_dir: str | Path, seed: int = SEED) -> Path:
@@ -246,12 +247,20 @@ if pytest is not None:
 
     @pytest.fixture(scope="session")
     def tiny_model(tmp_path_factory):
-        """Factory: `tiny_model("llama") -> Path`, each architecture built once per test run."""
+        """Factory: `tiny_model("llama") -> Path` (`dtype="bfloat16"`: its weights saved in bfloat16,
+        as a Hub checkpoint holds them), each built once per test run."""
         root = tmp_path_factory.mktemp("tiny_models")
         built: dict[str, Path] = {}
         shared = {}
 
-        def make(arch: str = "llama") -> Path:
+        def make(arch: str = "llama", dtype: str = "float32") -> Path:
+            if dtype != "float32":
+                key = f"{arch}-{dtype}"
+                if key not in built:
+                    if "tokenizer" not in shared:
+                        shared["tokenizer"] = build_tokenizer(TINY_VOCAB)
+                    built[key] = build_tiny_model(arch, root / key, tokenizer=shared["tokenizer"], dtype=dtype)
+                return built[key]
             if arch == "qwen3":
                 if arch not in built:
                     built[arch] = build_tiny_qwen3(root / arch)

@@ -1,0 +1,145 @@
+"""A Hub checkpoint as users name it: a folder of bfloat16 (or float16) safetensors, served lean.
+
+Its linears keep the checkpoint's 16-bit values in the C kernel's panels (widened exactly to
+float32 as they are read), so greedy output equals `generate` on the float32 upcast model, alone
+and inside a busy batch, on every architecture the paged path serves; `--dtype float32` keeps the
+float32 model of before; `--quantize` quantizes tensor by tensor from the mapped file.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine import LLM, EngineConfig, SamplingParams
+from engine.model.loading import load_model
+
+MAX_TOKENS = 24
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (5, 17, 40, 9, 64, 3)]
+
+
+def _generate_refs(path, prompts) -> list[list[int]]:
+    """Hugging Face `generate`, greedy, on the checkpoint upcast to float32 (the exact reference)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    refs = []
+    for prompt in prompts:
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
+                             do_sample=False, pad_token_id=0)
+        refs.append(out[0, len(prompt):].tolist())
+    return refs
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_panels_give_the_float32_products(dtype):
+    """The C linear over 16-bit panels equals F.linear on the same weights upcast: 1 to 13 rows
+    (every tile), an odd input width (the two-inputs-at-a-time loop's remainder), a partial panel."""
+    from engine.kernels.linear import linear_kernel, padded_bias, panels_of
+    from engine.model.loading import rill_cache_dir
+
+    kernel = linear_kernel(rill_cache_dir())
+    assert kernel is not None
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(37, 75, generator=gen).to(dtype)
+    bias = torch.randn(37, generator=gen)
+    panels = panels_of(weight, dtype)
+    assert panels.dtype == dtype and panels.element_size() == 2
+    for rows in range(1, 14):
+        x = torch.randn(rows, 75, generator=gen)
+        got = kernel(x, panels, padded_bias(bias, panels.shape[0], 37), 37)
+        torch.testing.assert_close(got, F.linear(x, weight.float(), bias), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3norm", "gemma2"])
+def test_a_bfloat16_checkpoint_keeps_its_weights_and_equals_generate(tiny_model, arch):
+    path = tiny_model(arch, dtype="bfloat16")
+    loaded = load_model(str(path))
+    model = loaded.model
+    assert loaded.weights.startswith("bfloat16 kept") and "C kernel" in loaded.weights
+    assert not any(type(m) is nn.Linear for m in model.modules())  # every linear packed, none float32
+    panels = [m.panels for m in model.modules() if hasattr(m, "panels")]
+    assert panels and all(p.dtype == torch.bfloat16 for p in panels)
+    prompts = _prompts(len(loaded.tokenizer))
+    refs = _generate_refs(path, prompts)
+    llm = LLM(loaded)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    together = [r.outputs[0].token_ids for r in llm.generate(prompts, params)]  # one busy batch
+    assert together == refs
+    alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts[:2]]
+    assert alone == refs[:2]
+
+
+def test_the_native_step_runs_the_16bit_panels(tiny_model):
+    path = tiny_model("llama", dtype="bfloat16")
+    llm = LLM(load_model(str(path)))
+    assert llm.core.runner.native is not None, llm.core.runner_reason
+
+
+def test_a_float16_checkpoint_is_kept_too(tiny_model):
+    path = tiny_model("llama", dtype="float16")
+    loaded = load_model(str(path))
+    assert loaded.weights.startswith("float16 kept")
+    prompts = _prompts(len(loaded.tokenizer))[:3]
+    got = [r.outputs[0].token_ids for r in LLM(loaded).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))]
+    assert got == _generate_refs(path, prompts)
+
+
+def test_dtype_float32_keeps_the_float32_model(tiny_model):
+    path = tiny_model("llama", dtype="bfloat16")
+    loaded = load_model(str(path), dtype="float32")
+    assert loaded.weights == "float"
+    assert type(loaded.model.model.embed_tokens) is nn.Embedding
+    assert loaded.model.model.embed_tokens.weight.dtype == torch.float32
+
+
+@pytest.fixture(scope="module")
+def tied_llama(tiny_model, tmp_path_factory):
+    """A bfloat16 Llama with tied embeddings (SmolLM2's layout: no lm_head tensor in the file)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    source = tiny_model("llama", dtype="bfloat16")
+    config = AutoConfig.from_pretrained(source)
+    config.tie_word_embeddings = True
+    out = tmp_path_factory.mktemp("tied-llama")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(out)
+    AutoTokenizer.from_pretrained(source).save_pretrained(out)
+    return out
+
+
+def test_the_tied_head_and_embedding_come_from_the_one_table(tied_llama):
+    from safetensors import safe_open
+
+    with safe_open(str(tied_llama / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in f.keys()
+        table = f.get_tensor("model.embed_tokens.weight")
+    loaded = load_model(str(tied_llama))
+    model = loaded.model
+    assert loaded.weights.startswith("bfloat16 kept")
+    ids = torch.tensor([[3, 9, 400]])
+    torch.testing.assert_close(model.model.embed_tokens(ids), table[ids].float(), atol=0, rtol=0)
+    assert model.lm_head.panels.dtype == torch.bfloat16
+    x = torch.randn(2, table.shape[1])
+    torch.testing.assert_close(model.lm_head(x), F.linear(x, table.float()), atol=2e-5, rtol=2e-5)
+    prompts = _prompts(len(loaded.tokenizer))[:3]
+    got = [r.outputs[0].token_ids for r in LLM(loaded).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))]
+    assert got == _generate_refs(tied_llama, prompts)
+
+
+def test_quantize_at_load_streams_from_the_checkpoint(tiny_model):
+    path = tiny_model("llama", dtype="bfloat16")
+    loaded = load_model(str(path), quantize="q8_0")
+    assert "q8_0 blocks quantized at load" in loaded.weights
+    assert not any(type(m) is nn.Linear for m in loaded.model.modules())
+    out = LLM(loaded, EngineConfig()).generate([[1, 5, 9]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 8
