@@ -10,7 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from engine.request import MAX_CACHE_SALT_CHARS, Constraint
 from frontend.tools import ToolRequest
-from server.schemas import CACHE_SALT_DOC, MAX_TOOLS, SamplingFields, _stop_list, check_tool_choice
+from server.schemas import (CACHE_SALT_DOC, MAX_TOOLS, SamplingFields, _stop_list, check_depth,
+                            check_tool_choice)
 
 MAX_MESSAGES = 2048
 
@@ -146,6 +147,14 @@ class CountTokensRequest(BaseModel):
 
     @model_validator(mode="after")
     def _check_tools(self):
+        for i, tool in enumerate(self.tools or ()):
+            check_depth(tool.input_schema, f"tools.{i}.input_schema")
+        if self.output_config is not None and self.output_config.format is not None:
+            check_depth(self.output_config.format.schema_, "output_config.format.schema")
+        for i, message in enumerate(self.messages):
+            for j, block in enumerate(message.content if isinstance(message.content, list) else ()):
+                if isinstance(block, ToolUseBlock):
+                    check_depth(block.input, f"messages.{i}.content.{j}.input")
         choice = self.tool_choice
         check_tool_choice([t.name for t in self.tools or ()], choice.type if choice else None,
                           choice.name if choice else None, self.constraint() is not None, required="any",

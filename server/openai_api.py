@@ -102,6 +102,7 @@ def _model_card(state) -> dict:
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, x_request_id: str | None = Header(None)):
     engine, request_id = route_start(request, body, x_request_id)
+    body.check_answer_budget(default_max_tokens(engine, 0))  # n x max_tokens x logprobs: a 400 before any work
     top_n = body.top_logprobs or 0
     job = ChatJob([m.template_message(_ROLE_MAP.get(m.role, m.role)) for m in body.messages], body.tool_request(),
                   body.constraint(), body, body.max_completion_tokens or body.max_tokens, body.chat_template_kwargs,
@@ -114,6 +115,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, x_requ
 @router.post("/completions")
 async def completions(body: CompletionRequest, request: Request, x_request_id: str | None = Header(None)):
     engine, request_id = route_start(request, body, x_request_id)
+    body.check_answer_budget(default_max_tokens(engine, 0))
     raw_prompts = body.prompts()  # at most MAX_PROMPTS (schemas.py)
     for p in raw_prompts:
         if isinstance(p, str):

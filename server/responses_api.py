@@ -8,8 +8,12 @@ thinking model's thought, a `message` with one `output_text` part, `function_cal
 `event: <type>` / `data: {json}` with OpenAI's semantic events (response.created, ...output_item.added,
 ...output_text.delta, ..., response.completed, or response.incomplete at `max_output_tokens`); a
 failure after the start is an `error` event, then `response.failed`. A stored response (`store`,
-the default) is kept in a bounded in-memory store for `GET` and for a later `previous_response_id`,
-whose conversation (not its instructions) then comes before the new input.
+the default) is kept in a bounded in-memory store for `GET`, `DELETE`, `GET .../input_items` and a
+later `previous_response_id`, whose conversation (not its instructions) then comes before the new input.
+
+A response id is a capability, as OpenAI's are: 192 random bits from the OS's CSPRNG, never derived
+from the request id or any header, and the only thing that finds a stored response. Storing never
+replaces an entry; anything but a stored id is a 404.
 """
 
 from __future__ import annotations
@@ -20,9 +24,10 @@ import secrets
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Literal
 
-from fastapi import APIRouter, Header, Request
-from fastapi.responses import JSONResponse
+from fastapi import APIRouter, Header, Query, Request
+from fastapi.responses import JSONResponse, Response
 
 from engine.request import FinishReason
 from frontend.admission import RequestFailed
@@ -37,41 +42,75 @@ log = logging.getLogger("rill.server")
 BODY_FIELDS["/v1/responses"] = list(ResponsesRequest.model_fields)
 
 MAX_STORED_RESPONSES = 512
-MAX_STORED_CHARS = 32_000_000  # their JSON and conversations together; the oldest go first
+MAX_STORED_BYTES = 32 * 2**20  # their JSON (response, conversation, input items) together; the oldest go first
+_ENTRY_BYTES = 512  # an entry's own objects and its key, beside its three JSON strings
+_ID_BYTES = 24  # a response id's randomness: 192 bits
+
+
+def new_response_id() -> str:
+    return f"resp_{secrets.token_hex(_ID_BYTES)}"
 
 
 @dataclass
 class Stored:
-    response: dict  # what GET returns
-    history: list[dict]  # the conversation up to and with this response's output (no instructions)
-    chars: int
+    """One stored response, kept as JSON: its size in memory is its size here."""
+
+    response: bytes  # what GET returns
+    history: bytes  # the conversation up to and with this response's output (no instructions)
+    items: bytes  # its input items, as GET .../input_items lists them
+    nbytes: int
 
 
 class ResponseStore:
-    """The stored responses, oldest dropped first past `max_count` or `max_chars`."""
+    """The stored responses by id, oldest dropped first past `max_count` entries or `max_bytes`
+    (`nbytes` is always the sum of the live entries' sizes)."""
 
-    def __init__(self, max_count: int = MAX_STORED_RESPONSES, max_chars: int = MAX_STORED_CHARS):
-        self.max_count, self.max_chars = max_count, max_chars
+    def __init__(self, max_count: int = MAX_STORED_RESPONSES, max_bytes: int = MAX_STORED_BYTES):
+        self.max_count, self.max_bytes = max_count, max_bytes
         self.items: OrderedDict[str, Stored] = OrderedDict()
-        self.chars = 0
+        self.nbytes = 0
 
-    def put(self, response: dict, history: list[dict]) -> None:
-        chars = len(json.dumps(response)) + len(json.dumps(history))
-        if chars > self.max_chars:
-            return
-        self.items[response["id"]] = Stored(response, history, chars)
-        self.chars += chars
-        while len(self.items) > self.max_count or self.chars > self.max_chars:
-            _, dropped = self.items.popitem(last=False)
-            self.chars -= dropped.chars
+    def put(self, response: dict, history: list[dict], items: list[dict]) -> bool:
+        """Store `response` under its id; False (nothing changed) if that id is taken or it alone is
+        larger than the store."""
+        response_id = response["id"]
+        if response_id in self.items:
+            return False
+        parts = [json.dumps(value, ensure_ascii=False).encode() for value in (response, history, items)]
+        nbytes = _ENTRY_BYTES + sum(len(part) for part in parts)
+        if nbytes > self.max_bytes:
+            return False
+        self.items[response_id] = Stored(*parts, nbytes)
+        self.nbytes += nbytes
+        while len(self.items) > self.max_count or self.nbytes > self.max_bytes:
+            self.evict_oldest()
+        return True
+
+    def evict_oldest(self) -> str | None:
+        if not self.items:
+            return None
+        response_id, dropped = self.items.popitem(last=False)
+        self.nbytes -= dropped.nbytes
+        return response_id
 
     def get(self, response_id: str, param: str | None = None) -> Stored:
         stored = self.items.get(response_id)
         if stored is None:
-            raise ApiError(404, f"No response `{response_id}` is stored on this server. Responses made with "
-                                f"`store: false` are not kept, and only the latest {self.max_count} are.",
-                           param=param, code="response_not_found")
+            raise self.not_found(response_id, param)
         return stored
+
+    def delete(self, response_id: str) -> None:
+        stored = self.items.pop(response_id, None)
+        if stored is None:
+            raise self.not_found(response_id)
+        self.nbytes -= stored.nbytes
+
+    def not_found(self, response_id: str, param: str | None = None) -> ApiError:
+        shown = response_id if len(response_id) <= 128 else response_id[:125] + "..."
+        return ApiError(404, f"No response `{shown}` is stored on this server. A stored response is found by the "
+                             f"exact id its answer carried; responses made with `store: false` are not kept, and past "
+                             f"{self.max_count} responses or {self.max_bytes} bytes the oldest are dropped.",
+                        param=param, code="response_not_found")
 
 
 def _store(request: Request) -> ResponseStore:
@@ -79,6 +118,31 @@ def _store(request: Request) -> ResponseStore:
     if getattr(state, "responses", None) is None:
         state.responses = ResponseStore()
     return state.responses
+
+
+def input_items(body: ResponsesRequest) -> list[dict]:
+    """The request's input as OpenAI lists a response's input items (each with an id of its own)."""
+    def item_id(prefix: str) -> str:
+        return f"{prefix}_{secrets.token_hex(12)}"
+
+    if isinstance(body.input, str):
+        return [{"type": "message", "id": item_id("msg"), "role": "user", "status": "completed",
+                 "content": [{"type": "input_text", "text": body.input}]}]
+    out = []
+    for item in body.input:
+        if isinstance(item, MessageItem):
+            kind = "output_text" if item.role == "assistant" else "input_text"
+            out.append({"type": "message", "id": item_id("msg"), "role": item.role, "status": "completed",
+                        "content": [{"type": kind, "text": item.text()}]})
+        elif isinstance(item, FunctionCallItem):
+            out.append({"type": "function_call", "id": item_id("fc"), "call_id": item.call_id, "name": item.name,
+                        "arguments": item.arguments, "status": "completed"})
+        elif isinstance(item, FunctionCallOutputItem):
+            out.append({"type": "function_call_output", "id": item_id("fco"), "call_id": item.call_id,
+                        "output": item.text(), "status": "completed"})
+        else:
+            out.append({"type": "reasoning", "id": item_id("rs"), "summary": []})
+    return out
 
 
 def input_messages(body: ResponsesRequest, history: list[dict]) -> list[dict]:
@@ -109,9 +173,9 @@ def input_messages(body: ResponsesRequest, history: list[dict]) -> list[dict]:
 class ResponseBuilder:
     """One response's object and stream events, from its reply's blocks."""
 
-    def __init__(self, body: ResponsesRequest, request_id: str, model: str, blocks: ReplyBlocks):
+    def __init__(self, body: ResponsesRequest, model: str, blocks: ReplyBlocks):
         self.body, self.blocks, self.model = body, blocks, model
-        self.id = f"resp_{request_id}" if not request_id.startswith("resp_") else request_id
+        self.id = new_response_id()  # never the request id: that one is a label the client may choose
         self.created_at = int(time.time())
         self.item_ids: dict[int, str] = {}
         self.sequence = 0
@@ -215,7 +279,7 @@ class ResponseBuilder:
 async def create_response(body: ResponsesRequest, request: Request, x_request_id: str | None = Header(None)):
     engine, request_id = route_start(request, body, x_request_id)
     store = _store(request)
-    history = store.get(body.previous_response_id, "previous_response_id").history \
+    history = json.loads(store.get(body.previous_response_id, "previous_response_id").history) \
         if body.previous_response_id else []
     conversation = [*history, *input_messages(body, history)]
     instructions = [{"role": "system", "content": body.instructions}] if body.instructions else []
@@ -224,12 +288,12 @@ async def create_response(body: ResponsesRequest, request: Request, x_request_id
     gens, encoded = await start_chat(request, job, request_id, "v1_responses")
     gen = gens[0]
     blocks = ReplyBlocks(encoded.fmt)
-    builder = ResponseBuilder(body, request_id, engine.model_name, blocks)
+    builder = ResponseBuilder(body, engine.model_name, blocks)
     builder.num_prompt_tokens = gen.num_prompt_tokens
 
     def keep(response: dict) -> None:
         if body.store:
-            store.put(response, builder.history(conversation))
+            store.put(response, builder.history(conversation), input_items(body))
 
     if not body.stream:
         async def read():
@@ -268,4 +332,30 @@ async def create_response(body: ResponsesRequest, request: Request, x_request_id
 
 @router.get("/responses/{response_id}")
 async def get_response(response_id: str, request: Request):
-    return _store(request).get(response_id).response
+    return Response(_store(request).get(response_id).response, media_type="application/json")
+
+
+@router.delete("/responses/{response_id}")
+async def delete_response(response_id: str, request: Request):
+    _store(request).delete(response_id)
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+@router.get("/responses/{response_id}/input_items")
+async def list_input_items(response_id: str, request: Request, limit: int = Query(20, ge=1, le=100),
+                           order: Literal["asc", "desc"] = "desc", after: str | None = None,
+                           before: str | None = None):
+    """OpenAI's cursor list of a stored response's input items (`after` / `before`: an item id)."""
+    items = json.loads(_store(request).get(response_id).items)
+    if order == "desc":
+        items.reverse()
+    ids = [item["id"] for item in items]
+    for cursor, name in ((after, "after"), (before, "before")):
+        if cursor is not None and cursor not in ids:
+            raise ApiError(400, f"`{name}` must be the id of one of this response's input items. "
+                                f"Given: {cursor[:128]!r}", param=name)
+    start = ids.index(after) + 1 if after is not None else 0
+    stop = ids.index(before) if before is not None else len(items)
+    page = items[start:stop][:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": start + len(page) < stop}

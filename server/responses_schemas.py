@@ -12,7 +12,8 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_val
 
 from engine.request import MAX_CACHE_SALT_CHARS, Constraint
 from frontend.tools import ToolRequest
-from server.schemas import CACHE_SALT_DOC, MAX_TOOLS, SamplingFields, _template_kwargs, check_tool_choice
+from server.schemas import (CACHE_SALT_DOC, MAX_TOOLS, SamplingFields, _template_kwargs, check_depth,
+                            check_tool_choice)
 
 MAX_INPUT_ITEMS = 2048  # items in one request's `input`
 MAX_METADATA = 16  # OpenAI's bound on `metadata` entries
@@ -185,6 +186,13 @@ class ResponsesRequest(BaseModel):
     def _check(self):
         if self.background:
             raise ValueError("`background: true` is not supported by this server; stream instead")
+        for i, tool in enumerate(self.tools or ()):
+            check_depth(tool.parameters, f"tools.{i}.parameters")
+        if self.text is not None and self.text.format is not None:
+            check_depth(self.text.format.schema_, "text.format.schema")
+        for i, item in enumerate(self.input if isinstance(self.input, list) else ()):
+            if isinstance(item, FunctionCallItem):
+                check_depth(item.arguments, f"input.{i}.arguments")
         choice = self.tool_choice
         check_tool_choice([t.name for t in self.tools or ()], choice,
                           choice.name if isinstance(choice, NamedFunction) else None,

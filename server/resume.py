@@ -21,7 +21,8 @@ label (the client may choose it, the server's own are a clock and a counter); it
 enough. A lookup with an unknown id and one with a wrong or missing token both find nothing.
 
 Bounds: at most `max_streams` records and `max_bytes` of what they hold (events, prompt and
-output tokens, as estimated below). Past a bound the oldest finished stream nobody reads is
+output tokens, the sampling parameters' strings and lists: a constraint of up to 200,000
+characters, stop strings, stop token ids; as estimated below). Past a bound the oldest finished stream nobody reads is
 dropped first, then the oldest suspended one. A stream still generating is never cut: when
 only such streams are left, the newest one (the one being created, or the one whose event
 went past `max_bytes`) stops being resumable. Its reader keeps getting every event; the
@@ -38,6 +39,7 @@ events up to there, an error event saying why, and the end.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import secrets
 import sys
@@ -63,6 +65,26 @@ def new_resume_token() -> str:
 
 def event_bytes(data: str) -> int:
     return _EVENT_BYTES + sys.getsizeof(data)
+
+
+def params_bytes(params) -> int:
+    """What a request's sampling parameters hold beyond `_RECORD_BYTES`: their strings (the constraint's
+    schema, regex or grammar, the salt) and containers with what is in them (stop strings, stop token
+    ids and their set). Walked without recursion; a number outside a container is in `_RECORD_BYTES`."""
+    total, stack = 0, [(params, False)]
+    while stack:
+        value, contained = stack.pop()
+        if isinstance(value, (str, bytes)):
+            total += sys.getsizeof(value)
+        elif isinstance(value, (tuple, list, set, frozenset)):
+            total += sys.getsizeof(value)
+            stack.extend((item, True) for item in value)
+            stack.extend((extra, False) for extra in getattr(value, "__dict__", {}).values())  # TokenIds' set
+        elif isinstance(value, (int, float)):
+            total += sys.getsizeof(value) if contained else 0
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            stack.extend((getattr(value, f.name), False) for f in dataclasses.fields(value))
+    return total
 
 
 def backlog_limit(max_bytes: int) -> int:
@@ -259,7 +281,7 @@ class ResumeRegistry:
         Its `token` is None when the bounds leave no room for it (see the module docstring)."""
         stream = ResumableStream(request_id, self.window, self._expire, self._orphan)
         stream.prompt_ids, stream.params = prompt_ids, params
-        stream.nbytes = _RECORD_BYTES + _TOKEN_ID_BYTES * len(prompt_ids)
+        stream.nbytes = _RECORD_BYTES + _TOKEN_ID_BYTES * len(prompt_ids) + params_bytes(params)
         self._make_room(extra_streams=1, extra_bytes=stream.nbytes)
         if len(self._streams) < self.max_streams and self.nbytes + stream.nbytes <= self.max_bytes:
             stream.token = new_resume_token()

@@ -6,13 +6,16 @@ checks again inside the engine.
 
 from __future__ import annotations
 
+import re
+from itertools import accumulate
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.chat_template import TAKEN_TEMPLATE_NAMES, taken_names_message
 from engine.request import (MAX_CACHE_SALT_CHARS, MAX_N, MAX_STOP_LENGTH, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
-                            Constraint, stop_token_ids_message)
+                            Constraint, InvalidRequest, stop_token_ids_message)
+from frontend.errors import ApiError
 from frontend.tools import ToolRequest
 
 Role = Literal["system", "user", "assistant"]
@@ -20,8 +23,73 @@ MAX_STOP = MAX_STOP_STRINGS
 MAX_PROMPTS = 64  # prompts in one `/v1/completions` list
 MAX_TOOLS = 128  # functions in one request's `tools`
 MAX_TEMPLATE_KWARGS = 16  # entries of `chat_template_kwargs`
+# JSON nesting (objects and arrays) of one schema or call's arguments. The routes walk them recursively on the
+# event loop; llguidance's grammar parser stops near 125 levels (serde_json's 128, its wrapping included) and
+# OpenAI's strict schemas at 10 levels of objects (about 20 of JSON), so 64 refuses nothing a model can follow.
+MAX_SCHEMA_DEPTH = 64
+# Token entries one answer may hold: choices x max_tokens x (1 + alternatives per token), past one choice of the
+# whole context with 20 alternatives (always allowed). A token entry is about 70 bytes of JSON (measured on
+# /v1/chat/completions), so this is ~18 MB; n=16 x top_logprobs 20 x an 8k context is 2.75 M entries, ~190 MB.
+MAX_ANSWER_ENTRIES = 2**18
+MAX_LOGPROB_ALTERNATIVES = 20
 CACHE_SALT_DOC = ("the prefix cache shares blocks only between requests with the same salt (vLLM's "
                   "`cache_salt`): a private salt keeps other clients from learning whether this prompt is cached")
+
+
+def json_depth(value: Any) -> int:
+    """How deeply a parsed JSON value nests objects and arrays ({} and [] are 1, a scalar 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return deepest
+
+
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*+"', re.DOTALL)
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_BRACKET_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
+
+
+def json_text_depth(text: str) -> int:
+    """The same depth of JSON text (its brackets outside strings), without parsing it."""
+    if text.count("[") + text.count("{") <= MAX_SCHEMA_DEPTH:
+        return text.count("[") + text.count("{")  # an upper bound, enough to pass
+    brackets = _NOT_BRACKET.sub("", _JSON_STRING.sub("", text))
+    return max(accumulate(map(_BRACKET_STEP.__getitem__, brackets)), default=0)
+
+
+def check_depth(value: Any, where: str) -> None:
+    """A 400 naming `where` when a schema (or a call's arguments, as text) nests past MAX_SCHEMA_DEPTH.
+    Raised as an ApiError, which pydantic lets through: its own error would repr the whole value."""
+    depth = json_text_depth(value) if isinstance(value, str) else json_depth(value)
+    if depth > MAX_SCHEMA_DEPTH:
+        raise ApiError(400, f"`{where}` nests objects and arrays {depth} levels deep; at most {MAX_SCHEMA_DEPTH} "
+                            f"levels are allowed. Given: {depth} levels.", param=where)
+
+
+def check_answer_budget(n: int, max_tokens: int | None, room: int, alternatives: int, *, prompts: int = 1,
+                        max_tokens_field: str = "max_tokens", alternatives_field: str = "top_logprobs") -> None:
+    """A 400 when one answer could hold more token entries than MAX_ANSWER_ENTRIES (or one choice of the
+    whole context, `room` tokens, with 20 alternatives each, if that is more); unset `max_tokens` counts as `room`."""
+    tokens = room if max_tokens is None else max_tokens
+    entries = n * prompts * tokens * (1 + alternatives)
+    allowed = max(MAX_ANSWER_ENTRIES, room * (1 + MAX_LOGPROB_ALTERNATIVES))
+    if entries <= allowed:
+        return
+    names = ["`n`"] + (["prompts"] if prompts > 1 else []) + [f"`{max_tokens_field}`", f"(1 + `{alternatives_field}`)"]
+    values = [str(n)] + ([str(prompts)] if prompts > 1 else []) + [str(tokens), str(1 + alternatives)]
+    given = [f"n={n}"] + ([f"prompts={prompts}"] if prompts > 1 else [])
+    given.append(f"{max_tokens_field}={max_tokens}" if max_tokens is not None
+                 else f"{max_tokens_field} unset (up to the context left: {room})")
+    given.append(f"{alternatives_field}={alternatives}" if alternatives else f"{alternatives_field} unset")
+    raise InvalidRequest(f"One answer would be too large: {' x '.join(names)} = {' x '.join(values)} = {entries:,} "
+                         f"token entries, which exceeds this server's answer budget of {allowed:,} (one choice of the "
+                         f"whole context with {MAX_LOGPROB_ALTERNATIVES} alternatives each always fits). Lower one of "
+                         f"them. Given: {', '.join(given)}.", max_tokens_field)
 
 
 class JsonSchemaFormat(BaseModel):
@@ -80,6 +148,12 @@ class _ConstraintFields(BaseModel):
     @classmethod
     def _check_template_kwargs(cls, value):
         return _template_kwargs(value)
+
+    @model_validator(mode="after")
+    def _bounded_schema(self):
+        if self.response_format is not None and self.response_format.json_schema is not None:
+            check_depth(self.response_format.json_schema.schema_, "response_format.json_schema.schema")
+        return self
 
     def constraint(self) -> Constraint | None:
         return self.response_format.constraint() if self.response_format is not None else None
@@ -325,11 +399,22 @@ class ChatCompletionRequest(SamplingFields):
 
     @model_validator(mode="after")
     def _check_tools(self):
+        for i, tool in enumerate(self.tools or ()):
+            check_depth(tool.function.parameters, f"tools.{i}.function.parameters")
+        for i, message in enumerate(self.messages):
+            for j, call in enumerate(message.tool_calls or ()):
+                check_depth(call.function.arguments, f"messages.{i}.tool_calls.{j}.function.arguments")
         choice = self.tool_choice
         check_tool_choice([t.function.name for t in self.tools or ()], choice,
                           choice.function.name if isinstance(choice, NamedToolChoice) else None,
                           self.response_format is not None and self.response_format.type != "text")
         return self
+
+    def check_answer_budget(self, room: int) -> None:
+        """The 400 of an answer too large (see `check_answer_budget`); `room`: the most tokens one answer can have."""
+        field = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+        check_answer_budget(self.n, self.max_completion_tokens or self.max_tokens, room,
+                            (self.top_logprobs or 0) if self.logprobs else 0, max_tokens_field=field)
 
     def tool_request(self) -> ToolRequest | None:
         """The tools the model may call, or None (no tools, or tool_choice "none")."""
@@ -369,6 +454,10 @@ class CompletionRequest(SamplingFields):
             raise ValueError(f"`prompt` may hold at most {MAX_PROMPTS} prompts in one request. "
                              f"Given: {num_prompts} prompts")
         return self
+
+    def check_answer_budget(self, room: int) -> None:
+        check_answer_budget(self.n, self.max_tokens, room, self.logprobs or 0, prompts=len(self.prompts()),
+                            alternatives_field="logprobs")
 
     def prompts(self) -> list[Any]:
         """The prompts as a list: strings or token id lists."""
