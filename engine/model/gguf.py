@@ -101,8 +101,12 @@ class GgufLoad:
 
     def describe(self) -> str:
         parts = []
-        if self.kept:
-            parts.append(f"{'/'.join(sorted(self.kept))} blocks from the GGUF ({sum(self.kept.values())} linears)")
+        blocks = {kind: n for kind, n in self.kept.items() if kind not in HALF_TYPES}
+        halves = {kind: n for kind, n in self.kept.items() if kind in HALF_TYPES}
+        if blocks:
+            parts.append(f"{'/'.join(sorted(blocks))} blocks from the GGUF ({sum(blocks.values())} linears)")
+        if halves:
+            parts.append(f"{'/'.join(sorted(halves))} kept from the GGUF ({sum(halves.values())} linears, C kernel)")
         if self.dequantized:
             parts.append(f"float from {'/'.join(sorted(self.dequantized))} ({sum(self.dequantized.values())} "
                          f"linears: no block kernel for that type)")
@@ -151,7 +155,7 @@ def _tie_output(model: nn.Module, embedding: _Blocks | None, pending: dict, line
     name = next((key for key, module in linears.items() if module is output), None)
     if not isinstance(output, nn.Linear) or name in read or embedding is None:  # the file has its own head
         return
-    if blocks_ok and embedding.ggml_type in GGUF_TYPES and name is not None:
+    if blocks_ok and embedding.ggml_type in (*GGUF_TYPES, *HALF_TYPES) and name is not None:
         pending[name] = embedding
     elif isinstance(inputs, nn.Embedding) and inputs.weight.device.type != "meta":
         output.weight = inputs.weight
@@ -182,6 +186,26 @@ def _release(blob: np.memmap, raw: np.ndarray) -> None:
         blob._mmap.madvise(mmap.MADV_DONTNEED, first, end - first)
 
 
+HALF_TYPES = {"bf16": torch.bfloat16, "f16": torch.float16}  # GGUF types the C linear holds as they are
+
+
+def _half_linear(blocks: _Blocks, bias: torch.Tensor | None) -> nn.Module:
+    """A `PanelLinear` of a bf16 / f16 tensor's rows in the file (in `blocks.order`), widened
+    exactly by the kernel as they are read."""
+    from engine.kernels.linear import linear_kernel
+    from engine.model.linears import PanelLinear
+    from engine.model.loading import ModelLoadError, rill_cache_dir
+
+    kernel = linear_kernel(rill_cache_dir())
+    if kernel is None:
+        raise ModelLoadError("the C linear for 16-bit weights is unavailable here (see the log); use quantize=none")
+    dtype = HALF_TYPES[blocks.ggml_type]
+    values = torch.from_numpy(np.asarray(blocks.raw).view(np.int16)).view(dtype)
+    if blocks.order is not None and not np.array_equal(blocks.order, np.arange(len(blocks.order))):
+        values = values[torch.from_numpy(blocks.order)]
+    return PanelLinear(None, kernel, weight=values, bias=bias, dtype=dtype)
+
+
 def _make_block_linears(model: nn.Module, pending: dict[str, _Blocks], kernel, int8: bool, report: GgufLoad,
                         blob: np.memmap) -> None:
     """Each pending linear as a `QuantLinear` of its rows in the file, with its (now loaded) bias;
@@ -193,6 +217,11 @@ def _make_block_linears(model: nn.Module, pending: dict[str, _Blocks], kernel, i
         parent = model.get_submodule(owner)
         linear = getattr(parent, leaf)
         bias = linear.bias if linear.bias is not None and linear.bias.device.type != "meta" else None
+        if blocks.ggml_type in HALF_TYPES:  # 16-bit values kept as they are, in the C linear's panels
+            setattr(parent, leaf, _half_linear(blocks, bias))
+            _release(blob, blocks.raw)
+            report.kept[blocks.ggml_type] = report.kept.get(blocks.ggml_type, 0) + 1
+            continue
         setattr(parent, leaf, QuantLinear.from_gguf(np.asarray(blocks.raw), blocks.ggml_type, bias, kernel, int8,
                                                     blocks.order))
         _release(blob, blocks.raw)
@@ -249,6 +278,9 @@ def load_gguf(gguf: Path, *, device: torch.device, dtype: torch.dtype, trust_rem
             setattr(model.get_submodule(owner), leaf, GgufEmbedding(raw, ggml_type, info.shape[1], dtype))
             continue
         if linear is not None and len(info.shape) == 2 and tuple(info.shape) == tuple(linear.weight.shape):
+            if blocks_ok and type_name in HALF_TYPES and _row_order(processor, info.name, rows, mapping) is not None:
+                pending[target] = _Blocks(raw, type_name, _row_order(processor, info.name, rows, mapping))
+                continue
             if blocks_ok and type_name in GGUF_TYPES:
                 order = _row_order(processor, info.name, rows, mapping)
                 if order is not None:
