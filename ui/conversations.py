@@ -7,10 +7,15 @@ the Chatbot holds them (HTML-escaped text). Every handler takes the store and gi
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import re
 import secrets
+import shutil
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import gradio as gr
@@ -21,20 +26,40 @@ from ui.markup import unescape_html
 NEW_TITLE = "New chat"
 MAX_CONVERSATIONS = 50  # kept per browser; past it the oldest go
 TITLE_CHARS = 40
-EXPORT_DIR = Path(tempfile.gettempdir()) / "rill-exports"
+EXPORT_TTL_S = 3600.0  # an export file older than this is removed at the next export (Gradio serves its copy)
+EXPORT_MAX_FILES = 8  # per page session; the oldest go first
+EXPORT_MAX_BYTES = 8 * 1024 * 1024  # per page session; a larger conversation gets no export file
+_ID = re.compile(r"^[0-9a-f]{12}$")  # a conversation id as `_new_item` makes it
 
 
 def _new_item() -> dict:
     return {"id": secrets.token_hex(6), "title": NEW_TITLE, "messages": []}
 
 
+def _valid_item(item) -> dict | None:
+    """An item of the browser's store with the shapes the handlers rely on (an id of another shape
+    gets a fresh one), or None when it is not an item at all."""
+    if not isinstance(item, dict) or not {"id", "title", "messages"} <= set(item):
+        return None
+    title = item["title"] if isinstance(item["title"], str) else NEW_TITLE
+    messages = item["messages"] if isinstance(item["messages"], list) else []
+    if isinstance(item["id"], str) and _ID.match(item["id"]) and title is item["title"] and messages is item["messages"]:
+        return item
+    return {**item, "id": item["id"] if isinstance(item["id"], str) and _ID.match(item["id"]) else secrets.token_hex(6),
+            "title": title, "messages": messages}
+
+
 def _valid(store) -> dict:
     """The store as saved, or a fresh one (first visit, or something unreadable in the browser)."""
-    if isinstance(store, dict) and isinstance(store.get("items"), list) and store["items"] and all(
-            isinstance(i, dict) and {"id", "title", "messages"} <= set(i) for i in store["items"]):
-        if any(i["id"] == store.get("current") for i in store["items"]):
-            return store
-        return {**store, "current": store["items"][0]["id"]}
+    if isinstance(store, dict) and isinstance(store.get("items"), list) and store["items"]:
+        items = [_valid_item(i) for i in store["items"][-MAX_CONVERSATIONS:]]
+        if all(i is not None for i in items):
+            if len({i["id"] for i in items}) < len(items):  # a repeated id: each made unique
+                items = [dict(i, id=secrets.token_hex(6)) for i in items]
+            store = {**store, "items": items}
+            if any(i["id"] == store.get("current") for i in items):
+                return store
+            return {**store, "current": items[-1]["id"]}
     item = _new_item()
     return {"current": item["id"], "items": [item]}
 
@@ -56,7 +81,82 @@ def picker_update(store: dict):
     return gr.update(choices=[(i["title"], i["id"]) for i in reversed(store["items"])], value=store["current"])
 
 
-def _export_file(item: dict) -> str | None:
+class Exports:
+    """Export files: one folder per page session (mode 0700; its name a keyed hash of the session)
+    under a private root made at first use (mkdtemp: 0700), files mode 0600 named by the server.
+    Each export sweeps files older than EXPORT_TTL_S everywhere, and keeps its session within
+    EXPORT_MAX_FILES and EXPORT_MAX_BYTES (oldest removed first). Gradio serves the download from
+    its own copy (made when the handler returns), so removing ours never breaks a download."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._root: Path | None = None
+        self._secret = secrets.token_bytes(32)
+
+    def root(self) -> Path:
+        if self._root is None or not self._root.is_dir():
+            self._root = Path(tempfile.mkdtemp(prefix="rill-exports-"))
+        return self._root
+
+    def folder(self, session: str | None) -> Path:
+        key = hashlib.blake2b((session or "").encode(), key=self._secret, digest_size=16).hexdigest()
+        return self.root() / key
+
+    def write(self, session: str | None, title: str, messages: list[dict]) -> str | None:
+        data = json.dumps({"title": title, "messages": messages}, ensure_ascii=False, indent=2).encode("utf-8")
+        if len(data) > EXPORT_MAX_BYTES:
+            return None  # the session's quota could not hold it
+        with self._lock:
+            self._sweep(time.time())
+            folder = self.folder(session)
+            folder.mkdir(mode=0o700, exist_ok=True)
+            self._make_room(folder, len(data))
+            name = f"rill-chat-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(4)}.json"
+            path = folder / name
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as file:
+                file.write(data)
+        return str(path)
+
+    def _sweep(self, now: float) -> None:
+        """Files past EXPORT_TTL_S removed, and the folders they leave empty."""
+        for folder in list(self.root().iterdir()):
+            for path in list(folder.iterdir()) if folder.is_dir() else []:
+                try:
+                    if now - path.stat().st_mtime > EXPORT_TTL_S:
+                        path.unlink()
+                except OSError:
+                    pass
+            try:
+                folder.rmdir()  # only when empty
+            except OSError:
+                pass
+
+    @staticmethod
+    def _make_room(folder: Path, size: int) -> None:
+        files = sorted(((p.stat().st_mtime, p.stat().st_size, p) for p in folder.iterdir()), key=lambda f: f[0])
+        total = sum(f[1] for f in files)
+        while files and (len(files) >= EXPORT_MAX_FILES or total + size > EXPORT_MAX_BYTES):
+            _mtime, old_size, path = files.pop(0)
+            path.unlink(missing_ok=True)
+            total -= old_size
+
+    def drop(self, session: str | None) -> None:
+        """The session ended: its folder goes."""
+        if self._root is not None and session:
+            with self._lock:
+                shutil.rmtree(self.folder(session), ignore_errors=True)
+
+
+EXPORTS = Exports()
+
+
+def drop_exports(request: gr.Request = None) -> None:
+    """The page session ended (its tab closed): its export files are removed."""
+    EXPORTS.drop(getattr(request, "session_hash", None))
+
+
+def _export_file(item: dict, request=None) -> str | None:
     """The conversation as a JSON file (plain text messages) for the Export button; None when empty."""
     try:
         messages = to_engine_messages(item["messages"], escaped=True)
@@ -64,37 +164,39 @@ def _export_file(item: dict) -> str | None:
         messages = []
     if not messages:
         return None
-    EXPORT_DIR.mkdir(parents=True, exist_ok=True)
-    name = re.sub(r"[^A-Za-z0-9_-]+", "-", item["title"]).strip("-")[:40] or "conversation"
-    path = EXPORT_DIR / f"rill-{name}-{item['id']}.json"
-    path.write_text(json.dumps({"title": item["title"], "messages": messages}, ensure_ascii=False, indent=2))
-    return str(path)
+    return EXPORTS.write(getattr(request, "session_hash", None), item["title"], messages)
 
 
-def _shown(store: dict):
+def _shown(store: dict, request=None):
     """(chatbot, store, picker, title box, export button, answer stats) showing the current conversation
     (the last answer's stats cleared: they were another conversation's)."""
     item = _current(store)
-    return item["messages"], store, picker_update(store), item["title"], gr.update(value=_export_file(item)), ""
+    return (item["messages"], store, picker_update(store), item["title"],
+            gr.update(value=_export_file(item, request)), "")
 
 
-def restore(store):
+def restore(store, request: gr.Request = None):
     """Page load: the visitor's last conversation."""
-    return _shown(_valid(store))
+    return _shown(_valid(store), request)
 
 
-def save(history, store):
-    """After each change to the chat: the current conversation's messages (its title from its
-    first message while it has none of its own)."""
+def _saved(history, store) -> tuple[dict, dict]:
+    """The store with the current conversation's messages (its title from its first message while
+    it has none of its own), and that conversation."""
     store = _valid(store)
-    item = dict(_current(store), messages=list(history or []))
+    item = dict(_current(store), messages=list(history) if isinstance(history, list) else [])
     if item["title"] == NEW_TITLE:
         item["title"] = _title_of(item["messages"])
-    store = {**store, "items": [item if i["id"] == item["id"] else i for i in store["items"]]}
-    return store, picker_update(store), item["title"], gr.update(value=_export_file(item))
+    return {**store, "items": [item if i["id"] == item["id"] else i for i in store["items"]]}, item
 
 
-def switch(chosen, history, store):
+def save(history, store, request: gr.Request = None):
+    """After each change to the chat: the current conversation saved, its export file made again."""
+    store, item = _saved(history, store)
+    return store, picker_update(store), item["title"], gr.update(value=_export_file(item, request))
+
+
+def switch(chosen, history, store, request: gr.Request = None):
     """The list's choice: the chat shown becomes that conversation.
 
     Gradio's Dropdown also fires `input` each time it loses focus, chosen or not: choosing the
@@ -102,36 +204,36 @@ def switch(chosen, history, store):
     was sent would undo whatever another event (New chat, an answer's save) changed meanwhile."""
     if isinstance(store, dict) and chosen == store.get("current"):
         return (gr.skip(),) * 6
-    store, *_ = save(history, store)
+    store, _item = _saved(history, store)
     if any(i["id"] == chosen for i in store["items"]):
         store = {**store, "current": chosen}
-    return _shown(store)
+    return _shown(store, request)
 
 
-def new(history, store):
-    store, *_ = save(history, store)
+def new(history, store, request: gr.Request = None):
+    store, _item = _saved(history, store)
     if not _current(store)["messages"]:
-        return _shown(store)  # the current one is already empty
+        return _shown(store, request)  # the current one is already empty
     item = _new_item()
     store = {"current": item["id"], "items": (store["items"] + [item])[-MAX_CONVERSATIONS:]}
-    return _shown(store)
+    return _shown(store, request)
 
 
 def rename(title, store):
     store = _valid(store)
-    title = " ".join((title or "").split())[:80] or NEW_TITLE
+    title = " ".join((title if isinstance(title, str) else "").split())[:80] or NEW_TITLE
     items = [dict(i, title=title) if i["id"] == store["current"] else i for i in store["items"]]
     store = {**store, "items": items}
     return store, picker_update(store)
 
 
-def delete(store):
+def delete(store, request: gr.Request = None):
     """Deletes the current conversation; the newest other one is shown (or a new empty one)."""
     store = _valid(store)
     items = [i for i in store["items"] if i["id"] != store["current"]]
     if not items:
         items = [_new_item()]
-    return _shown({"current": items[-1]["id"], "items": items})
+    return _shown({"current": items[-1]["id"], "items": items}, request)
 
 
 def edited(history, event: gr.EditData):

@@ -83,8 +83,9 @@ class PageHandlers:
     """The page's event handlers for one engine; the page's requests are recorded under "gradio"."""
 
     def __init__(self, engine, metrics: RequestMetrics, default_max_new_tokens: int, defaults: ChatSettings = DEFAULTS,
-                 salt_sessions: bool = False):
+                 salt_sessions: bool = False, served=None):
         self.engine, self.metrics = engine, metrics
+        self.served = served  # ui/feedback.py ServedAnswers: what each session was streamed (kept for ratings)
         self.defaults = defaults  # the sliders' and the `/chat` API's defaults (the model's, where it has them)
         self.session_salt = session_salts() if salt_sessions else (lambda request: None)
         self.default_max_new_tokens = default_max_new_tokens
@@ -110,13 +111,19 @@ class PageHandlers:
                                      repetition_penalty, output_format or "Text", json_schema or "", self.thinks,
                                      thinking_budget or None, cache_salt=self.session_salt(request))
         fmt = self.calls_format if chat_settings.output_format == "Text" else None  # JSON mode: the JSON as it is
+        shown: list[dict] = []
         try:
             for text, stats in stream_answer(self.engine, self.metrics, "gradio", messages, message, chat_settings,
                                              warn=gr.Warning, watch=self.visitors.watcher(request),
                                              client=page_client(request)):
-                yield history + answer_messages(text, stats, fmt), stats.markdown()
+                shown = answer_messages(text, stats, fmt)
+                yield history + shown, stats.markdown()
         except ChatError as exc:
             raise gr.Error(str(exc)) from None
+        finally:  # also when Stop closed it: what was streamed so far is what the visitor may rate
+            if self.served is not None and shown:
+                self.served.add(getattr(request, "session_hash", None), len(history), shown,
+                                messages + [{"role": "user", "content": message}])
 
     def api_chat(self):
         """The `/chat` API function (its signature and docstring are what gradio_client shows)."""

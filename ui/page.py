@@ -8,7 +8,7 @@ import gradio as gr
 from frontend.sampling_defaults import model_sampling_defaults, with_model_defaults
 from frontend.telemetry import RequestMetrics
 from ui.chat import OUTPUT_FORMATS, ChatSettings
-from ui.conversations import conversation_bar, edited, wire_conversations
+from ui.conversations import conversation_bar, drop_exports, edited, wire_conversations
 from ui.feedback import FeedbackLog, feedback_folder
 from ui.handlers import DEFAULTS, IDLE, PageHandlers
 from ui.mcp_tools import hide_from_mcp, register_mcp_tools
@@ -158,10 +158,11 @@ def build_demo(engine, settings=None, metrics: RequestMetrics | None = None) -> 
     default_max_new = max(1, min(default_max_new, context // 2))
     model_name = getattr(engine, "model_name", None) or getattr(settings, "model_id", None) or "model"
     defaults = with_model_defaults(DEFAULTS, model_sampling_defaults(engine))  # the sliders show the model's
-    handlers = PageHandlers(engine, metrics, default_max_new, defaults,
-                            salt_sessions=bool(getattr(settings, "cache_salt_per_session", False)))
     folder = feedback_folder(getattr(settings, "feedback_dir", None))
     feedback = FeedbackLog(folder, model_name) if folder is not None else None
+    handlers = PageHandlers(engine, metrics, default_max_new, defaults,
+                            salt_sessions=bool(getattr(settings, "cache_salt_per_session", False)),
+                            served=feedback.served if feedback is not None else None)
 
     # delete_cache: files in Gradio's cache (uploads) older than an hour are deleted every hour
     with gr.Blocks(title=f"rill · {model_name}", fill_height=False, delete_cache=(3600, 3600)) as demo:
@@ -175,11 +176,21 @@ def build_demo(engine, settings=None, metrics: RequestMetrics | None = None) -> 
         save = wire_conversations(demo, chat_ui.conversations, chat_ui.chatbot, chat_ui.answer_stats)
         _wire_chat(chat_ui, handlers, concurrency, save)
         if feedback is not None:
-            chat_ui.chatbot.like(feedback.record, [chat_ui.chatbot], None, api_visibility="private", queue=False)
+            # no history posted: the record is what the server streamed (ui/feedback.py ServedAnswers);
+            # queued, so a refused rating's warning reaches the visitor
+            chat_ui.chatbot.like(feedback.record, None, None, api_visibility="private", concurrency_limit=4,
+                                 concurrency_id="feedback", show_progress="hidden")
         _wire_status(chat_tab, status_tab, status_ui, handlers)
         register_mcp_tools(engine, metrics, defaults, default_max_new)  # first: the MCP tool `chat` is its
         gr.api(hide_from_mcp(handlers.api_chat()), api_name="chat", concurrency_limit=concurrency, concurrency_id="chat")
-        demo.unload(handlers.visitors.abort_session)  # a closed tab stops generating what nobody will read
+
+        def session_ended(request: gr.Request):
+            handlers.visitors.abort_session(request)  # a closed tab stops generating what nobody will read
+            if feedback is not None:
+                feedback.served.forget(request.session_hash)  # its answers can no longer be rated
+            drop_exports(request)  # nor its exports downloaded
+
+        demo.unload(session_ended)
 
     demo.max_threads = max(40, concurrency + 16)  # each streaming answer holds a worker thread
     demo.queue(max_size=concurrency + max_queue, default_concurrency_limit=concurrency)
