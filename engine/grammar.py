@@ -196,6 +196,11 @@ class GrammarCompiler:
         when it does not compile, or not within `timeout_s` (the compile is left to llguidance's limits)."""
         self._check(constraint, self.submit(constraint), self.timeout_s)
 
+    def result(self, constraint: Constraint, future: concurrent.futures.Future):
+        """The compiled template of a `submit` future that an async caller awaited (it never blocks):
+        InvalidRequest when it did not compile, or is not done (its caller waited `timeout_s`)."""
+        return self._check(constraint, future, 0)
+
     def _check(self, constraint: Constraint, future, timeout: float | None):
         try:
             result = future.result(timeout)

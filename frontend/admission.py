@@ -10,8 +10,10 @@ a 429 and a bad prompt a 400, never a broken stream), then iterate `deltas()` fo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import secrets
+import threading
 import time
 from collections.abc import AsyncIterator
 
@@ -138,23 +140,83 @@ def admit(engine, prompt_token_ids: list[int], params: SamplingParams, request_i
     return handle
 
 
-def compile_constraint_now(engine, params: SamplingParams) -> None:
-    """Blocking (a worker thread): the request's constraint compiled before admission, so that the
-    engine thread never waits for a grammar; 400 when it does not compile, 429 when too many are
-    compiling. An engine without a compiler (a remote one) compiles where it runs."""
-    compile_ = getattr(engine, "compile_constraint", None)
-    if params.constraint is None or compile_ is None:
-        return
+COMPILES_PER_CALLER = 4  # one caller's constraints compiling at once; past it a 429 naming the limit
+
+
+class _CompileSlots:
+    """The compiles each caller has pending (thread-safe: the page waits in worker threads, routes on
+    the loop), so one caller flooding distinct grammars cannot take the compile queue from the others."""
+
+    def __init__(self, limit: int = COMPILES_PER_CALLER):
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._pending: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def held(self, client: str | None):
+        """A slot of `client` (None: a caller nobody named, counted only in the compiler's global
+        bound) for the block's duration; ApiError 429 when it has `limit` already."""
+        if client is None:
+            yield
+            return
+        with self._lock:
+            count = self._pending.get(client, 0)
+            if count >= self.limit:
+                raise ApiError(429, f"Too many constraints compiling for this client: at most {self.limit} at "
+                                    f"once; {count} are compiling. Retry when one is done.",
+                               code="too_many_compiles", headers={"Retry-After": str(RETRY_AFTER_S)})
+            self._pending[client] = count + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                left = self._pending.pop(client) - 1
+                if left:
+                    self._pending[client] = left
+
+
+COMPILE_SLOTS = _CompileSlots()
+
+
+def _submit(grammars, params: SamplingParams):
+    """The compile's concurrent future from the engine's own grammar pool (429 when too many compile)."""
     try:
-        compile_(params)
+        return grammars.submit(params.constraint)
     except QueueFull as exc:
         raise queue_full_error(exc, RETRY_AFTER_S) from None
 
 
-async def compile_constraint(engine, params: SamplingParams) -> None:
-    """`compile_constraint_now` off the event loop."""
-    if params.constraint is not None:
-        await off_loop(compile_constraint_now, engine, params)
+def compile_constraint_now(engine, params: SamplingParams, client: str | None = None) -> None:
+    """Blocking (a worker thread): the request's constraint compiled before admission, so that the
+    engine thread never waits for a grammar; 400 when it does not compile, 429 when too many are
+    compiling (for everyone, or for `client`). An engine without a compiler (a remote one) compiles
+    where it runs."""
+    compile_ = getattr(engine, "compile_constraint", None)
+    if params.constraint is None or compile_ is None:
+        return
+    with COMPILE_SLOTS.held(client):
+        try:
+            compile_(params)
+        except QueueFull as exc:
+            raise queue_full_error(exc, RETRY_AFTER_S) from None
+
+
+async def compile_constraint(engine, params: SamplingParams, client: str | None = None) -> None:
+    """The request's constraint compiled before admission (400/429 as `compile_constraint_now`),
+    waited for on the loop: the compile runs in the engine's grammar pool and this awaits its future,
+    so no worker thread of the default executor (which tokenizes every request) is held meanwhile.
+    `client` (frontend `client_of`) is whom COMPILES_PER_CALLER counts."""
+    if params.constraint is None:
+        return
+    grammars = getattr(engine, "grammars", None)
+    if grammars is None or getattr(engine, "compile_constraint", None) is None:
+        return  # a remote engine compiles where it runs
+    with COMPILE_SLOTS.held(client):
+        future = _submit(grammars, params)
+        if not future.done():
+            # asyncio.wait never cancels what it waits on: the compile may be shared with other requests
+            await asyncio.wait({asyncio.wrap_future(future)}, timeout=grammars.timeout_s)
+        grammars.result(params.constraint, future)  # InvalidRequest (400): no grammar, or not done in time
 
 
 def admit_text(engine, prompt_token_ids: list[int], params: SamplingParams, *, timeout: float | None = None,
@@ -163,7 +225,7 @@ def admit_text(engine, prompt_token_ids: list[int], params: SamplingParams, *, t
     with a text streamer; a refusal is counted in the metrics under its status and raised as
     `ApiError` (400, 429 or 503) whose message the page shows as it is."""
     try:
-        compile_constraint_now(engine, params)
+        compile_constraint_now(engine, params, client)
         return admit(engine, prompt_token_ids, params, new_engine_request_id(), text=True, timeout=timeout,
                      session=session, client=client)
     except (ApiError, InvalidRequest) as exc:
