@@ -66,8 +66,25 @@ class LinearKernel:
         self._fn, self._fn16 = library.rill_linear, library.rill_linear16
         self._fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
         self._fn16.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int, ctypes.c_int]
-        self._fn.restype = self._fn16.restype = None
+        self._pack16 = library.rill_pack16
+        self._pack16.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_int]
+        self._fn.restype = self._fn16.restype = self._pack16.restype = None
         self.threads = torch.get_num_threads()
+
+    def panels16(self, weight: torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:
+        """`panels_of` for a 16-bit weight [out, in] (e.g. a view of a mapped file), in C: rows in
+        `order` (int64 row numbers) or as they are."""
+        if weight.dtype not in (torch.bfloat16, torch.float16) or weight.dim() != 2 or weight.stride(-1) != 1:
+            raise TypeError(f"panels16 takes a 2-d bfloat16/float16 weight with contiguous rows; given {weight.dtype}, "
+                            f"{tuple(weight.shape)}")
+        if weight.stride(0) != weight.shape[1]:
+            weight = weight.contiguous()
+        out_features = weight.shape[0] if order is None else len(order)
+        panels = torch.empty((out_features + 15) // 16, weight.shape[1], 16, dtype=weight.dtype)
+        order = None if order is None else order.to(torch.int64).contiguous()
+        self._pack16(weight.data_ptr(), out_features, weight.shape[1], None if order is None else order.data_ptr(),
+                     panels.data_ptr(), self.threads)
+        return panels
 
     def __call__(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
                  out_features: int) -> torch.Tensor:
@@ -95,6 +112,11 @@ def _linear_agrees(kernel: LinearKernel) -> bool:
                 want = F.linear(x, weight.float(), b)
                 if not torch.allclose(kernel(x, panels, padded, 21), want, atol=1e-5, rtol=1e-5):
                     return False
+        if dtype != torch.float32:  # the C packer: as panels_of, rows as they are and in an order
+            order = torch.randperm(21, generator=gen)
+            if not (torch.equal(kernel.panels16(weight), panels)
+                    and torch.equal(kernel.panels16(weight, order), panels_of(weight[order], dtype))):
+                return False
     return True
 
 

@@ -69,7 +69,10 @@ class PanelLinear(nn.Module):
             weight, bias = linear.weight, linear.bias
         self.out_features, self.in_features = weight.shape
         self.kernel = kernel
-        self.panels = panels_of(weight.detach(), dtype)
+        if dtype == weight.dtype and dtype != torch.float32:  # 16-bit values as they are: packed in C
+            self.panels = kernel.panels16(weight.detach())
+        else:
+            self.panels = panels_of(weight.detach(), dtype)
         self.bias = padded_bias(bias, self.panels.shape[0], self.out_features)
 
     @property

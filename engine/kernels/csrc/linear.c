@@ -155,3 +155,62 @@ void rill_linear16(const float *x, int64_t x_row, const uint16_t *panels, const 
     if (half) panels_times(x, x_row, panels, bias, y, rows, out, in, threads, W_F16);
     else panels_times(x, x_row, panels, bias, y, rows, out, in, threads, W_BF16);
 }
+
+/* w [out, in] of 16-bit values (rows in `order`, or NULL: as they are) -> the panels rill_linear16
+ * reads, [ceil(out / 16), in, 16], the last panel's missing outputs zero. A full panel goes 8
+ * inputs at a time: its 16 rows' 8 values each, two 8 x 8 transposes (SSE2), 16 values per input. */
+#if defined(__SSE2__)
+#include <emmintrin.h>
+/* 8 rows of 8 values -> r[k]: value k of each row (pairs, then pairs of pairs, then halves interleaved) */
+static inline void transpose8x8(__m128i r[8]) {
+    __m128i a[8], b[8];
+    for (int i = 0; i < 4; i++) {
+        a[2 * i] = _mm_unpacklo_epi16(r[2 * i], r[2 * i + 1]);
+        a[2 * i + 1] = _mm_unpackhi_epi16(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) {
+        b[4 * i] = _mm_unpacklo_epi32(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 1] = _mm_unpackhi_epi32(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 2] = _mm_unpacklo_epi32(a[4 * i + 1], a[4 * i + 3]);
+        b[4 * i + 3] = _mm_unpackhi_epi32(a[4 * i + 1], a[4 * i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {  /* r[k] = inputs k of the 8 rows */
+        r[2 * i] = _mm_unpacklo_epi64(b[i], b[4 + i]);
+        r[2 * i + 1] = _mm_unpackhi_epi64(b[i], b[4 + i]);
+    }
+}
+#endif
+
+void rill_pack16(const uint16_t *w, int64_t out, int64_t in, const int64_t *order, uint16_t *panels, int threads) {
+    const int64_t num_panels = (out + 15) / 16;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t p = 0; p < num_panels; p++) {
+        uint16_t *dst = panels + p * in * 16;
+        const uint16_t *src[16];
+        int real = 0;
+        for (int j = 0; j < 16; j++) {
+            const int64_t o = p * 16 + j;
+            src[j] = o < out ? w + (order ? order[o] : o) * in : 0;
+            real += o < out;
+        }
+        int64_t k = 0;
+#if defined(__SSE2__)
+        if (real == 16)
+            for (; k + 8 <= in; k += 8) {
+                __m128i lo[8], hi[8];
+                for (int j = 0; j < 8; j++) {
+                    lo[j] = _mm_loadu_si128((const __m128i *)(src[j] + k));
+                    hi[j] = _mm_loadu_si128((const __m128i *)(src[8 + j] + k));
+                }
+                transpose8x8(lo);
+                transpose8x8(hi);
+                for (int i = 0; i < 8; i++) {
+                    _mm_storeu_si128((__m128i *)(dst + (k + i) * 16), lo[i]);
+                    _mm_storeu_si128((__m128i *)(dst + (k + i) * 16 + 8), hi[i]);
+                }
+            }
+#endif
+        for (; k < in; k++)
+            for (int j = 0; j < 16; j++) dst[k * 16 + j] = src[j] ? src[j][k] : 0;
+    }
+}
