@@ -762,6 +762,12 @@ def run_table(servers: list[str], workload_keys: list[str], clients: list[int] |
 # ---------------------------------------------------------------------------------------------
 
 LARGE_SERVERS = ("rill", "rill-int8", "llama-server")  # the servers that take any GGUF
+# `--format safetensors`: each server's model and flags (bench/safetensors_folder.py writes the folder
+# and the GGUFs of the very same weights; "folder", or a GGUF of that type)
+SAFETENSORS_SERVERS = {"rill": ("rill", "folder", []), "rill-f32": ("rill", "folder", ["--dtype", "float32"]),
+                       "rill-q8_0": ("rill", "folder", ["--quantize", "q8_0"]),
+                       "llama-server": ("llama-server", "bf16", []), "llama-server-q8_0": ("llama-server", "q8_0", []),
+                       "vllm": ("vllm", "folder", [])}
 RANDOM_GGUF_FORMAT = 1  # in the cached file's name: bump when bench/gguf_file.py's random files change
 
 
@@ -771,6 +777,7 @@ class LargePlan:
 
     shape: LlamaShape
     recipe: str = "q4_k_m"
+    format: str = "gguf"  # or "safetensors": a bfloat16 checkpoint folder (and GGUFs of its weights)
     clients: tuple[int, ...] = (1, 8, 32)  # closed-loop levels of ~20-token prompts
     max_tokens: int = 64  # per request of those levels
     ttft_prompts: tuple[int, ...] = (1000, 4000)  # prompt tokens of the TTFT runs (one client)
@@ -805,6 +812,45 @@ def large_gguf(shape: LlamaShape, recipe: str) -> Path:
         write_random_gguf(shape, path, recipe)
         print(f"wrote {path} ({path.stat().st_size / 1e9:.2f} GB) in {time.monotonic() - started:.1f} s", flush=True)
     return path
+
+
+def large_folder(shape: LlamaShape, tokenizer_dir: Path) -> Path:
+    """The random bfloat16 checkpoint folder of `shape` in `$RILL_CACHE`, written once."""
+    from bench.safetensors_folder import write_random_folder
+
+    path = peers_dir().parent / f"bench-{shape.key}-bf16-v{RANDOM_GGUF_FORMAT}"
+    if not (path / "model.safetensors").is_file():
+        started = time.monotonic()
+        write_random_folder(shape, path, tokenizer_dir)
+        print(f"wrote {path} in {time.monotonic() - started:.1f} s", flush=True)
+    return path
+
+
+def folder_gguf(folder: Path, qtype: str) -> Path:
+    """A GGUF of the folder's very weights in `qtype` (bf16, q8_0), written once beside it."""
+    from bench.safetensors_folder import gguf_of_folder
+
+    path = folder.with_name(f"{folder.name}-{qtype}.gguf")
+    if not path.is_file():
+        started = time.monotonic()
+        gguf_of_folder(folder, path, qtype)
+        print(f"wrote {path} ({path.stat().st_size / 1e9:.2f} GB) in {time.monotonic() - started:.1f} s", flush=True)
+    return path
+
+
+def large_command(name: str, plan: LargePlan, port: int, model: Path) -> tuple[list[str], dict]:
+    """The command that serves `model` (a GGUF, or with `--format safetensors` the folder or a GGUF
+    of it) as `name` does in this plan."""
+    if plan.format != "safetensors":
+        return make(name).serve_gguf(port, model, plan.shape.context)
+    peer, _, flags = SAFETENSORS_SERVERS[name]
+    if peer == "llama-server":
+        return make(peer).serve_gguf(port, model, plan.shape.context)
+    if peer == "vllm":  # its own default for a bfloat16 checkpoint
+        command, env = make(peer).command(port, model, model)
+        return [c if c != "float32" else "bfloat16" for c in command], env
+    argv, env = make(peer).command(port, model, model)
+    return argv + ["--model", str(model), *flags], env
 
 
 def wait_serving(proc, timeout: float) -> float:
@@ -844,6 +890,7 @@ def _large_args(plan: LargePlan, url: str, tokenizer_dir: Path, model_name: str 
 
 
 def measure_large(name: str, plan: LargePlan, gguf: Path, tokenizer_dir: Path, tokenizer) -> dict:
+    """(`gguf`: the model this server is given, a GGUF or with `--format safetensors` the folder.)"""
     """Start one server on `gguf` and measure it: ready time, the process tree's peak RSS over its
     whole life (loading included), the decode levels, the TTFT runs. A failure is recorded in the
     result (`error`) with what was measured before it, never raised."""
@@ -851,7 +898,7 @@ def measure_large(name: str, plan: LargePlan, gguf: Path, tokenizer_dir: Path, t
     from bench.suite import Server, ServerProcess, free_port
 
     port = free_port()
-    command, env = make(name).serve_gguf(port, gguf, plan.shape.context)
+    command, env = large_command(name, plan, port, gguf)
     proc = ServerProcess(Server(name, command, "/health", env=env), tokenizer_dir,
                          RESULTS / "logs" / f"large-{name}.log", port=port)
     result: dict = {"server": name, "command": " ".join(command), "env": env, "ready_s": None, "runs": {}}
@@ -915,8 +962,13 @@ def large_markdown(results: dict[str, dict], plan: LargePlan) -> str:
         error = result.get("error")
         label = name + (f" (failed: {error.splitlines()[0][:120]})" if error else "")
         out.append(f"| {label} | " + " | ".join(cells) + " |")
-    peer = results.get("llama-server")
-    for name in (n for n in results if n.startswith("rill") and peer):
+    pairs = [(name, "rill-q8_0" == name and "llama-server-q8_0" in results and "llama-server-q8_0" or "llama-server")
+             for name in results if name.startswith("rill")]
+    pairs += [(name, "vllm") for name in results if name.startswith("rill") and "vllm" in results]
+    for name, peer_name in pairs:
+        peer = results.get(peer_name)
+        if not peer:
+            continue
         ours = results[name]
         cells = [_ratio(ours.get("ready_s"), peer.get("ready_s")), _ratio(ours.get("peak_rss_bytes"),
                                                                            peer.get("peak_rss_bytes"))]
@@ -928,7 +980,7 @@ def large_markdown(results: dict[str, dict], plan: LargePlan) -> str:
         cells += ["-" if not _ttft(ours, t) or not _ttft(peer, t) else
                   f"{_ratio(_ttft(ours, t), _ttft(peer, t))} (ITL {_ratio(_ttft(ours, t, 'itl_s'), _ttft(peer, t, 'itl_s'))})"
                   for t in plan.ttft_prompts]
-        out.append(f"| {name} / llama-server | " + " | ".join(cells) + " |")
+        out.append(f"| {name} / {peer_name} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
@@ -948,11 +1000,21 @@ def run_large(shape_text: str, servers: list[str], *, setup: bool = False, out: 
 
     if plan.recipe not in TYPES and plan.recipe not in RECIPES:
         raise SystemExit(f"--recipe: {', '.join(RECIPES)} or one of {', '.join(TYPES)}; got {plan.recipe!r}")
-    print(f"\n== large-model table, {shape.key} ({plan.recipe}, random weights): {cpu_line()}", flush=True)
+    safetensors = plan.format == "safetensors"
+    if safetensors:
+        unknown = [n for n in servers if n not in SAFETENSORS_SERVERS]
+        if unknown:
+            raise SystemExit(f"--servers with --format safetensors: {', '.join(SAFETENSORS_SERVERS)}; got {', '.join(unknown)}")
+    else:
+        unknown = [n for n in servers if n not in LARGE_SERVERS]
+        if unknown:
+            raise SystemExit(f"--servers: {', '.join(LARGE_SERVERS)}; got {', '.join(unknown)}")
+    what = "bfloat16 safetensors" if safetensors else plan.recipe
+    print(f"\n== large-model table, {shape.key} ({what}, random weights): {cpu_line()}", flush=True)
     skipped: dict[str, str] = {}
     ready = []
     for name in servers:
-        peer = make(name)
+        peer = make(SAFETENSORS_SERVERS[name][0] if safetensors else name)
         state = peer.setup() if setup else peer.state()
         if state.ready:
             ready.append(name)
@@ -967,28 +1029,37 @@ def run_large(shape_text: str, servers: list[str], *, setup: bool = False, out: 
     except (RuntimeError, subprocess.CalledProcessError) as error:
         print(f"large-model table skipped: {error}", flush=True)
         return 0
-    gguf = large_gguf(shape, plan.recipe)
+    if safetensors:
+        folder = large_folder(shape, tokenizer_dir)
+        models = {name: folder if SAFETENSORS_SERVERS[name][1] == "folder" else
+                  folder_gguf(folder, SAFETENSORS_SERVERS[name][1]) for name in ready}
+        gguf = folder
+    else:
+        gguf = large_gguf(shape, plan.recipe)
+        models = {name: gguf for name in ready}
     from transformers import AutoTokenizer
 
     from bench.run import machine_info
     from bench.suite import git_commit
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    out = out or RESULTS / f"peers-large-{shape.key}.json"
+    out = out or RESULTS / f"peers-large-{shape.key}{'-safetensors' if safetensors else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict] = {}
+    size = sum(f.stat().st_size for f in gguf.iterdir()) if gguf.is_dir() else gguf.stat().st_size
     document = {"commit": git_commit(), "cpu": cpu_line(), "machine": machine_info(), "gguf": str(gguf),
-                "gguf_bytes": gguf.stat().st_size, "shape": shape.__dict__,
+                "gguf_bytes": size, "models": {n: str(m) for n, m in models.items()}, "shape": shape.__dict__,
                 "plan": {k: v for k, v in plan.__dict__.items() if k != "shape"}, "skipped": skipped,
                 "results": results}
     for name in ready:
-        results[name] = measure_large(name, plan, gguf, tokenizer_dir, tokenizer)
-        if name == "llama-server":
+        results[name] = measure_large(name, plan, models[name], tokenizer_dir, tokenizer)
+        if name.startswith("llama-server"):
             results[name]["variant"] = make(name).variant
         out.write_text(json.dumps(document, indent=2))
     ttft = (f"; TTFT: one client, {plan.ttft_requests} prompts of each length, {plan.ttft_max_tokens} tokens out "
             f"(their ITL: one visitor's decode after a long prompt)" if plan.ttft_prompts else "")
-    md = (f"{shape.key}-shaped llama, random weights, {plan.recipe.upper()} ({gguf.stat().st_size / 1e9:.2f} GB), "
+    md = (f"{shape.key}-shaped llama, random weights, {what.upper() if not safetensors else what} ({size / 1e9:.2f} GB"
+          f"{'; llama-server on GGUFs of the same weights' if safetensors else ''}), "
           f"SmolLM2's tokenizer; `/v1/completions`, `ignore_eos`, temperature {plan.temperature:g}, "
           f"~20-token prompts, {plan.max_tokens} tokens out, closed loop, one server at a time{ttft}; "
           f"{document['cpu']}; commit {document['commit']}\n\n"
@@ -1054,7 +1125,11 @@ def main(argv: list[str] | None = None) -> int:
                          help="smollm2-1.7b, llama3-8b, or key=value pairs (e.g. hidden=256,layers=2,ffn=512,heads=4,"
                               "kv_heads=2)")
     p_large.add_argument("--recipe", default=None, help="q4_k_m (default) or one type for every matrix (q8_0, q4_0, ...)")
-    p_large.add_argument("--servers", default="rill,llama-server", help=f"of {', '.join(LARGE_SERVERS)}")
+    p_large.add_argument("--format", default=None, choices=("gguf", "safetensors"),
+                         help="gguf (default): a random GGUF; safetensors: a random bfloat16 checkpoint folder, "
+                              "llama-server on GGUFs of the same weights")
+    p_large.add_argument("--servers", default="rill,llama-server",
+                         help=f"of {', '.join(LARGE_SERVERS)}; with --format safetensors of {', '.join(SAFETENSORS_SERVERS)}")
     p_large.add_argument("--clients", help="decode levels (default 1,8,32; llama3-8b: 1; 'none': no decode runs)")
     p_large.add_argument("--max-tokens", type=int, help="tokens out per decode request (default 64)")
     p_large.add_argument("--ttft-prompts", help="prompt tokens of the TTFT runs (default 1000,4000; llama3-8b: none)")
@@ -1086,8 +1161,9 @@ def main(argv: list[str] | None = None) -> int:
         print(" ".join(f"{k}={v}" for k, v in env.items()), *command, flush=True)
         os.execvpe(command[0], command, dict(os.environ, **env))
     if args.command == "large":
-        return run_large(args.shape, parse_names(args.servers, LARGE_SERVERS, "--servers"), setup=args.setup,
-                         out=Path(args.out) if args.out else None, recipe=args.recipe,
+        allowed = SAFETENSORS_SERVERS if args.format == "safetensors" else LARGE_SERVERS
+        return run_large(args.shape, parse_names(args.servers, allowed, "--servers"), setup=args.setup,
+                         out=Path(args.out) if args.out else None, recipe=args.recipe, format=args.format,
                          clients=parse_counts(args.clients, "--clients"), max_tokens=args.max_tokens,
                          ttft_prompts=parse_counts(args.ttft_prompts, "--ttft-prompts"),
                          ttft_requests=args.ttft_requests, requests_per_client=args.requests_per_client,

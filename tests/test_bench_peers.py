@@ -338,3 +338,31 @@ def test_the_random_gguf_is_written_once_into_the_cache(tmp_path, monkeypatch):
     assert path == tmp_path / "bench-h64-l1-f128-a2-kv1-v49152-q8_0-v1.gguf" and path.stat().st_size > 49152 * 64
     written = path.stat().st_mtime_ns
     assert peers.large_gguf(shape, "q8_0") == path and path.stat().st_mtime_ns == written
+
+
+@pytest.mark.embedded
+def test_the_random_checkpoint_and_its_ggufs_hold_the_same_weights(tmp_path, monkeypatch):
+    """`large --format safetensors`: the bfloat16 folder served by rill and its bf16 GGUF served by
+    llama-server hold the same values: rill's two loaders (the folder's 16-bit panels, the GGUF's
+    bf16 panels) give the same logits, and the Q8_0 GGUF is of the same model."""
+    import torch
+
+    from bench.gguf_file import parse_shape
+    from engine.model.loading import load_model
+
+    monkeypatch.setattr(peers, "peers_dir", lambda: tmp_path / "peers")
+    _, tokenizer_dir = peers.embedded_model()
+    shape = parse_shape("hidden=64,layers=2,ffn=128,heads=4,kv_heads=2,context=512")
+    folder = peers.large_folder(shape, tokenizer_dir)
+    assert (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file()
+    bf16, q8 = peers.folder_gguf(folder, "bf16"), peers.folder_gguf(folder, "q8_0")
+    a, b, c = load_model(str(folder)), load_model(str(bf16)), load_model(str(q8))
+    assert a.weights.startswith("bfloat16 kept") and b.weights.startswith("bf16 kept from the GGUF")
+    assert "q8_0 blocks" in c.weights
+    ids = torch.tensor([[1, 300, 4000, 17, 9]])
+    with torch.inference_mode():
+        la, lb, lc = (m.model(input_ids=ids).logits for m in (a, b, c))
+    torch.testing.assert_close(la, lb, atol=1e-5, rtol=1e-5)
+    assert (la - lc).abs().max() < 0.1 * la.abs().max()  # Q8_0 of the same weights: close, not equal
+    command, _ = peers.large_command("rill-q8_0", peers.large_plan(shape, format="safetensors"), 9, folder)
+    assert command[-4:] == ["--model", str(folder), "--quantize", "q8_0"]
