@@ -59,9 +59,13 @@ def serve(app, settings: Settings, engine=None) -> int:
     error, and a fresh process (the Space's or a supervisor's restart) is the way back."""
     import uvicorn
 
+    # X-Forwarded-For names the caller (fair shares) only from the proxies --forwarded-allow-ips trusts: uvicorn's
+    # own default would trust 127.0.0.1 and FORWARDED_ALLOW_IPS behind our back, so it is always given explicitly.
+    trusted = list(settings.forwarded_allow_ips)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             timeout_graceful_shutdown=settings.shutdown_timeout,
-                            access_log=settings.log_level == "debug")
+                            access_log=settings.log_level == "debug", proxy_headers=bool(trusted),
+                            forwarded_allow_ips=trusted or None)
     server = uvicorn.Server(config)
     original = server.handle_exit
 

@@ -1,8 +1,9 @@
 """Fair shares between clients: who gets past a full queue, and who is scheduled next.
 
-Plain Python. A client is whatever key the front end names it by (a page session, an
-`x-session-id`, an address); `None` is one anonymous client, so the Python API without clients
-behaves as a single client: first come, first served, the queue's bound as before.
+Plain Python. A client is whatever key the front end names it by (a page session, a caller's
+address: never a name the caller chooses, or rotating names would multiply its share); `None` is
+one anonymous client, so the Python API without clients behaves as a single client: first come,
+first served, the queue's bound as before.
 
 - `AdmissionShares` (the 429): past `capacity` admitted sequences, a client is still admitted while
   it holds less than its fair share, `capacity` divided by the clients holding sequences (the

@@ -95,12 +95,15 @@ def session_from(request) -> str | None:
     return value
 
 
-def client_of(request, session: str | None) -> str | None:
-    """Who sends the request, for the engine's fair shares: its `x-session-id`, else its address (the
-    one `--api-key` is shared, so it names nobody). Prefixed, so a header never passes for an address
-    or a page session (ui/handlers.py `page_client`)."""
-    if session is not None:
-        return f"session:{session}"
+def client_of(request, session: str | None = None) -> str | None:
+    """Who sends the request, for the engine's fair shares: the caller's address, never what it says.
+
+    The address is the TCP peer's, or, when that peer is a proxy --forwarded-allow-ips trusts, the
+    right-most untrusted one of its `X-Forwarded-For` (uvicorn puts it in `request.client`; app.py
+    `serve`). `x-session-id` (`session`) is the caller's own name for a conversation: it picks a
+    replica but takes no share, so rotating names gains nothing. The one `--api-key` is shared by
+    all, so it names nobody either. Prefixed apart from the page's sessions (ui/handlers.py
+    `page_client`)."""
     peer = getattr(request, "client", None)
     return f"addr:{peer.host}" if peer is not None and peer.host else None
 

@@ -21,7 +21,7 @@ class Option:
     flag: str
     env: tuple[str, ...]
     dest: str
-    kind: type | str  # int, float, str, "bool", "size", "bytes", "auth", "list"
+    kind: type | str  # int, float, str, "bool", "size", "bytes", "auth", "list", "ips"
     default: object
     help: str
     metavar: str | None = None
@@ -55,6 +55,10 @@ OPTIONS: tuple[Option, ...] = (
            "the key)", "USER:PASS"),
     Option("--cors-origins", ("CORS_ORIGINS",), "cors_origins", "list", (),
            "comma-separated origins allowed to call the API from a browser (CORS is off by default)", "O1,O2"),
+    Option("--forwarded-allow-ips", ("FORWARDED_ALLOW_IPS",), "forwarded_allow_ips", "ips", (),
+           "comma-separated IPs or CIDRs of the proxies whose X-Forwarded-For names the caller (its right-most "
+           "address not in this list); * trusts any peer. Default: none, the peer address is the caller. A Space "
+           "sits behind a proxy: set it there so fair shares count each visitor, not the proxy", "IP1,CIDR2"),
     Option("--max-body-bytes", ("MAX_BODY_BYTES",), "max_body_bytes", int, 1_000_000,
            "larger request bodies get 413", "N"),
     Option("--request-timeout", ("REQUEST_TIMEOUT",), "request_timeout", float, 0.0,
@@ -174,6 +178,23 @@ def parse_auth(text: str) -> tuple[str, str]:
     return user, password
 
 
+def parse_ips(text: str) -> tuple[str, ...]:
+    """"10.0.0.1, 172.16.0.0/12" -> ("10.0.0.1", "172.16.0.0/12"): each an IP address or a network, or "*"
+    alone (any peer); uvicorn would take a typo for a name that never matches, so it is refused here."""
+    import ipaddress
+
+    entries = tuple(s.strip() for s in text.split(",") if s.strip())
+    if entries == ("*",):
+        return entries
+    for entry in entries:
+        try:
+            ipaddress.ip_network(entry, strict=False) if "/" in entry else ipaddress.ip_address(entry)
+        except ValueError:
+            raise ValueError(f"expected IP addresses or CIDR networks separated by commas (e.g. 127.0.0.1,"
+                             f"10.0.0.0/8), or * alone; {entry!r} is neither. Given: {text!r}") from None
+    return entries
+
+
 def parse_bool(text: str) -> bool:
     value = text.strip().lower()
     if value in ("1", "true", "yes", "on"):
@@ -199,7 +220,8 @@ def _parse_float(text: str) -> float:
 
 def _converter(kind):
     parse = {"size": parse_size, "bytes": parse_bytes, "auth": parse_auth, "bool": parse_bool, int: _parse_int,
-             float: _parse_float, "list": lambda t: tuple(s.strip() for s in t.split(",") if s.strip())}.get(kind)
+             float: _parse_float, "list": lambda t: tuple(s.strip() for s in t.split(",") if s.strip()),
+             "ips": parse_ips}.get(kind)
     if parse is None:
         return kind
 

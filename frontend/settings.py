@@ -46,7 +46,8 @@ class Settings:
     port: int = 7860
     api_key: str | None = None  # when set, /chat, /v1 and /_test need `Authorization: Bearer <key>`, the page a login
     ui_auth: tuple[str, str] | None = None  # user, password for the page (Gradio's auth), beside the key
-    cors_origins: tuple[str, ...] = ()  # CORS off unless origins are given
+    cors_origins: tuple[str, ...] = ()  # CORS off unless origins are given; no other origin gets credentials
+    forwarded_allow_ips: tuple[str, ...] = ()  # proxies whose X-Forwarded-For names the caller; () = none, ("*",) = any
     max_body_bytes: int = 1_000_000  # bigger request bodies get 413
     request_timeout: float = 0.0  # seconds a request may wait and run in all; 0 = no limit
     cache_salt_per_session: bool = False  # the page's requests share prefix-cache blocks within a session only

@@ -1,6 +1,6 @@
 """Fair share over real HTTP: one client flooding `/v1/completions` with n=16 does not take the
-engine from a second client (its own `x-session-id`), who is admitted and served ahead of the
-flood's queued samples."""
+engine from a second client (another peer address: a caller is who connects, not the
+`x-session-id` it sends), who is admitted and served ahead of the flood's queued samples."""
 
 from __future__ import annotations
 
@@ -53,7 +53,10 @@ def test_a_second_client_is_admitted_and_served_ahead_of_a_flood(server_with):
                 await event.wait()  # both admitted: 8 running, 24 waiting, all A's
             more = await client.post(f"{url}/v1/completions", json={**FLOOD, "stream": False},
                                      headers={"x-session-id": "A"})
-            single = await _stream(client, url, SINGLE, "B", "B", firsts)
+            # B connects from another loopback address: another caller (its own x-session-id would not do)
+            async with httpx.AsyncClient(timeout=120, transport=httpx.AsyncHTTPTransport(
+                    local_address="127.0.0.2")) as other:
+                single = await _stream(other, url, SINGLE, "B", "B", firsts)
             return more.status_code, single, await asyncio.gather(*flood)
 
     with slow_steps(url, 0.02):  # 40 tokens take a wave of 8 samples about a second
