@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 
 from server import anthropic_api, chat, openai_api, responses_api
 from server.errors import ApiError, install_error_handlers
-from server.middleware import ApiGuard, has_key
+from server.middleware import ApiGuard, CorsGuard, has_key
 from server.resume import ResumeRegistry
 from frontend.sampling_defaults import model_sampling_defaults
 from frontend.settings import Settings
@@ -90,7 +90,7 @@ def create_app(engine, settings: Settings) -> FastAPI:
         alive = bool(engine.alive)
         body = {"status": "ok" if alive else "engine stopped", "model": engine.model_name,
                 "max_model_len": engine.max_model_len}
-        if not has_key(request.headers, settings.api_key):  # no counters: they tell what other clients sent
+        if not has_key(request.scope, settings.api_key):  # no counters: they tell what other clients sent
             return JSONResponse(body, status_code=200 if alive else 503)
         body.update({"engine": _engine_stats(engine), "resumable_streams": len(state.resume),
                      "resumable_bytes": state.resume.nbytes})
@@ -125,9 +125,12 @@ def create_app(engine, settings: Settings) -> FastAPI:
 
     app.add_middleware(ApiGuard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
                        test_hooks=settings.test_hooks, page_closed=settings.ui_auth is not None)
-    if settings.cors_origins:
+    if settings.cors_origins:  # named origins may send credentials (the page's login cookie); `*` never
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["*"],
-                           allow_headers=["*"], expose_headers=["x-request-id", "x-resume-token"])
+                           allow_headers=["*"], expose_headers=["x-request-id", "x-resume-token"],
+                           allow_credentials="*" not in settings.cors_origins)
+    # Outermost: no Origin --cors-origins does not name gets CORS headers, from Gradio's routes either.
+    app.add_middleware(CorsGuard, allowed_origins=settings.cors_origins)
     return app
 
 

@@ -150,7 +150,7 @@ def test_x_api_key_and_bearer_are_the_servers_key(server_with):
     assert wrong.status_code == 401
     assert wrong.json() == {"type": "error", "error": {"type": "authentication_error", "message": (
         "This server needs an API key: send `Authorization: Bearer <key>` or `x-api-key: <key>` "
-        "(the key given is not the server's key).")}}
+        "(the key in `x-api-key` is not the server's key).")}}
     responses = httpx.post(f"{keyed.url}/v1/responses", json={"input": "Hi", "max_output_tokens": 2},
                            headers={"x-api-key": KEY}, timeout=60)
     assert responses.status_code == 200  # the key counts on every route
