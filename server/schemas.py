@@ -74,8 +74,9 @@ def check_depth(value: Any, where: str) -> None:
 def check_answer_budget(n: int, max_tokens: int | None, room: int, alternatives: int, *, prompts: int = 1,
                         max_tokens_field: str = "max_tokens", alternatives_field: str = "top_logprobs") -> None:
     """A 400 when one answer could hold more token entries than MAX_ANSWER_ENTRIES (or one choice of the
-    whole context, `room` tokens, with 20 alternatives each, if that is more); unset `max_tokens` counts as `room`."""
-    tokens = room if max_tokens is None else max_tokens
+    whole context, `room` tokens, with 20 alternatives each, if that is more). `max_tokens` counts up to `room`
+    (unset: `room`); past it the engine refuses the request for the context."""
+    tokens = room if max_tokens is None else min(max_tokens, room)
     entries = n * prompts * tokens * (1 + alternatives)
     allowed = max(MAX_ANSWER_ENTRIES, room * (1 + MAX_LOGPROB_ALTERNATIVES))
     if entries <= allowed:
@@ -83,8 +84,10 @@ def check_answer_budget(n: int, max_tokens: int | None, room: int, alternatives:
     names = ["`n`"] + (["prompts"] if prompts > 1 else []) + [f"`{max_tokens_field}`", f"(1 + `{alternatives_field}`)"]
     values = [str(n)] + ([str(prompts)] if prompts > 1 else []) + [str(tokens), str(1 + alternatives)]
     given = [f"n={n}"] + ([f"prompts={prompts}"] if prompts > 1 else [])
-    given.append(f"{max_tokens_field}={max_tokens}" if max_tokens is not None
-                 else f"{max_tokens_field} unset (up to the context left: {room})")
+    if max_tokens is None:
+        given.append(f"{max_tokens_field} unset (up to the context left: {room})")
+    else:
+        given.append(f"{max_tokens_field}={max_tokens}" + (f" (the context leaves {room})" if max_tokens > room else ""))
     given.append(f"{alternatives_field}={alternatives}" if alternatives else f"{alternatives_field} unset")
     raise InvalidRequest(f"One answer would be too large: {' x '.join(names)} = {' x '.join(values)} = {entries:,} "
                          f"token entries, which exceeds this server's answer budget of {allowed:,} (one choice of the "

@@ -50,7 +50,8 @@ def _read_to_end(sock: socket.socket) -> bytes:
     return b"".join(chunks)
 
 
-HEAVY = {"stream": True, "n": 16, "logprobs": True, "top_logprobs": 20, "ignore_eos": True, "max_tokens": 1000,
+# Within the answer budget (16 x 750 x 21 = 252,000 token entries, ~17 MB): far past a stalled reader's 4 MiB.
+HEAVY = {"stream": True, "n": 16, "logprobs": True, "top_logprobs": 20, "ignore_eos": True, "max_tokens": 750,
          "temperature": 1.0}
 
 

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from server.schemas import MAX_ANSWER_ENTRIES, MAX_SCHEMA_DEPTH
+from server.schemas import MAX_ANSWER_ENTRIES, MAX_SCHEMA_DEPTH, check_answer_budget
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -61,6 +61,14 @@ def test_normal_use_stays_within_the_budget(tiny_server):
             assert reply.status_code == 200, reply.read()
             first = next(reply.iter_lines())  # admitted and streaming; leaving aborts it
             assert first.startswith("data: {")
+
+
+@pytest.mark.parametrize("context", [1024, 8192, 131_072, 1_048_576])
+def test_one_choice_of_the_whole_context_is_never_refused(context):
+    for max_tokens in (None, context, 10**9):  # past the context: the engine's own 400 names it
+        check_answer_budget(1, max_tokens, context, 20)
+    with pytest.raises(ValueError, match="exceeds this server's answer budget"):
+        check_answer_budget(16, None, max(context, 8192), 20)  # the issue's ~200 MB answer
 
 
 # --------------------------------------------------------------------------- item 8: resume records
