@@ -12,7 +12,7 @@ class Settings:
     # model
     model_id: str | None = None  # None = the embedded SmolLM2-135M-Instruct
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    quantize: str = "auto"  # auto (a GGUF keeps its blocks) | none | q8_0 | q4_0 | q4_1
+    quantize: str = "auto"  # auto (a GGUF keeps its blocks) | none | q8_0 | q4_0 | q4_1 | q4_k | q6_k
     activations: str = "float32"  # of the quantized linears: float32 | int8
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     trust_remote_code: bool = False  # run code shipped with a hub model only when asked

@@ -136,10 +136,46 @@ def test_the_tied_head_and_embedding_come_from_the_one_table(tied_llama):
     assert got == _generate_refs(tied_llama, prompts)
 
 
-def test_quantize_at_load_streams_from_the_checkpoint(tiny_model):
+@pytest.mark.parametrize("kind", ["q8_0", "q4_k", "q6_k"])
+def test_quantize_at_load_streams_from_the_checkpoint(tiny_model, kind):
+    """`--quantize` on a bfloat16 checkpoint: every linear quantized from its own tensor (the K
+    types in llama.cpp's block layout, read by the same repack as a downloaded GGUF's, with
+    llama-quantize's fallback where a row is no whole super-block), each layer computing exactly
+    the de-quantized weights' products."""
+    from safetensors import safe_open
+
+    from engine.kernels.qlinear import quant_kernel
+    from engine.model.loading import rill_cache_dir
+    from engine.model.quant import QuantLinear, quantize_linear
+
     path = tiny_model("llama", dtype="bfloat16")
-    loaded = load_model(str(path), quantize="q8_0")
-    assert "q8_0 blocks quantized at load" in loaded.weights
+    loaded = load_model(str(path), quantize=kind)
+    assert f"{kind} blocks quantized at load" in loaded.weights
     assert not any(type(m) is nn.Linear for m in loaded.model.modules())
+    layer = loaded.model.model.layers[0].mlp.down_proj  # 128 inputs: no whole super-block of 256
+    assert isinstance(layer, QuantLinear) or type(layer).__name__ == "FusedPart"
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        weight = f.get_tensor("model.layers.0.mlp.down_proj.weight").float()
+    x = torch.randn(3, weight.shape[1])
+    want = F.linear(x, quantize_linear(weight, None, kind, quant_kernel(rill_cache_dir()), dequantized=True))
+    torch.testing.assert_close(layer(x), want, atol=1e-4, rtol=1e-4)
     out = LLM(loaded, EngineConfig()).generate([[1, 5, 9]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 8
+
+
+def test_k_quants_at_load_hold_llama_cpps_blocks():
+    """A weight of whole super-blocks quantized to q4_k / q6_k at load is held as the GGUF types
+    (`source`), and its products are those of the blocks' de-quantized values."""
+    from engine.kernels.qlinear import quant_kernel
+    from engine.model.loading import rill_cache_dir
+    from engine.model.quant import quantize_linear
+
+    kernel = quant_kernel(rill_cache_dir())
+    weight = torch.randn(48, 512) * 0.05
+    x = torch.randn(5, 512)
+    for kind in ("q4_k", "q6_k"):
+        layer = quantize_linear(weight, None, kind, kernel)
+        assert layer.source == kind
+        dequantized = quantize_linear(weight, None, kind, kernel, dequantized=True)
+        assert 0 < (dequantized - weight).abs().max() < 0.05  # lossy, and close
+        torch.testing.assert_close(layer(x), F.linear(x, dequantized), atol=1e-4, rtol=1e-4)

@@ -275,7 +275,7 @@ def _block_kernel(cache_dir, wanted: bool):
     return kernel
 
 
-QUANTIZE_CHOICES = ("auto", "none", "q8_0", "q4_0", "q4_1")
+QUANTIZE_CHOICES = ("auto", "none", "q8_0", "q4_0", "q4_1", "q4_k", "q6_k")
 ACTIVATIONS_CHOICES = ("float32", "int8")
 
 
@@ -292,7 +292,8 @@ def load_model(model_id: str | os.PathLike | None, *, dtype: str | torch.dtype =
     `$RILL_CACHE` or `~/.cache/rill`). `attn_implementation`: passed to `from_pretrained` (e.g. a
     name registered with `transformers.AttentionInterface`). `quantize` (CPU, float32 only): "auto"
     keeps a GGUF's Q8_0/Q4_0/Q4_1/Q4_K tensors as blocks and other models in float; "none" runs every
-    model in float; "q8_0", "q4_0", "q4_1" quantize the float linears at load. `activations`: what
+    model in float; "q8_0", "q4_0", "q4_1", "q4_k", "q6_k" quantize the float linears at load (a 16-bit
+    safetensors checkpoint tensor by tensor from its mapped file). `activations`: what
     the quantized linears multiply their blocks with: "float32" (the de-quantized model's products)
     or "int8" (each block of 32 inputs rounded to int8, as llama.cpp does: faster, lossy; its
     divergence is in BENCHMARKS.md). Raises ModelLoadError.
@@ -407,7 +408,7 @@ def _quantize(model, quantize: str, gguf_weights: str | None, device: torch.devi
         raise ModelLoadError(f"quantize={quantize} runs on the CPU in float32 (its C kernel); this model loads "
                              f"on {device.type} in {str(dtype).removeprefix('torch.')}: use quantize=none")
     kernel = _block_kernel(cache_dir, wanted=True)
-    count = quantize_linears(model, quantize, kernel, int8=int8)
+    count = quantize_linears(model, quantize, kernel, int8=int8, gguf_kinds=True)
     described = f"{quantize} blocks quantized at load ({count} linears)" + (", int8 activations" if int8 and count else "")
     fuse_projections(model)
     with torch.no_grad():  # what stays float gets memory of its own: the weights file's mapping can go

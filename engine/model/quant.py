@@ -531,19 +531,55 @@ def _quantizable(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
             and child.in_features % 32 == 0]
 
 
+# quantizing at load: the kinds `quantize_blocks` rounds, and ggml's K types written in llama.cpp's
+# layout (engine/model/kquant.py) with llama-quantize's fallback where rows are no whole super-blocks
+LOAD_KINDS = ("q8_0", "q4_0", "q4_1", "q4_k", "q6_k")
+_K_FALLBACK = {"q4_k": "q5_0", "q6_k": "q8_0"}
+
+
+def quantize_linear(weight: torch.Tensor, bias: torch.Tensor | None, kind: str, kernel: QuantKernel,
+                    int8: bool = False, dequantized: bool = False):
+    """A float weight [out, in] (in a multiple of 32) quantized to `kind` (one of LOAD_KINDS): its
+    `QuantLinear`, or with `dequantized` the float32 weight those blocks stand for."""
+    from engine.model.kquant import encode_q4_k, encode_q6_k
+
+    if kind not in _K_FALLBACK:
+        q, d, m = quantize_blocks(weight, kind)
+        if dequantized:
+            return dequantize(q, d, m, kind)
+        return QuantLinear(q, d, m, kind, bias, kernel, int8)
+    w = weight.detach().float().numpy()
+    if w.shape[1] % 256:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import quantize as gguf_quantize
+
+        kind = _K_FALLBACK[kind]
+        raw = gguf_quantize(w, GGMLQuantizationType[kind.upper()])
+    else:
+        raw = (encode_q4_k if kind == "q4_k" else encode_q6_k)(w)
+    if dequantized:
+        return dequantize(*blocks_of_gguf(raw, kind))
+    return QuantLinear.from_gguf(raw, kind, bias, kernel, int8)
+
+
 def quantize_linears(model: nn.Module, kind: str, kernel: QuantKernel, dequantized: bool = False,
-                     int8: bool = False) -> int:
+                     int8: bool = False, gguf_kinds: bool = False) -> int:
     """Replace every float32 CPU `nn.Linear` (inputs a multiple of 32) with a `QuantLinear` of its
     weight quantized to `kind` (`int8`: with int8 activations); `dequantized`: instead, write the
     de-quantized weights back into the float model (the reference the quantized one is compared
-    with). Returns the count."""
+    with). `gguf_kinds`: `kind` names a GGUF type as `--quantize` does (q4_k, q6_k: ggml's K
+    blocks), else one of the kernels' kinds, plainly rounded (`quantize_blocks`). Returns the count."""
     count = 0
     for parent, name, linear in _quantizable(model):
-        q, d, m = quantize_blocks(linear.weight, kind)
+        if gguf_kinds:
+            made = quantize_linear(linear.weight, linear.bias, kind, kernel, int8, dequantized)
+        else:
+            q, d, m = quantize_blocks(linear.weight, kind)
+            made = dequantize(q, d, m, kind) if dequantized else QuantLinear(q, d, m, kind, linear.bias, kernel, int8)
         if dequantized:
             with torch.no_grad():
-                linear.weight.copy_(dequantize(q, d, m, kind))
+                linear.weight.copy_(made)
         else:
-            setattr(parent, name, QuantLinear(q, d, m, kind, linear.bias, kernel, int8))
+            setattr(parent, name, made)
         count += 1
     return count

@@ -49,11 +49,13 @@ class SafetensorsLoad:
 
     kept: dict[str, int] = field(default_factory=dict)  # dtype -> linears holding the checkpoint's values
     quantized: dict[str, int] = field(default_factory=dict)  # kind -> linears quantized at load
+    int8: bool = False  # the quantized linears take int8 activations
     seconds: float = 0.0
 
     def describe(self) -> str:
         parts = [f"{dtype} kept ({count} linears, C kernel)" for dtype, count in sorted(self.kept.items())]
-        parts += [f"{kind} blocks quantized at load ({count} linears)" for kind, count in sorted(self.quantized.items())]
+        parts += [f"{kind} blocks quantized at load ({count} linears)" + (", int8 activations" if self.int8 else "")
+                  for kind, count in sorted(self.quantized.items())]
         return "; ".join(parts) or "float"
 
 
@@ -153,12 +155,11 @@ def checkpoint_dtype(files: list[Path]) -> torch.dtype | None:
 def _linear_make(tensor: torch.Tensor, bias: torch.Tensor | None, kernel, quant_kernel, quantize: str | None,
                  int8: bool, report: SafetensorsLoad) -> nn.Module:
     from engine.model.linears import PanelLinear
-    from engine.model.quant import QuantLinear, quantize_blocks
+    from engine.model.quant import quantize_linear
 
     if quantize and tensor.shape[1] % 32 == 0:
-        q, d, m = quantize_blocks(tensor.float(), quantize)  # this one tensor in float32, never the model
         report.quantized[quantize] = report.quantized.get(quantize, 0) + 1
-        return QuantLinear(q, d, m, quantize, bias, quant_kernel, int8)
+        return quantize_linear(tensor.float(), bias, quantize, quant_kernel, int8)  # this tensor in float32, never the model
     dtype = tensor.dtype if tensor.dtype in KEEP_DTYPES else torch.float32
     if dtype in KEEP_DTYPES:
         name = str(dtype).removeprefix("torch.")
@@ -194,7 +195,7 @@ def load_safetensors(folder: Path, *, kernel, quant_kernel=None, quantize: str |
     if unknown:
         raise LeanLoadUnsupported(f"{len(unknown)} checkpoint tensors have other names than the model's "
                                   f"parameters ({', '.join(unknown[:3])}{', ...' if len(unknown) > 3 else ''})")
-    report = SafetensorsLoad()
+    report = SafetensorsLoad(int8=bool(quantize) and int8)
     # every float tensor first, so that each linear finds its bias in place
     for name, tensor in tensors.items():
         if name in linears and tensor.values.dim() == 2:
