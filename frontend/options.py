@@ -37,7 +37,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("--device", ("DEVICE",), "device", str, "auto", "auto | cpu | cuda | cuda:N", "D"),
     Option("--quantize", ("QUANTIZE",), "quantize", str, "auto",
            "linear weights on the CPU: auto (a GGUF keeps its Q8_0/Q4_0/Q4_1/Q4_K blocks, others stay float) | none "
-           "(float) | q8_0 | q4_0 | q4_1 (quantize at load)", "Q"),
+           "(float) | q8_0 | q4_0 | q4_1 | q4_k | q6_k (quantize at load)", "Q"),
     Option("--activations", ("ACTIVATIONS",), "activations", str, "float32",
            "what quantized linears multiply their blocks with: float32 (exact: the de-quantized model's "
            "products) | int8 (rounded per 32 inputs as llama.cpp does: faster, lossy)", "A"),
