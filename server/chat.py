@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse
 
 from engine.request import FinishReason, InvalidRequest, SamplingParams
 from server.errors import BODY_FIELDS, ApiError, internal_error_message, log_internal_error
-from frontend.admission import (Generation, RequestFailed, admission, compile_constraint, check_prompt_chars, off_loop, request_id_from,
+from frontend.admission import (Generation, RequestFailed, admission, client_of, compile_constraint, check_prompt_chars, off_loop, request_id_from,
                                start_generation)
 from frontend.sampling_defaults import SamplingDefaults
 from server.resume import ResumableStream
@@ -129,7 +129,7 @@ async def _continue(request: Request, record: ResumableStream) -> None:
     if record.suspending and record.pump is not None:
         await asyncio.shield(record.pump)  # the abort lands within one engine step
     if record.suspended and not record.expired:  # compiled again if the cache dropped it: 400 before admission
-        await compile_constraint(request.app.state.engine, record.params)
+        await compile_constraint(request.app.state.engine, record.params, client=client_of(request))
     if not record.suspended or record.expired:
         return
     record.suspended = False  # before any await: a second reader must not continue it twice
@@ -197,7 +197,7 @@ async def chat(body: ChatBody, request: Request, x_request_id: str | None = Head
     params = _sampling_params(body, settings, engine, getattr(state, "sampling_defaults", SamplingDefaults()))
     _check_prompt_size(engine, body)
     prompt_ids = await off_loop(_prompt_token_ids, engine, body)
-    await compile_constraint(engine, params)
+    await compile_constraint(engine, params, client=client_of(request))
     try:
         gen = await start_generation(engine, prompt_ids, params, request_id, **admission(request, "chat"))
     except InvalidRequest as exc:  # the engine names OpenAI's `max_tokens`; /chat calls it max_new_tokens

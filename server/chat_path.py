@@ -15,7 +15,7 @@ from fastapi import Request
 
 from engine.request import Constraint, InvalidRequest, SamplingParams
 from frontend.errors import ApiError
-from frontend.admission import (Generation, admission, check_prompt_chars, compile_constraint, off_loop, request_id_from,
+from frontend.admission import (Generation, admission, check_prompt_chars, client_of, compile_constraint, off_loop, request_id_from,
                                 start_generation)
 from frontend.sampling_defaults import SamplingDefaults
 from frontend.tool_parsers import ToolCall
@@ -130,7 +130,7 @@ async def start_chat(request: Request, job: ChatJob, request_id: str, route: str
                              reasoning=getattr(engine, "think_tags", None) is not None,
                              defaults=model_defaults(request.app.state))
     try:
-        await compile_constraint(engine, params)
+        await compile_constraint(engine, params, client=client_of(request))
     except InvalidRequest as exc:
         if exc.param != "response_format" or job.format_param == "response_format" or job.tools is not None:
             raise

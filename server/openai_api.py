@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse
 from engine.request import RequestOutput
 from server.chat import run_while_connected
 from server.errors import error_body, internal_error_message, slow_reader_end
-from frontend.admission import Generation, RequestFailed, check_prompt_chars, compile_constraint, off_loop
+from frontend.admission import Generation, RequestFailed, check_prompt_chars, client_of, compile_constraint, off_loop
 from server.chat_path import (ChatJob, admit_all, check_model, default_max_tokens, model_defaults, route_start,
                               sampling_params, start_chat)
 from server.openai_choices import ChatChoices, CompletionChoices, TokenText
@@ -127,7 +127,7 @@ async def completions(body: CompletionRequest, request: Request, x_request_id: s
         max_tokens = default_max_tokens(engine, max(len(p) for p in prompts))
     params = sampling_params(body, max_tokens, body.logprobs, body.constraint(),
                              defaults=model_defaults(request.app.state))
-    await compile_constraint(engine, params)
+    await compile_constraint(engine, params, client=client_of(request))
     gens = await admit_all(request, prompts, params, request_id, "v1_completions")
     choices = CompletionChoices(body.n * len(gens), TokenText(engine.tokenizer), body.logprobs)
     return await _answer(request, gens, body, choices, f"cmpl-{request_id}", request_id)

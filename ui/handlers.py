@@ -59,8 +59,13 @@ class VisitorStreams:
 
 
 def page_client(request) -> str | None:
-    """The visitor the engine shares itself between (engine/fair_share.py): its page session, named
-    apart from the API's `x-session-id` and addresses (frontend/admission.py `client_of`)."""
+    """The visitor the engine shares itself between (engine/fair_share.py): its address, as the API's
+    callers are counted (frontend/admission.py `client_of`: behind --forwarded-allow-ips's proxy, the
+    forwarded one), so a page tab and the API calls of one caller share one share. Gradio's session
+    hash is chosen by a `gradio_client` caller, so it names nobody; without an address, the session."""
+    peer = getattr(request, "client", None)
+    if peer is not None and getattr(peer, "host", None):
+        return f"addr:{peer.host}"
     session = getattr(request, "session_hash", None)
     return f"page:{session}" if session else None
 
