@@ -179,3 +179,26 @@ def test_k_quants_at_load_hold_llama_cpps_blocks():
         dequantized = quantize_linear(weight, None, kind, kernel, dequantized=True)
         assert 0 < (dequantized - weight).abs().max() < 0.05  # lossy, and close
         torch.testing.assert_close(layer(x), F.linear(x, dequantized), atol=1e-4, rtol=1e-4)
+
+
+def test_a_hub_id_in_the_cache_is_loaded_lean(tiny_model, tmp_path, monkeypatch):
+    """`--model owner/name` as users name it: the snapshot in the Hub cache (here offline) is read
+    like a folder, its 16-bit weights kept."""
+    import shutil
+
+    from huggingface_hub import constants
+
+    source = tiny_model("qwen2", dtype="bfloat16")
+    repo = tmp_path / "hub" / "models--someone--tiny-qwen2"
+    snapshot = repo / "snapshots" / ("0" * 40)
+    shutil.copytree(source, snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    loaded = load_model("someone/tiny-qwen2")
+    assert loaded.weights.startswith("bfloat16 kept") and loaded.name == "tiny-qwen2"
+    prompts = _prompts(len(loaded.tokenizer))[:2]
+    got = [r.outputs[0].token_ids for r in LLM(loaded).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))]
+    assert got == _generate_refs(source, prompts)

@@ -259,6 +259,27 @@ def _load_lean(folder: Path, *, dtype_asked, quantize: str, cache_dir, int8: boo
     return model, tokenizer, report.describe()
 
 
+_SNAPSHOT_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]  # what a lean load reads
+
+
+def _load_hub_lean(model_id: str, *, device, dtype, **kwargs) -> tuple | None:
+    """A hub id on the CPU: its snapshot's config, tokenizer and safetensors (downloaded once into
+    the Hub cache, or found there offline) loaded lean like a folder; None when that cannot be (no
+    safetensors, not reachable): the caller's `from_pretrained` then says why in one line."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+
+        folder = Path(snapshot_download(model_id, allow_patterns=_SNAPSHOT_FILES))
+    except Exception as error:  # offline, gated, unknown id: from_pretrained gives the user's message
+        logger.info("no snapshot of %s for a lean load (%s)", model_id, _first_line(error))
+        return None
+    if not (folder / "config.json").is_file():
+        return None
+    return _load_lean(folder, device=device, dtype=dtype, **kwargs)
+
+
 def _block_kernel(cache_dir, wanted: bool):
     """The block kernel built for this CPU, or None (the reason logged); `wanted`: a quantize
     option that needs it, so its absence is a ModelLoadError."""
@@ -360,7 +381,12 @@ def _load_model(model_id, *, dtype, device, trust_remote_code, cache_dir, attn_i
             raise ModelLoadError(f"model path {model_id!r} does not exist; give an existing model folder "
                                  f"(with config.json), a .gguf file or a Hugging Face Hub id (owner/name)")
         else:
-            model, tokenizer = _load_hub(model_id, **kwargs)
+            lean = _load_hub_lean(model_id, dtype_asked=dtype, quantize=quantize, cache_dir=cache_dir, int8=int8,
+                                  **kwargs)
+            if lean is not None:
+                model, tokenizer, weights = lean
+            else:
+                model, tokenizer = _load_hub(model_id, **kwargs)
             name, source = model_id.split("/")[-1], model_id
 
     model.eval()
