@@ -55,9 +55,11 @@ _BRACKET_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
 
 
 def json_text_depth(text: str) -> int:
-    """The same depth of JSON text (its brackets outside strings), without parsing it."""
-    if text.count("[") + text.count("{") <= MAX_SCHEMA_DEPTH:
-        return text.count("[") + text.count("{")  # an upper bound, enough to pass
+    """The same depth of JSON text (its brackets outside strings), without parsing it; text with few
+    brackets is not scanned, their count (a bound on the depth within the limit) stands for it."""
+    opening = text.count("[") + text.count("{")
+    if opening <= MAX_SCHEMA_DEPTH:
+        return opening
     brackets = _NOT_BRACKET.sub("", _JSON_STRING.sub("", text))
     return max(accumulate(map(_BRACKET_STEP.__getitem__, brackets)), default=0)
 
@@ -87,7 +89,8 @@ def check_answer_budget(n: int, max_tokens: int | None, room: int, alternatives:
     if max_tokens is None:
         given.append(f"{max_tokens_field} unset (up to the context left: {room})")
     else:
-        given.append(f"{max_tokens_field}={max_tokens}" + (f" (the context leaves {room})" if max_tokens > room else ""))
+        past = f" (the context leaves {room})" if max_tokens > room else ""
+        given.append(f"{max_tokens_field}={max_tokens}{past}")
     given.append(f"{alternatives_field}={alternatives}" if alternatives else f"{alternatives_field} unset")
     raise InvalidRequest(f"One answer would be too large: {' x '.join(names)} = {' x '.join(values)} = {entries:,} "
                          f"token entries, which exceeds this server's answer budget of {allowed:,} (one choice of the "
