@@ -6,7 +6,8 @@ are compared with the float32 model's (the GGUF de-quantized, `--quantize none`)
 position: top-1 agreement and mean KL(float32 || path), in nats. Paths: the GGUF's blocks with
 float32 activations (exact up to the order of additions: the check that the comparison works),
 the same blocks with int8 activations (`--activations int8`), and the float32 weights quantized at
-load to q8_0 and to q4_0 (`--quantize q8_0|q4_0` on the de-quantized model).
+load to q8_0 and to q4_0 (`--quantize q8_0|q4_0` on the de-quantized model). `--model M`: a
+checkpoint's own paths (its 16-bit weights kept, each `--quantize`) against it upcast to float32.
 
 `--kv-cache`: the KV cache's dtypes instead (`--kv-cache-dtype`), on the float32 model: the text
 read through the engine's paged attention in prompt chunks of 256 tokens, every key and value
@@ -26,6 +27,9 @@ PATHS = (("GGUF blocks, float32 activations", dict(quantize="auto")),
          ("GGUF blocks, int8 activations", dict(quantize="auto", activations="int8")),
          ("float32 quantized at load to q8_0, int8 activations", dict(quantize="q8_0", activations="int8")),
          ("float32 quantized at load to q4_0, float32 activations", dict(quantize="q4_0")))
+# `--model`: a checkpoint's own paths against it upcast to float32 (`--dtype float32`)
+CHECKPOINT_PATHS = (("its 16-bit weights kept (--dtype auto)", dict()),
+                    *((f"quantized at load to {kind}", dict(quantize=kind)) for kind in ("q8_0", "q6_k", "q4_k", "q4_0")))
 
 
 def cpu_name() -> str:
@@ -87,17 +91,21 @@ def kv_cache_main(tokens: int) -> None:
         compare(str(dtype).removeprefix("torch."), loaded.weights, ref, test)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=0, help="read only this many tokens of the text (0: all)")
     parser.add_argument("--kv-cache", action="store_true", help="compare the KV cache's dtypes instead")
-    args = parser.parse_args()
+    parser.add_argument("--model", help="a checkpoint (folder or hub id): its lean paths against it in float32 "
+                                        "(default: the embedded GGUF's paths against its float32 model)")
+    args = parser.parse_args(argv)
     from engine.model.loading import load_model
 
     if args.kv_cache:
         return kv_cache_main(args.tokens)
 
-    reference = load_model(None, quantize="none")
+    model = args.model or None
+    paths = CHECKPOINT_PATHS if model else PATHS
+    reference = load_model(model, dtype="float32", quantize="none")
     ids = reference.tokenizer(TEXT.read_text(), return_tensors="pt").input_ids
     if args.tokens:
         ids = ids[:, :args.tokens]
@@ -106,10 +114,10 @@ def main() -> None:
     print("| path | weights | top-1 agreement | mean KL (nats) | max KL |")
     print("|---|---|---|---|---|")
     del reference
-    for label, kwargs in PATHS:
-        loaded = load_model(None, **kwargs)
+    for label, kwargs in paths:
+        loaded = load_model(model, **kwargs)
         compare(label, loaded.weights, ref, log_probs(loaded, ids))
-        del loaded, test
+        del loaded
 
 
 if __name__ == "__main__":

@@ -202,3 +202,22 @@ def test_a_hub_id_in_the_cache_is_loaded_lean(tiny_model, tmp_path, monkeypatch)
     got = [r.outputs[0].token_ids for r in LLM(loaded).generate(
         prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))]
     assert got == _generate_refs(source, prompts)
+
+
+def test_bench_divergence_reports_a_checkpoints_paths(tiny_model):
+    """`python -m bench.divergence --model M`: each lean path of a checkpoint against it in float32
+    (the kept 16-bit weights exact, each quantize lossy), one row each."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = tiny_model("llama", dtype="bfloat16")
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-m", "bench.divergence", "--model", str(path), "--tokens", "48"],
+                          cwd=root, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and "%" in line]
+    assert [row.split(" | ")[0] for row in rows] == ["| its 16-bit weights kept (--dtype auto)"] + [
+        f"| quantized at load to {kind}" for kind in ("q8_0", "q6_k", "q4_k", "q4_0")]
+    kept = rows[0].split(" | ")
+    assert kept[1].startswith("bfloat16 kept") and kept[2] == "100.00%" and float(kept[3]) < 1e-8
