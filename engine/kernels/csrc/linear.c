@@ -34,6 +34,10 @@
  * the products are the float32 model's and a one-row step reads half the bytes. */
 enum { W_F32 = 0, W_BF16 = 1, W_F16 = 2 };
 
+/* 16-bit weights ahead of the one- and two-row loops that are asked for, a cache line per two
+ * inputs (docs/benchmarks-history.md, session 34) */
+#define PREFETCH_AHEAD 1024
+
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
 
@@ -66,8 +70,8 @@ static inline __attribute__((always_inline)) v8 weights8(const void *panel, int6
 }
 
 /* MR rows of x (a constant once inlined) times one panel; `cols` of its 16 outputs are real. One or
- * two rows run two inputs at a time into two sets of sums: one set alone waits on each multiply-add
- * before the next, and the panel's bytes could not stream at the memory's pace. */
+ * two rows run two inputs at a time into two sets of sums (one set alone waits on each multiply-add
+ * before the next), their 16-bit panel's lines asked for ahead. */
 static inline __attribute__((always_inline)) void tile(const float *x, int64_t x_row, const void *panel,
                                                        int64_t in, const float *bias, float *y, int64_t y_row,
                                                        int cols, const int MR, const int wt) {
@@ -77,6 +81,7 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t x
     int64_t k = 0;
     if (MR <= 2) {
         for (; k + 2 <= in; k += 2) {
+            if (wt != W_F32) __builtin_prefetch((const uint16_t *)panel + k * 16 + PREFETCH_AHEAD, 0, 3);
             const v8 w0 = weights8(panel, k * 16, wt), w1 = weights8(panel, k * 16 + 8, wt);
             const v8 u0 = weights8(panel, k * 16 + 16, wt), u1 = weights8(panel, k * 16 + 24, wt);
             for (int i = 0; i < MR; i++) {
