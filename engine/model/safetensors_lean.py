@@ -61,23 +61,34 @@ class SafetensorsLoad:
 
 class HalfEmbedding(nn.Module):
     """`nn.Embedding` over a 16-bit table kept as it is: a lookup widens only the rows it reads
-    (exactly: every bfloat16 and float16 is a float32)."""
+    (exactly: every bfloat16 and float16 is a float32). Tied to an output head of 16-bit panels
+    ([vocab / 16, hidden, 16]), it reads its rows out of those panels and holds no table of its own."""
 
     def __init__(self, table: torch.Tensor, dtype: torch.dtype, padding_idx: int | None):
         super().__init__()
         self.register_buffer("table", table, persistent=False)
+        self.panels: torch.Tensor | None = None
         self.dtype, self.padding_idx = dtype, padding_idx
         self.num_embeddings, self.embedding_dim = table.shape
 
+    def share_panels(self, panels: torch.Tensor) -> None:
+        """Read the rows from a tied head's panels from now on; the table is dropped."""
+        self.panels, self.table = panels, None
+
     @property
     def weight(self) -> torch.Tensor:  # what code reading `embed_tokens.weight` expects (its dtype, device)
-        return self.table
+        return self.table if self.table is not None else self.panels
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.table[input_ids].to(self.dtype)
+        if self.table is not None:
+            return self.table[input_ids].to(self.dtype)
+        ids = input_ids.reshape(-1)
+        rows = self.panels[ids // 16, :, ids % 16]  # token t: output t % 16 of panel t // 16
+        return rows.to(self.dtype).view(*input_ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, {str(self.table.dtype).removeprefix('torch.')} kept"
+        held = "the head's panels" if self.table is None else str(self.table.dtype).removeprefix("torch.")
+        return f"{self.num_embeddings}, {self.embedding_dim}, {held} kept"
 
 
 @dataclass
@@ -196,11 +207,19 @@ def load_safetensors(folder: Path, *, kernel, quant_kernel=None, quantize: str |
         raise LeanLoadUnsupported(f"{len(unknown)} checkpoint tensors have other names than the model's "
                                   f"parameters ({', '.join(unknown[:3])}{', ...' if len(unknown) > 3 else ''})")
     report = SafetensorsLoad(int8=bool(quantize) and int8)
+    output, inputs = model.get_output_embeddings(), model.get_input_embeddings()
+    input_name = next((name + ".weight" for name, module in model.named_modules() if module is inputs), None)
+    head_name = next((key for key, module in linears.items() if module is output), None)
+    tied = head_name is not None and head_name not in tensors
+    deferred = None  # a tied 16-bit embedding, made after its head (whose panels it may read)
     # every float tensor first, so that each linear finds its bias in place
     for name, tensor in tensors.items():
         if name in linears and tensor.values.dim() == 2:
             continue
         module = embeddings.get(name)
+        if module is not None and tensor.values.dtype in KEEP_DTYPES and tied and name == input_name and not quantize:
+            deferred = (name, tensor, module)
+            continue
         if module is not None and tensor.values.dtype in KEEP_DTYPES:
             owner, _, leaf = name.removesuffix(".weight").rpartition(".")
             setattr(model.get_submodule(owner), leaf,
@@ -208,10 +227,6 @@ def load_safetensors(folder: Path, *, kernel, quant_kernel=None, quantize: str |
         else:
             _set_tensor(model, name, tensor.values.float().clone())
         tensor.file.release(tensor)
-    output, inputs = model.get_output_embeddings(), model.get_input_embeddings()
-    input_name = next((name + ".weight" for name, module in model.named_modules() if module is inputs), None)
-    head_name = next((key for key, module in linears.items() if module is output), None)
-    tied = head_name is not None and head_name not in tensors
     for name, module in linears.items():
         tensor = tensors.get(name)
         if tensor is None:
@@ -224,6 +239,18 @@ def load_safetensors(folder: Path, *, kernel, quant_kernel=None, quantize: str |
         bias = module.bias if module.bias is not None and module.bias.device.type != "meta" else None
         setattr(model.get_submodule(owner), leaf, _linear_make(tensor.values, bias, kernel, quant_kernel, quantize,
                                                                int8, report))
+        tensor.file.release(tensor)
+    if deferred is not None:
+        name, tensor, module = deferred
+        head = model.get_output_embeddings()
+        shared = getattr(head, "panels", None) is not None and head.panels.dtype == tensor.values.dtype \
+            and head.bias is None
+        embedding = HalfEmbedding(tensor.values if shared else tensor.values.clone(), torch.float32,
+                                  module.padding_idx)
+        if shared:
+            embedding.share_panels(head.panels)  # one copy of the tied table
+        owner, _, leaf = name.removesuffix(".weight").rpartition(".")
+        setattr(model.get_submodule(owner), leaf, embedding)
         tensor.file.release(tensor)
     missing = [name for name, param in model.named_parameters() if param.device.type == "meta"]
     if missing:
