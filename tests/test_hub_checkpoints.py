@@ -221,3 +221,34 @@ def test_bench_divergence_reports_a_checkpoints_paths(tiny_model):
         f"| quantized at load to {kind}" for kind in ("q8_0", "q6_k", "q4_k", "q4_0")]
     kept = rows[0].split(" | ")
     assert kept[1].startswith("bfloat16 kept") and kept[2] == "100.00%" and float(kept[3]) < 1e-8
+
+
+def _more_configs(vocab: int) -> dict:
+    """Tiny configs of the other families people publish in bfloat16 (hidden 64, 2 layers)."""
+    import transformers as tf
+
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.2, vocab_size=vocab,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return {"phi3": tf.Phi3Config(**common), "olmo": tf.OlmoConfig(**common), "olmo2": tf.Olmo2Config(**common),
+            "granite": tf.GraniteConfig(**common), "glm4": tf.Glm4Config(head_dim=16, **common),
+            "gemma3": tf.Gemma3TextConfig(head_dim=16, sliding_window=32, query_pre_attn_scalar=16, **common)}
+
+
+@pytest.mark.parametrize("arch", ["phi3", "olmo", "olmo2", "granite", "glm4", "gemma3"])
+def test_more_families_in_bfloat16_equal_generate(tiny_model, tmp_path, arch):
+    """Phi-3 (fused q/k/v and gate/up), OLMo (norms without weights: nothing float32 left), OLMo 2,
+    Granite, GLM-4, Gemma 3: kept in bfloat16, greedy equal to `generate` in a busy batch."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model("llama", dtype="bfloat16"))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(_more_configs(len(tokenizer))[arch]).to(torch.bfloat16).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path))
+    assert loaded.weights.startswith("bfloat16 kept")
+    prompts = _prompts(len(tokenizer))[:4]
+    got = [r.outputs[0].token_ids for r in LLM(loaded).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))]
+    assert got == _generate_refs(tmp_path, prompts)

@@ -252,6 +252,10 @@ def load_safetensors(folder: Path, *, kernel, quant_kernel=None, quantize: str |
         owner, _, leaf = name.removesuffix(".weight").rpartition(".")
         setattr(model.get_submodule(owner), leaf, embedding)
         tensor.file.release(tensor)
+    if not any(param.is_floating_point() for param in model.parameters()):
+        # every weight packed (OLMo's norms hold none): transformers reads the model's dtype and device
+        # from its parameters, so an empty float32 one says them
+        model.register_parameter("rill_compute_dtype", nn.Parameter(torch.empty(0), requires_grad=False))
     missing = [name for name, param in model.named_parameters() if param.device.type == "meta"]
     if missing:
         raise LeanLoadUnsupported(f"the checkpoint has no tensor for {len(missing)} of the model's weights "
