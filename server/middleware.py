@@ -67,6 +67,20 @@ def has_key(scope, api_key: str | None) -> bool:
     return api_key is None or key_problem(scope["headers"], api_key.encode()) is None
 
 
+def _replaying(body: bytes, receive):
+    """An ASGI `receive` that hands the app the body already read, then the connection's own events."""
+    replayed = False
+
+    async def replay():
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
 async def _send_json(send, path: str, status: int, message: str, *, code: str | None = None,
                      headers: list[tuple[bytes, bytes]] | None = None, app=None) -> None:
     if app is not None:
@@ -150,16 +164,7 @@ class ApiGuard:
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        return await self.app(scope, replay, send)
+        return await self.app(scope, _replaying(body, receive), send)
 
     def _too_big(self, size) -> str:
         return (f"The request body is too large: at most {self.max_body_bytes} bytes are allowed "
@@ -272,16 +277,7 @@ class PageLoginGuard:
         problem = self._unknown_function(api_name, body)
         if problem is not None:
             return await _send_detail(send, 404, problem)
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        return await self.app(scope, replay, send)
+        return await self.app(scope, _replaying(body, receive), send)
 
     def _unknown_function(self, api_name: str | None, body: bytes) -> str | None:
         """What is wrong with the function a call names, or None (Gradio's own checks see the rest)."""
