@@ -49,7 +49,8 @@ def json_depth(value: Any) -> int:
     return deepest
 
 
-_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*+"', re.DOTALL)
+# a JSON string, or an unclosed one to the end of the text (so that no quote is ever scanned from twice)
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*+"?', re.DOTALL)
 _NOT_BRACKET = re.compile(r"[^\[\]{}]+")
 _BRACKET_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
 

@@ -190,3 +190,16 @@ def test_call_arguments_nested_past_the_limit_are_a_400_not_a_500(tiny_server):
         {"role": "tool", "tool_call_id": "c1", "content": "ok"}]}
     reply = httpx.post(f"{tiny_server.url}/v1/chat/completions", json=fine, timeout=60)
     assert reply.status_code != 500 and "levels deep" not in reply.text, reply.text[:300]
+
+
+def test_an_unclosed_string_in_call_arguments_cannot_stall_the_server(tiny_server):
+    """Brackets then a string that never closes, full of escaped quotes: the depth scan reads it once
+    (a scan that started again at every quote took minutes of the event loop for 200 KB)."""
+    arguments = "[" * 70 + '"' + '\\"' * 100_000
+    chat = {"messages": [CHAT[0], {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"}], "max_tokens": 2}
+    reply = httpx.post(f"{tiny_server.url}/v1/chat/completions", json=chat, timeout=60)
+    assert reply.status_code == 400, reply.text[:300]
+    assert "nests objects and arrays 70 levels deep" in _error(reply)["message"]
+    assert httpx.get(f"{tiny_server.url}/health", timeout=10).status_code == 200
