@@ -61,11 +61,15 @@ def serve(app, settings: Settings, engine=None) -> int:
 
     # X-Forwarded-For names the caller (fair shares) only from the proxies --forwarded-allow-ips trusts: uvicorn's
     # own default would trust 127.0.0.1 and FORWARDED_ALLOW_IPS behind our back, so it is always given explicitly.
+    # With `*` the right-most entry names the caller (server/middleware.py RightmostForwarded).
     trusted = list(settings.forwarded_allow_ips)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            timeout_graceful_shutdown=settings.shutdown_timeout,
-                            access_log=settings.log_level == "debug", proxy_headers=bool(trusted),
-                            forwarded_allow_ips=trusted or None)
+    everyone = trusted == ["*"]
+    if everyone:
+        from server.middleware import RightmostForwarded
+    config = uvicorn.Config(RightmostForwarded(app) if everyone else app, host=settings.host, port=settings.port,
+                            log_level=settings.log_level, timeout_graceful_shutdown=settings.shutdown_timeout,
+                            access_log=settings.log_level == "debug", proxy_headers=bool(trusted) and not everyone,
+                            forwarded_allow_ips=(trusted or None) if not everyone else None)
     server = uvicorn.Server(config)
     original = server.handle_exit
 

@@ -344,3 +344,28 @@ def guard_gradio(app) -> None:
             route.app.add_middleware(PageLoginGuard, gradio_app=route.app)
             return
     raise RuntimeError("the Gradio app is not mounted: nothing to put its login on")
+
+
+class RightmostForwarded:
+    """`--forwarded-allow-ips *` (a server only its proxy can reach, such as a Space): the caller is the
+    right-most `X-Forwarded-For` entry, the address the proxy in front saw, and the scheme its
+    `X-Forwarded-Proto`. (uvicorn's own `*` takes the left-most entry, which the client writes.)"""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] in ("http", "websocket"):
+            forwarded, proto = [], None
+            for name, value in scope.get("headers", ()):
+                if name == b"x-forwarded-for":
+                    forwarded += [e.strip() for e in value.decode("latin-1").split(",") if e.strip()]
+                elif name == b"x-forwarded-proto":
+                    proto = value.decode("latin-1").split(",")[-1].strip().lower()
+            if forwarded or proto in ("http", "https"):
+                scope = dict(scope)
+                if forwarded:
+                    scope["client"] = (forwarded[-1], 0)
+                if proto in ("http", "https"):
+                    scope["scheme"] = proto if scope["type"] == "http" else {"http": "ws", "https": "wss"}[proto]
+        return await self.app(scope, receive, send)

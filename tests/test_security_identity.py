@@ -26,12 +26,12 @@ FLOOD = {"prompt": "Count the stars one by one:", "n": 16, "max_tokens": 200, "t
 SINGLE = {"prompt": "Say hello.", "max_tokens": 4, "temperature": 0, "ignore_eos": True, "stream": True}
 
 
-async def _statuses(url: str, requests: list[dict], newcomer: dict) -> tuple[list[int], int, str]:
+async def _statuses(url: str, requests: list[dict], newcomer: dict, body: dict = FLOOD) -> tuple[list[int], int, str]:
     """Opens every request of `requests` (headers) at once and waits for each status (a stream's
     status comes after admission), then sends `newcomer`'s. Streams are closed at the end (their
     requests aborted). -> (the flood's statuses, the newcomer's status, its error text if any)."""
     async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=len(requests) + 4)) as client:
-        streams = [client.stream("POST", f"{url}/v1/completions", json=FLOOD, headers=h) for h in requests]
+        streams = [client.stream("POST", f"{url}/v1/completions", json=body, headers=h) for h in requests]
         try:
             responses = await asyncio.gather(*(s.__aenter__() for s in streams))
             async with client.stream("POST", f"{url}/v1/completions", json=SINGLE, headers=newcomer) as answer:
@@ -54,6 +54,26 @@ def test_a_peer_rotating_60_session_names_gains_nothing_and_a_newcomer_is_admitt
     assert set(statuses) <= {200, 429}, statuses
     assert admitted == 2, f"one caller under 60 names took {admitted} n=16 requests (its share is 2): {statuses}"
     assert status == 200, f"the newcomer was refused while one peer flooded under 60 names: {status} {text[:300]}"
+    wait_idle(url, headers=AUTH)
+
+
+EVERY_PROXY_FLAGS = ("--api-key", KEY, "--forwarded-allow-ips", "*", "--max-num-seqs", "8", "--max-queue", "24")
+
+
+def test_behind_a_proxy_trusted_as_star_the_right_most_address_is_the_caller(server_with):
+    """`--forwarded-allow-ips *` (a Space): the caller is the address the proxy appended (right-most),
+    never what the client wrote before it. 60 requests of n=4 whose left-most entries differ are one
+    caller: it gets at most the engine's capacity (8 running + 24 waiting = 8 such requests) and a
+    newcomer is admitted; counted by their left-most entries they would fill the hard cap (64)."""
+    url = server_with(*EVERY_PROXY_FLAGS).url
+    wait_idle(url, headers=AUTH)
+    flood = [{**AUTH, "X-Forwarded-For": f"203.0.113.{i}, 10.0.0.1"} for i in range(60)]
+    newcomer = {**AUTH, "X-Forwarded-For": "203.0.113.1, 10.0.0.2"}
+    with slow_steps(url, 0.05, headers=AUTH):
+        statuses, status, text = asyncio.run(_statuses(url, flood, newcomer, body={**FLOOD, "n": 4}))
+    assert set(statuses) <= {200, 429}, statuses
+    assert statuses.count(200) <= 8, f"one caller behind the proxy took {statuses.count(200)} n=4 requests: {statuses}"
+    assert status == 200, f"the newcomer was refused: {status} {text[:300]}"
     wait_idle(url, headers=AUTH)
 
 
