@@ -92,9 +92,10 @@ def test_a_float16_checkpoint_is_kept_too(tiny_model):
     assert got == _generate_refs(path, prompts)
 
 
-def test_dtype_float32_keeps_the_float32_model(tiny_model):
+@pytest.mark.parametrize("how", [dict(dtype="float32"), dict(dtype=torch.float32), dict(quantize="none")])
+def test_dtype_float32_keeps_the_float32_model(tiny_model, how):
     path = tiny_model("llama", dtype="bfloat16")
-    loaded = load_model(str(path), dtype="float32")
+    loaded = load_model(str(path), **how)
     assert loaded.weights == "float"
     assert type(loaded.model.model.embed_tokens) is nn.Embedding
     assert loaded.model.model.embed_tokens.weight.dtype == torch.float32
@@ -128,6 +129,7 @@ def test_the_tied_head_and_embedding_come_from_the_one_table(tied_llama):
     ids = torch.tensor([[3, 9, 400]])
     torch.testing.assert_close(model.model.embed_tokens(ids), table[ids].float(), atol=0, rtol=0)
     assert model.lm_head.panels.dtype == torch.bfloat16
+    assert model.model.embed_tokens.table is None and model.model.embed_tokens.panels is model.lm_head.panels
     x = torch.randn(2, table.shape[1])
     torch.testing.assert_close(model.lm_head(x), F.linear(x, table.float()), atol=2e-5, rtol=2e-5)
     prompts = _prompts(len(loaded.tokenizer))[:3]

@@ -208,3 +208,16 @@ def test_feedback_log_without_a_session_records_nothing(tmp_path):
     log = FeedbackLog(tmp_path, "model")
     log.record(gr.LikeData(None, {"index": 1, "value": "forged", "liked": True}), None)
     assert not (tmp_path / FILE_NAME).exists()
+
+
+def test_an_answer_longer_than_what_a_record_keeps_can_still_be_rated():
+    """A record keeps the first MAX_ANSWER_CHARS of an answer; the answer is recognised by its
+    whole text (whitespace aside), so a long one can be rated and a changed one cannot."""
+    from ui.feedback import MAX_ANSWER_CHARS, ServedAnswers
+
+    served = ServedAnswers()
+    answer = "word " * (MAX_ANSWER_CHARS // 2)
+    served.add("tab", 1, [{"role": "assistant", "content": answer}], [{"role": "user", "content": "hi"}])
+    found = served.find("tab", 1, answer.strip())
+    assert found is not None and len(found.text) == MAX_ANSWER_CHARS + 1
+    assert served.find("tab", 1, answer + " forged") is None

@@ -9,6 +9,7 @@ per record, a rate per session, and the file rotated past a size (a few old file
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -46,9 +47,10 @@ def feedback_folder(setting: str | None, space_storage: Path = SPACE_STORAGE) ->
     return None
 
 
-def _same(a: str, b: str) -> bool:
-    """The shown text and the streamed one, whitespace aside (the Chatbot may trim it)."""
-    return a.split() == b.split()
+def _digest(text: str) -> str:
+    """What identifies a whole answer, whitespace aside (the Chatbot may trim it): the kept text is
+    capped, so an answer is recognised by this, never by the capped text."""
+    return hashlib.sha256(" ".join(text.split()).encode()).hexdigest()
 
 
 def _capped(text: str, limit: int) -> str:
@@ -74,8 +76,9 @@ class Served:
     """One message the server streamed: its place in the chat, its plain text, what came before it."""
 
     index: int
-    text: str
+    text: str  # capped at MAX_ANSWER_CHARS
     conversation: tuple
+    digest: str = ""  # of the whole text (`_digest`)
 
     @property
     def chars(self) -> int:
@@ -105,8 +108,9 @@ class ServedAnswers:
         if not session:
             return
         before = tuple(_capped_conversation(conversation, MAX_CONVERSATION_CHARS))
-        served = [Served(index + offset, _capped(unescape_html(content_text(m.get("content"))), MAX_ANSWER_CHARS),
-                         before) for offset, m in enumerate(messages)]
+        texts = [unescape_html(content_text(m.get("content"))) for m in messages]
+        served = [Served(index + offset, _capped(text, MAX_ANSWER_CHARS), before, _digest(text))
+                  for offset, text in enumerate(texts)]
         with self._lock:
             state = self._sessions.pop(session, None) or _Session()
             self._sessions[session] = state
@@ -134,7 +138,8 @@ class ServedAnswers:
         with self._lock:
             state = self._sessions.get(session)
             answers = list(state.answers) if state is not None else []
-        return next((a for a in reversed(answers) if a.index == index and _same(a.text, shown)), None)
+        digest = _digest(shown)
+        return next((a for a in reversed(answers) if a.index == index and a.digest == digest), None)
 
     def allow_rating(self, session: str, now: float) -> bool:
         """Counts a rating of `session`; False past RATINGS_PER_MINUTE in the last minute."""

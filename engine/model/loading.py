@@ -231,10 +231,10 @@ def _load_lean(folder: Path, *, dtype_asked, quantize: str, cache_dir, int8: boo
                                                load_safetensors)
 
     quantized = quantize not in ("auto", "none")
-    asked = dtype_asked if isinstance(dtype_asked, str) else None
+    asked = dtype_asked if isinstance(dtype_asked, str) else str(dtype_asked).removeprefix("torch.")
     files = checkpoint_files(folder)
-    if device.type != "cpu" or dtype != torch.float32 or not files:
-        return None
+    if device.type != "cpu" or dtype != torch.float32 or not files or quantize == "none":
+        return None  # (--quantize none: every weight float32, as documented)
     if not quantized and ((asked or "auto").strip().lower() != "auto" or checkpoint_dtype(files) not in KEEP_DTYPES):
         return None  # --dtype float32 or a float32 checkpoint: the float32 model of before
     from engine.kernels.linear import linear_kernel
@@ -259,7 +259,10 @@ def _load_lean(folder: Path, *, dtype_asked, quantize: str, cache_dir, int8: boo
     return model, tokenizer, report.describe()
 
 
-_SNAPSHOT_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]  # what a lean load reads
+# what a lean load reads: config, tokenizer and the transformers weights (not a repo's other
+# copies, such as Mistral's consolidated.safetensors)
+_SNAPSHOT_FILES = ["*.json", "model.safetensors", "model-*-of-*.safetensors", "*.model", "*.txt", "*.jinja",
+                   "tokenizer*"]
 
 
 def _load_hub_lean(model_id: str, *, device, dtype, **kwargs) -> tuple | None:

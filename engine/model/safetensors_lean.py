@@ -64,10 +64,12 @@ class HalfEmbedding(nn.Module):
     (exactly: every bfloat16 and float16 is a float32). Tied to an output head of 16-bit panels
     ([vocab / 16, hidden, 16]), it reads its rows out of those panels and holds no table of its own."""
 
-    def __init__(self, table: torch.Tensor, dtype: torch.dtype, padding_idx: int | None):
+    def __init__(self, table: torch.Tensor, dtype: torch.dtype, padding_idx: int | None,
+                 scale: torch.Tensor | None = None):
         super().__init__()
         self.register_buffer("table", table, persistent=False)
         self.panels: torch.Tensor | None = None
+        self.scale = scale  # Gemma 3's embed_scale: rows times it, in float32, as its module computes
         self.dtype, self.padding_idx = dtype, padding_idx
         self.num_embeddings, self.embedding_dim = table.shape
 
@@ -81,14 +83,34 @@ class HalfEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.table is not None:
-            return self.table[input_ids].to(self.dtype)
-        ids = input_ids.reshape(-1)
-        rows = self.panels[ids // 16, :, ids % 16]  # token t: output t % 16 of panel t // 16
-        return rows.to(self.dtype).view(*input_ids.shape, self.embedding_dim)
+            rows = self.table[input_ids].to(self.dtype)
+        else:
+            ids = input_ids.reshape(-1)
+            rows = self.panels[ids // 16, :, ids % 16]  # token t: output t % 16 of panel t // 16
+            rows = rows.to(self.dtype).view(*input_ids.shape, self.embedding_dim)
+        return rows if self.scale is None else rows * self.scale.to(self.dtype)
 
     def extra_repr(self) -> str:
         held = "the head's panels" if self.table is None else str(self.table.dtype).removeprefix("torch.")
         return f"{self.num_embeddings}, {self.embedding_dim}, {held} kept"
+
+
+def _scaled_embedding(model: nn.Module, name: str, tensor) -> nn.Embedding | None:
+    """The module of `name` when it is a scaled word embedding (Gemma 3's: the rows times
+    `embed_scale`), which a `HalfEmbedding` with that scale computes the same; else None."""
+    owner = name.removesuffix(".weight")
+    if owner == name or tensor.values.dim() != 2:
+        return None
+    module = model.get_submodule(owner)
+    is_scaled = isinstance(module, nn.Embedding) and type(module).__name__.endswith("ScaledWordEmbedding")
+    return module if is_scaled and hasattr(module, "embed_scale") else None
+
+
+def _embed_scale(module) -> torch.Tensor | None:
+    if module is None:
+        return None
+    scale = module.embed_scale
+    return (scale if isinstance(scale, torch.Tensor) else torch.tensor(scale)).detach().float().to("cpu").clone()
 
 
 @dataclass
@@ -220,12 +242,15 @@ def load_safetensors(folder: Path, *, kernel, quant_kernel=None, quantize: str |
         if module is not None and tensor.values.dtype in KEEP_DTYPES and tied and name == input_name and not quantize:
             deferred = (name, tensor, module)
             continue
-        if module is not None and tensor.values.dtype in KEEP_DTYPES:
+        scaled = _scaled_embedding(model, name, tensor)
+        if (module is not None or scaled is not None) and tensor.values.dtype in KEEP_DTYPES:
             owner, _, leaf = name.removesuffix(".weight").rpartition(".")
+            padding = (module or scaled).padding_idx
             setattr(model.get_submodule(owner), leaf,
-                    HalfEmbedding(tensor.values.clone(), torch.float32, module.padding_idx))
+                    HalfEmbedding(tensor.values.clone(), torch.float32, padding, _embed_scale(scaled)))
         else:
-            _set_tensor(model, name, tensor.values.float().clone())
+            values = tensor.values.float()  # a 16-bit tensor: already a copy; a float32 one: the mapping
+            _set_tensor(model, name, values.clone() if values.data_ptr() == tensor.values.data_ptr() else values)
         tensor.file.release(tensor)
     for name, module in linears.items():
         tensor = tensors.get(name)
