@@ -143,39 +143,97 @@ def admit(engine, prompt_token_ids: list[int], params: SamplingParams, request_i
     return handle
 
 
-COMPILES_PER_CALLER = 4  # one caller's constraints compiling at once; past it a 429 naming the limit
+COMPILES_PER_CALLER = 4  # one caller's constraints compiling at once; its others wait their turn
+COMPILES_WAITING_PER_CALLER = 32  # and past this many waiting, a 429 naming both
+_COMPILE_POLL_S = 0.02  # how often a waiting compile looks for its caller's free slot
 
 
 class _CompileSlots:
-    """The compiles each caller has pending (thread-safe: the page waits in worker threads, routes on
-    the loop), so one caller flooding distinct grammars cannot take the compile queue from the others."""
+    """The compiles each caller has in the grammar pool (thread-safe: the page waits in worker threads,
+    routes on the loop), so one caller flooding distinct grammars cannot take the pool from the others:
+    at most `limit` of a caller's compile at once, up to `waiting` more wait for one of them to end."""
 
-    def __init__(self, limit: int = COMPILES_PER_CALLER):
-        self.limit = limit
+    def __init__(self, limit: int = COMPILES_PER_CALLER, waiting: int = COMPILES_WAITING_PER_CALLER):
+        self.limit, self.waiting = limit, waiting
         self._lock = threading.Lock()
-        self._pending: dict[str, int] = {}
+        self._running: dict[str, int] = {}
+        self._queued: dict[str, int] = {}
+
+    def _enter(self, client: str) -> None:
+        """Queue `client`'s compile; ApiError 429 when it already has `limit` running and `waiting` queued."""
+        with self._lock:
+            running, queued = self._running.get(client, 0), self._queued.get(client, 0)
+            if running >= self.limit and queued >= self.waiting:
+                raise ApiError(429, f"Too many constraints compiling for this client: at most {self.limit} at once "
+                                    f"and {self.waiting} waiting; {running} are compiling and {queued} waiting. "
+                                    f"Retry when one is done.",
+                               code="too_many_compiles", headers={"Retry-After": str(RETRY_AFTER_S)})
+            self._queued[client] = queued + 1
+
+    def _try_start(self, client: str) -> bool:
+        with self._lock:
+            if self._running.get(client, 0) >= self.limit:
+                return False
+            self._running[client] = self._running.get(client, 0) + 1
+            self._leave_queue(client)
+            return True
+
+    def _leave_queue(self, client: str) -> None:
+        left = self._queued.pop(client) - 1
+        if left:
+            self._queued[client] = left
+
+    def _abandon(self, client: str) -> None:
+        with self._lock:
+            self._leave_queue(client)
+
+    def waiting_now(self) -> int:
+        """Compiles waiting for their caller's turn, all callers together."""
+        with self._lock:
+            return sum(self._queued.values())
+
+    def _end(self, client: str) -> None:
+        with self._lock:
+            left = self._running.pop(client) - 1
+            if left:
+                self._running[client] = left
 
     @contextlib.contextmanager
     def held(self, client: str | None):
-        """A slot of `client` (None: a caller nobody named, counted only in the compiler's global
-        bound) for the block's duration; ApiError 429 when it has `limit` already."""
+        """A worker thread's slot of `client` (None: a caller nobody named, counted only in the
+        compiler's global bound) for the block's duration, waited for."""
         if client is None:
             yield
             return
-        with self._lock:
-            count = self._pending.get(client, 0)
-            if count >= self.limit:
-                raise ApiError(429, f"Too many constraints compiling for this client: at most {self.limit} at "
-                                    f"once; {count} are compiling. Retry when one is done.",
-                               code="too_many_compiles", headers={"Retry-After": str(RETRY_AFTER_S)})
-            self._pending[client] = count + 1
+        self._enter(client)
+        try:
+            while not self._try_start(client):
+                time.sleep(_COMPILE_POLL_S)
+        except BaseException:
+            self._abandon(client)
+            raise
         try:
             yield
         finally:
-            with self._lock:
-                left = self._pending.pop(client) - 1
-                if left:
-                    self._pending[client] = left
+            self._end(client)
+
+    @contextlib.asynccontextmanager
+    async def held_async(self, client: str | None):
+        """The same on the event loop: the wait holds no thread."""
+        if client is None:
+            yield
+            return
+        self._enter(client)
+        try:
+            while not self._try_start(client):
+                await asyncio.sleep(_COMPILE_POLL_S)
+        except BaseException:
+            self._abandon(client)
+            raise
+        try:
+            yield
+        finally:
+            self._end(client)
 
 
 COMPILE_SLOTS = _CompileSlots()
@@ -214,7 +272,7 @@ async def compile_constraint(engine, params: SamplingParams, client: str | None 
     grammars = getattr(engine, "grammars", None)
     if grammars is None or getattr(engine, "compile_constraint", None) is None:
         return  # a remote engine compiles where it runs
-    with COMPILE_SLOTS.held(client):
+    async with COMPILE_SLOTS.held_async(client):
         future = _submit(grammars, params)
         if not future.done():
             # asyncio.wait never cancels what it waits on: the compile may be shared with other requests

@@ -110,12 +110,15 @@ def install_test_routes(app: FastAPI, engine) -> None:
         """on=1: the grammar cache is emptied and every compile waits until on=0 (a grammar the
         cache dropped since, slow to compile), so the suite can check that nothing else waits for it.
         Answers `timed_out`: the compiles that went on without the release (held HOLD_COMPILES_S), and
-        `pending`: the compiles submitted and not done (any `on` < 0 only reads them)."""
+        `pending`: the compiles submitted and not done, `waiting`: those waiting for their caller's
+        turn (any `on` < 0 only reads them)."""
         grammars = engine.grammars
         timed_out = getattr(grammars, "_test_timeouts", 0) if on < 0 else _hold_compiles(grammars, bool(on))
         with grammars._lock:
             pending = len(grammars._pending)
-        return {"held": on > 0, "timed_out": timed_out, "pending": pending}
+        from frontend.admission import COMPILE_SLOTS
+
+        return {"held": on > 0, "timed_out": timed_out, "pending": pending, "waiting": COMPILE_SLOTS.waiting_now()}
 
     @app.post("/_test/page-raise", include_in_schema=False)
     async def page_raise(on: int = 0):

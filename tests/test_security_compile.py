@@ -3,8 +3,8 @@
 A constrained request waits for its compile on the event loop (the compile runs in the engine's
 grammar pool), never in a thread of asyncio's default executor, which tokenizes every request:
 so with more compiles pending than that executor has threads, a plain request is still answered,
-before any of them. And one caller has at most COMPILES_PER_CALLER compiles pending; the next
-is a 429 naming the limit. `/_test/hold-compiles` (--test-hooks) holds every compile until
+before any of them. And one caller has at most COMPILES_PER_CALLER compiles in the pool, up to
+COMPILES_WAITING_PER_CALLER more waiting their turn; the next is a 429 naming both. `/_test/hold-compiles` (--test-hooks) holds every compile until
 released: compiles as slow as the test needs, no timing assertion."""
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from frontend.admission import COMPILES_PER_CALLER
-from tests.test_security_disk import PageSession
+from frontend.admission import COMPILES_PER_CALLER, COMPILES_WAITING_PER_CALLER
 
 TIMEOUT_S = 60
 # more compiles than asyncio's default executor has threads (min(32, cpus + 4)): the old code's
@@ -56,7 +55,8 @@ def test_a_plain_request_is_answered_while_many_compiles_are_pending(tiny_server
     try:
         flood = [pool.submit(constrained, i) for i in range(FLOOD)]
         # every request of the flood reached its compile (or was refused at once by a per-caller limit)
-        _until(lambda: _hold(url, -1)["pending"] + len(answered) >= FLOOD, "the flood's compiles to be pending")
+        _until(lambda: (h := _hold(url, -1))["pending"] + h["waiting"] + len(answered) >= FLOOD,
+               "the flood's compiles to be pending")
         pending = _hold(url, -1)["pending"]
         assert pending >= 1
         plain = httpx.post(f"{url}/chat", timeout=TIMEOUT_S, json={
@@ -74,26 +74,36 @@ def test_a_plain_request_is_answered_while_many_compiles_are_pending(tiny_server
     assert set(statuses) <= {200, 429} and 200 in statuses, statuses
 
 
-def test_one_visitor_has_a_bounded_number_of_compiles_pending(tiny_server):
-    """The page's visitor (its session: the caller) sends more JSON-schema answers than the limit
-    while compiles are held: the one past it is refused at once, naming the limit; the rest answer."""
+def test_one_caller_has_a_bounded_number_of_compiles_pending(tiny_server):
+    """One caller sends more distinct JSON schemas than its compiles in the pool and its waiting ones
+    together: COMPILES_PER_CALLER compile, COMPILES_WAITING_PER_CALLER wait their turn (holding no
+    thread), the next is a 429 naming both limits; once released every admitted one is answered."""
     url = tiny_server.url
-    tab = PageSession(url)
-    history = [{"role": "user", "content": [{"type": "text", "text": "JSON please"}]}]
+    total = COMPILES_PER_CALLER + COMPILES_WAITING_PER_CALLER + 1
+
+    def constrained(i: int) -> httpx.Response:
+        key = f"k{i}_{secrets.token_hex(3)}"  # distinct: each its own compile
+        schema = {"type": "object", "properties": {key: {"type": "string"}}, "required": [key]}
+        return httpx.post(f"{url}/v1/chat/completions", timeout=TIMEOUT_S, json={
+            "messages": [{"role": "user", "content": "JSON please"}], "max_tokens": 4,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+
     _hold(url, 1)
+    pool = ThreadPoolExecutor(total)
     try:
-        events = []
-        for i in range(COMPILES_PER_CALLER + 1):
-            key = f"k{i}_{secrets.token_hex(3)}"  # distinct: each its own compile
-            schema = f'{{"type": "object", "properties": {{"{key}": {{"type": "string"}}}}, "required": ["{key}"]}}'
-            events.append(tab.join("respond", [history, "", 0.0, 0.9, 0, 8, 1.0, "JSON schema", schema, 0]))
-        completions = tab.completions(events)
-        first = next(completions)  # the refused one, while the others wait for their compiles
-        assert not first["success"], first
-        assert f"at most {COMPILES_PER_CALLER} at once" in (first["output"].get("error") or ""), first
-        assert _hold(url, -1)["pending"] == COMPILES_PER_CALLER
-        _hold(url, 0)
-        rest = list(completions)
+        calls = [pool.submit(constrained, i) for i in range(total)]
+        _until(lambda: (h := _hold(url, -1))["pending"] + h["waiting"] >= total - 1,
+               "the caller's compiles to be pending or waiting")
+        done = _until(lambda: [c for c in calls if c.done()], "the call past both limits to be refused")
+        held = _hold(url, -1)
+        refused = done[0]
     finally:
         _hold(url, 0)
-    assert len(rest) == COMPILES_PER_CALLER and all(r["success"] for r in rest), rest
+        replies = [c.result(TIMEOUT_S) for c in calls]
+        pool.shutdown()
+    assert held["pending"] == COMPILES_PER_CALLER and held["waiting"] == COMPILES_WAITING_PER_CALLER, held
+    statuses = [r.status_code for r in replies]
+    assert statuses.count(429) == 1 and statuses.count(200) == total - 1, statuses
+    assert refused.result().status_code == 429
+    message = refused.result().json()["error"]["message"]
+    assert (f"at most {COMPILES_PER_CALLER} at once and {COMPILES_WAITING_PER_CALLER} waiting" in message), message
