@@ -1054,7 +1054,7 @@ def run_large(shape_text: str, servers: list[str], *, setup: bool = False, out: 
     for name in ready:
         results[name] = measure_large(name, plan, models[name], tokenizer_dir, tokenizer)
         if name.startswith("llama-server"):
-            results[name]["variant"] = make(name).variant
+            results[name]["variant"] = make("llama-server").variant
         out.write_text(json.dumps(document, indent=2))
     ttft = (f"; TTFT: one client, {plan.ttft_requests} prompts of each length, {plan.ttft_max_tokens} tokens out "
             f"(their ITL: one visitor's decode after a long prompt)" if plan.ttft_prompts else "")
