@@ -201,9 +201,8 @@ def _half_linear(blocks: _Blocks, bias: torch.Tensor | None) -> nn.Module:
         raise ModelLoadError("the C linear for 16-bit weights is unavailable here (see the log); use quantize=none")
     dtype = HALF_TYPES[blocks.ggml_type]
     values = torch.from_numpy(np.asarray(blocks.raw).view(np.int16)).view(dtype)
-    if blocks.order is not None and not np.array_equal(blocks.order, np.arange(len(blocks.order))):
-        values = values[torch.from_numpy(blocks.order)]
-    return PanelLinear(None, kernel, weight=values, bias=bias, dtype=dtype)
+    order = None if blocks.order is None else torch.from_numpy(blocks.order)  # the C packer takes the rows in it
+    return PanelLinear(None, kernel, weight=values, bias=bias, dtype=dtype, order=order)
 
 
 def _make_block_linears(model: nn.Module, pending: dict[str, _Blocks], kernel, int8: bool, report: GgufLoad,

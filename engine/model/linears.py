@@ -63,21 +63,19 @@ class PanelLinear(nn.Module):
     kind = "C kernel"  # where it runs, for `describe_linears`
 
     def __init__(self, linear: nn.Linear | None, kernel: LinearKernel, *, weight: torch.Tensor | None = None,
-                 bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32):
+                 bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
+                 order: torch.Tensor | None = None):
         super().__init__()
         if linear is not None:
             weight, bias = linear.weight, linear.bias
-        self.out_features, self.in_features = weight.shape
+        self.in_features = weight.shape[1]
+        self.out_features = weight.shape[0] if order is None else len(order)  # `order`: the rows kept (16-bit)
         self.kernel = kernel
         if dtype == weight.dtype and dtype != torch.float32:  # 16-bit values as they are: packed in C
-            self.panels = kernel.panels16(weight.detach())
+            self.panels = kernel.panels16(weight.detach(), order)
         else:
-            self.panels = panels_of(weight.detach(), dtype)
+            self.panels = panels_of(weight.detach() if order is None else weight.detach()[order], dtype)
         self.bias = padded_bias(bias, self.panels.shape[0], self.out_features)
-
-    @property
-    def weight_dtype(self) -> torch.dtype:
-        return self.panels.dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]

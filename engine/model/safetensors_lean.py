@@ -124,19 +124,26 @@ class _Tensor:
     nbytes: int
 
 
+def _read_header(path: Path) -> tuple[dict, int]:
+    """A `.safetensors` file's tensor table (8 bytes of length, then JSON; its metadata left out) and
+    where the data starts."""
+    with open(path, "rb") as handle:
+        length = int.from_bytes(handle.read(8), "little")
+        if length <= 0 or 8 + length > path.stat().st_size:
+            raise LeanLoadUnsupported(f"{path.name} is not a safetensors file (its header length is {length})")
+        header = json.loads(handle.read(length))
+    header.pop("__metadata__", None)
+    return header, 8 + length
+
+
 class _Mapped:
     """A `.safetensors` file mapped read-only; its header parsed (8 bytes of length, then JSON)."""
 
     def __init__(self, path: Path):
         self.path = path
+        self.header, self.data_start = _read_header(path)
         with open(path, "rb") as handle:
             self.map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
-        length = int.from_bytes(self.map[:8], "little")
-        if length <= 0 or 8 + length > len(self.map):
-            raise LeanLoadUnsupported(f"{path.name} is not a safetensors file (its header length is {length})")
-        self.header = json.loads(self.map[8:8 + length])
-        self.header.pop("__metadata__", None)
-        self.data_start = 8 + length
         self.buffer = np.frombuffer(self.map, dtype=np.uint8)
 
     def tensors(self):
@@ -175,11 +182,12 @@ def checkpoint_dtype(files: list[Path]) -> torch.dtype | None:
     """The dtype most of the checkpoint's two-dimensional tensors hold (by count), or None."""
     counts: dict[torch.dtype, int] = {}
     for path in files:
-        with open(path, "rb") as handle:
-            length = int.from_bytes(handle.read(8), "little")
-            header = json.loads(handle.read(length))
-        for name, info in header.items():
-            if name != "__metadata__" and len(info.get("shape", ())) == 2 and info["dtype"] in _DTYPES:
+        try:
+            header = _read_header(path)[0]
+        except (LeanLoadUnsupported, ValueError):  # not readable here: from_pretrained says why
+            return None
+        for info in header.values():
+            if len(info.get("shape", ())) == 2 and info["dtype"] in _DTYPES:
                 dtype = _DTYPES[info["dtype"]][1]
                 counts[dtype] = counts.get(dtype, 0) + 1
     return max(counts, key=counts.get) if counts else None
