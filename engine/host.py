@@ -3,7 +3,7 @@
 `keep_freed_memory()`: glibc serves allocations above 128 KiB-32 MiB with fresh `mmap`s and
 returns them on free, so every step's multi-megabyte activations and KV gathers page-fault their
 memory in again (expensive in a VM). Raising the mmap and trim thresholds keeps freed memory in the
-heap for reuse: about 10% more tokens/s at 64 sequences here.
+heap for reuse (the gain: docs/benchmarks-history.md).
 """
 
 from __future__ import annotations
@@ -24,9 +24,7 @@ def in_passing_thread(fn, /, *args, **kwargs):
     (the first thread counted) than it has CPUs, every worker spins about 100 times instead of some
     milliseconds before it sleeps at a barrier, so each of a step's ~240 parallel regions wakes it
     through the kernel. A server that loaded in its main thread and steps in the engine's thread
-    was that case on 2 cores: 32 streams of the engine alone (an AsyncEngine fed as `python -m
-    bench` feeds the server) 763 tok/s and 40,900 context switches, 866 and 1,600 with the load
-    and the core built in passing threads."""
+    was that case on 2 cores (its tokens/s and context switches: docs/benchmarks-history.md)."""
     box: dict = {}
 
     def run() -> None:

@@ -22,7 +22,7 @@
  * as their d, computed where it is used (the same floats): Q4_K 0.79x Q4_1's bytes for the same
  * weights. Q6_KS keeps its six-bit weights a byte each, 1.08x Q6_K's bytes: widening a byte takes
  * the instructions Q4's nibbles do, where Q6_K's two planes took twice as many, which bound a
- * one-row step on AVX2 (0.74-0.77x the time of the six-bit planes at one row there, bench.qlinear_ab).
+ * one-row step on AVX2 (docs/benchmarks-history.md has the figures behind these comments).
  * GGUF's Q8_0, IQ4_NL and IQ4_XS are held as Q8_0; Q4_K as Q4_K; Q5_1 and Q5_K as Q5_1; Q6_K and
  * Q3_K (q + 32) as Q6_KS; Q5_0 (q + 16) as Q6_K; with int8 activations Q4_K as Q4_1 and Q6_KS as
  * Q6_K (engine/model/quant.py, csrc/repack.c). */
@@ -90,14 +90,8 @@ static inline int scale_parts(int kind) { return is_q6(kind) ? 2 : 1; }
 
 /* The panel's block PREFETCH_BLOCKS ahead, asked for while this one is computed: at one row the
  * widening takes about as long as reading the weights, and without it the two took turns (the
- * hardware prefetcher alone left each thread waiting at every block). Measured in a C harness,
- * Q4_1 weights from memory, two threads: 0.71-0.99x the time at one row, 0.91-0.94x at 8 (float32
- * activations), 0.47-0.62x with int8 activations (with the sums apart, below). Asked for into every
- * level (T0), not as non-temporal (NTA): on the Intel AMX host (session 32) NTA's lines bypassed L2
- * and the one-row step read at half the bandwidth (bench.qlinear_ab, 1 row: 0.62-0.78x the time on
- * the 1.7B's shapes, 0.35-0.39x on SmolLM2-135M's; 32 rows on AMX tiles 0.84x; whole decode steps
- * of one sequence 1.44x the tok/s on the 1.7B, 1.63x on the 135M); T1 and T2 measured as T0, and
- * 4 or 16 blocks ahead as 8. On an AMD AVX2 host T0 measured within 2% of NTA (session 25). */
+ * hardware prefetcher alone left each thread waiting at every block). Into every cache level (T0),
+ * not non-temporal: on Intel NTA's lines bypass L2 and halved the one-row read rate. */
 enum { PREFETCH_BLOCKS = 8, PREFETCH_T0 = 3 /* __builtin_prefetch's locality: every cache level */ };
 static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *blk, const int kind) {
     /* super-blocks: PREFETCH_BLOCKS is one, so this is the same block of the next one, and past
@@ -108,10 +102,8 @@ static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *
 }
 
 /* Floats between two threads' sums (16 per row for one panel's outputs, then a cache line of
- * gap), from a 64-byte aligned buffer: no cache line holds two threads' sums. Packed back to back,
- * the threads wrote into the same lines for every panel (every block of it with more rows than
- * FEW_ROWS): 0.64-0.68x the time of a 960 x 576 / 3072 x 576 Q4_1 linear at 8 rows once apart,
- * 0.81-0.94x at one row (weights from memory, medians of 40 alternations). */
+ * gap), from a 64-byte aligned buffer: no cache line holds two threads' sums, which packed back to
+ * back made the threads write into the same lines for every panel. */
 static inline int64_t acc_stride(int64_t rows) { return 16 * rows + 16; }
 
 /* rows split as evenly as they go into tiles of at most `most` rows; tile t starts at row
@@ -165,8 +157,7 @@ static inline __attribute__((always_inline)) void scales16(const uint8_t *panel,
 #endif
 
 /* panel p's sums acc [rows][16] (+ bias) into its columns of y [rows, out]; a full panel a row per
- * zmm store (AVX-512), the same sums: 0.96-1.00x the time of the float32 kernel at 16 and 32 rows,
- * 0.96-0.99x at 8 (bench.qlinear_ab, SmolLM2's shapes), where scalar stores were 2-4% of it */
+ * zmm store (AVX-512) rather than 16 scalar stores, the same sums */
 static inline void store_panel(const float *acc, const float *bias, float *y, int64_t rows, int64_t out, int64_t p) {
     const int cols = out - p * 16 < 16 ? (int)(out - p * 16) : 16;
 #ifdef __AVX512F__

@@ -109,7 +109,7 @@ static inline void softmax_tile(float *s, int nq, int n, float *m, float *l, flo
 /* acc[0..D) += p[i] * (vr[i] + off)[0..D) over the tile's n positions, in order: with D a
    multiple of 64 (or 32), 64 (32) of the sums stay in registers over the whole tile (the values of
    a position were otherwise multiplied into sums loaded and stored again for every position; with
-   32, its 4 chains waited on the multiply-add's latency: 0.91-0.94x the time at 32 sequences) */
+   32, its 4 chains wait on the multiply-add's latency) */
 static inline void weigh_values(float *acc, const float *p, const float *const *vr, int64_t off, int n, int D) {
     if (D % 64 == 0) { /* 64 sums in 8 registers: 8 chains of multiply-adds, enough to hide their latency */
         for (int d0 = 0; d0 < D; d0 += 64) {
@@ -304,8 +304,8 @@ static void one_task(const float *q, int64_t q_tok, int64_t q_head, int64_t row,
    then the 16 positions' sums together by a transposing tree), the softmax on 16 lanes, and each KV
    head's query heads' weighted values in registers over the tile (a position's value row loaded
    once for them). The next tile's key and value rows, or the next task's first, are prefetched while
-   this one runs, only the KV heads the task reads of them (a task per KV head read every head's: 2x
-   the time of a 1.7B's one-row step at 500 positions): the cache of 32 sequences outgrows the L3
+   this one runs, only the KV heads the task reads of them (a task per KV head that read every
+   head's was much slower): the cache of 32 sequences outgrows the L3
    cache between layers, and decode attention otherwise waited on memory. */
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i_ __attribute__((vector_size(64)));
@@ -549,8 +549,7 @@ void rill_decode_attention(const float *q, int64_t q_tok, int64_t q_head, const 
        sequences to keep every thread busy, per range of positions (each range's softmax state
        merged in order afterwards), the rows still read whole, front to back; and when a context
        is too short for ranges, per KV head. A task per KV head reads a slice of every row, rows
-       8 KB apart on a 1.7B: its one-row step took 1.19x the time of ranges over whole rows at
-       2,000 positions, 1.07x at 500 (the 135M's 1.05x at 2,000; BENCHMARKS.md session 33) */
+       8 KB apart on a 1.7B, slower than ranges over whole rows (docs/benchmarks-history.md) */
     int64_t longest = 0;
     for (int b = 0; b < num_seqs; b++) {
         const int64_t own = lens[b] - own_start(lens[b], shared[b], window);

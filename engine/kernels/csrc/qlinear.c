@@ -39,13 +39,10 @@
 /* FEW_ROWS: up to this many rows widen the weights in registers once for all of them (AVX2:
  * rows_panel; AVX-512: one row, and from 2 rows its tiles, which widen each input once for all
  * rows, take less time; rill_qlinear_few_rows says which). WIDEN_ROWS: up to this many rows widen
- * them in registers once per tile of FEW_ROWS (AVX2: 7-12 rows as two rows_panel tiles, 0.90-0.97x
- * the time of de-quantizing at 8 rows and 0.75-0.88x at 12, on the 1.7B's and SmolLM2-135M's
- * shapes, every kind tried (bench.qlinear_ab); 16 rows about even, 32 and 64 rows 1.02-1.13x, so
- * no further). CHUNK: more rows de-quantize this many blocks (8 KB of floats, beside 32 rows' 16 KB
- * of x: within L1) before their tiles run over all of them, so a tile loads and stores its sums once
- * per 128 inputs, not per 32: 0.83-0.91x the time of 3072 x 576 / 576 x 1536 at 24 and 32 rows
- * (Q4_1, two threads) */
+ * them in registers once per tile of FEW_ROWS (AVX2: 7-12 rows as two rows_panel tiles; from 16 rows
+ * de-quantizing first is as fast). CHUNK: more rows de-quantize this many blocks (8 KB of floats,
+ * beside 32 rows' 16 KB of x: within L1) before their tiles run over all of them, so a tile loads
+ * and stores its sums once per 128 inputs, not per 32 (figures: docs/benchmarks-history.md) */
 #ifdef __AVX512F__
 enum { FEW_ROWS = 1, WIDEN_ROWS = 1, CHUNK = 4 };
 #else
@@ -216,7 +213,7 @@ static inline __attribute__((always_inline)) void tile_store(float *acc, int64_t
 static inline __attribute__((always_inline)) void block_tile(const float *x, int64_t x_row, const float *w,
                                                              float *acc, int64_t acc_row, int first, int64_t kn, const int MR) {
     /* 1 or 2 rows: 4 sums cannot hide the multiply-add's latency, so odd inputs go to a second
-     * set (8 rows, a 6 and a 2 tile: 0.94x the time) */
+     * set */
     const int S = MR <= 2 ? 2 : 1;
     v8 a[6][2], c[6][2];
     tile_load(acc, acc_row, first, MR, a, c);
@@ -263,8 +260,8 @@ static inline __attribute__((always_inline)) void lead_tile(const float *x, int6
  * y[j] = sum over blocks (Q6_K: halves of blocks, each with its d) of d[j] (q x) + m[j] sum(x)
  * (Q4_0: m = -8 d, Q6_K: -32 d). xsum: each row's sums of x per block (Q6_K: per 16 inputs). A
  * speculative step's verification (the last token and k guesses of one sequence) and a few decodes
- * side by side take 2 to 6 rows: row by row, each row widened every weight again (2 rows: 1.8x the
- * time of one). Independent chains of sums over the inputs hide the multiply-add's latency: four
+ * side by side take 2 to 6 rows: row by row, each row would widen every weight again. Independent
+ * chains of sums over the inputs hide the multiply-add's latency: four
  * at one row, two (even and odd inputs) up to 3 rows, one from 4: 8 to 12 running sums, within the
  * 16 registers beside w0, w1 and x. */
 static inline __attribute__((always_inline)) void rows_panel(const float *x, int64_t x_row, const float *xsum,
@@ -317,8 +314,7 @@ static inline __attribute__((always_inline)) void rows_panel(const float *x, int
 /* AVX-512: a panel's 16 outputs are one zmm register, so a tile of rows keeps one running sum per
  * row (up to WIDE_TILE rows, of 32 registers) and each input costs one multiply-add per row, whose
  * x is broadcast from memory inside the instruction (x packed once per call, input-major within
- * each tile: xp[k][MR]). Zen 5 host, Q4_1, SmolLM2's shapes: 0.56-0.71x the AVX2 tiles' time at 8
- * and 32 rows (bench.qlinear_ab). */
+ * each tile: xp[k][MR]), fewer instructions per input than the AVX2 tiles. */
 enum { WIDE_TILE = 16 };
 
 /* input k of a block: its 16 integer weights as floats, in output order (Q4: byte j holds output j
@@ -345,9 +341,8 @@ static inline __attribute__((always_inline)) __m512 scale16(__m512 q, __m512 d, 
 
 #ifdef __AVX512VBMI__
 /* With AVX512-VBMI a Q4 nibble reaches its output's 32-bit lane in one byte permutation (whose mask
- * zeroes the lane's other bytes) instead of widen16's unpack and widening: 0.85-0.88x the time at
- * one row, 0.75-0.78x at 2, 0.93-0.97x at 8. Up to BYTE_PERMUTE_ROWS rows: with more, the index
- * vectors and the rows' sums exceed the 32 registers (16 rows: 1.7-1.9x the time). */
+ * zeroes the lane's other bytes) instead of widen16's unpack and widening. Up to BYTE_PERMUTE_ROWS
+ * rows: with more, the index vectors and the rows' sums exceed the 32 registers. */
 enum { BYTE_PERMUTE = 1, BYTE_PERMUTE_ROWS = 8 };
 /* Q4 weights of four inputs k4..k4+3 (32 bytes): their low nibbles in bytes 0-31 and high ones in
  * 32-63, input g's at 8g (outputs 0-7) and 32 + 8g (outputs 8-15) */
@@ -464,8 +459,8 @@ static inline int64_t wide_start(int64_t rows, int64_t t) { return tile_start(ro
 
 /* inputs [k0, k1) of x [rows, in] -> xp: each tile's rows input-major, xp[start * in + k * MR + i] =
  * x[start + i][k]. Written in order (the tile's rows read side by side): row by row, each write went
- * to another cache line; and by ranges of inputs in the threads: serial, the packing of 32 rows took
- * 4% of a 32-sequence step while the other thread waited (0.87-0.99x the time at 16 and 32 rows).
+ * to another cache line; and by ranges of inputs in the threads, so that neither thread waits while
+ * the other packs.
  * Fewer than PACK_IN_THREADS rows are packed before the threads start: their barrier cost more. */
 enum { PACK_INPUTS = 64, PACK_IN_THREADS = 8 };
 static void pack_rows(const float *x, int64_t x_row, int64_t rows, int64_t in, float *xp, int64_t k0, int64_t k1) {
@@ -479,9 +474,8 @@ static void pack_rows(const float *x, int64_t x_row, int64_t rows, int64_t in, f
 }
 
 /* More rows than ROW_SET_BYTES of packed x (a share of L2) go in sets of rows, split as evenly as
- * they go, and the panels pass over one set at a time (each panel de-quantized again per set): with
- * x read from L3 for every panel, 512 rows ran at 0.92-0.98x the speed of this (960 x 576 to
- * 576 x 1536, Q4_1, bench/qlinear_ab.c, a prompt's chunk of the embedded SmolLM2). */
+ * they go, and the panels pass over one set at a time (each panel de-quantized again per set), so
+ * that x is read from L2, not from L3 for every panel. */
 enum { ROW_SET_BYTES = 384 * 1024 };
 static inline int64_t set_rows(int64_t in) { return ROW_SET_BYTES / 4 / in < 16 ? 16 : ROW_SET_BYTES / 4 / in; }
 static inline int64_t row_sets(int64_t rows, int64_t in) { return num_tiles(rows, set_rows(in)); }

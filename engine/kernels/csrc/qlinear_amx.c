@@ -16,16 +16,10 @@
  * (each tile load reads 1 KB in a row); C, T x 16 float32 sums, stored after each block and scaled
  * into each row's running sums.
  *
- * Profiled (perf, 512 rows of a 2048 x 2048 Q4_K): the tile products were not what bound it; without
- * them the time went down 25%, without the widening 25-33%, without the scaling 20%. So B is widened
- * once for a set of rows and two panels share each A tile. Measured since (6144 x 2048 Q4_K): one
- * TDPBF16PS takes 5 ns whether its A has 2 or 16 rows and whether it waits on the one before it, but
- * the vector work beside it hardly overlaps it (16 rows' scaling after each block: 5.3 -> 6.7-8.6 ns a
- * product); and x's pieces read through L1 pushed the running sums out of it (at 512 rows the scaling
- * was 46% of the time). So x's tiles are loaded as a stream (TILELOADDT1: 0.86x the time at 512 rows,
- * 0.93x at 32), and the scaling and widening are issued after the next products (0.96x). Tried, not
- * kept: each panel alone with its 16 rows' sums in registers (no faster: each product then reads 1.3 KB
- * of tiles from L2), units in pairs sharing one store of the sums (1.02-1.05x the time).
+ * The vector work beside the tile products (widening B, scaling the sums), not the products, bounds
+ * it: so B is widened once for a set of rows, two panels share each A tile, x's tiles are loaded as a
+ * stream (TILELOADDT1, leaving the running sums in L1), and the scaling and widening are issued after
+ * the next products (the profile and what was tried: docs/benchmarks-history.md).
  *
  * Linux lends the tiles' state to a process that asks (arch_prctl ARCH_REQ_XCOMP_PERM): refused,
  * or on a build without AMX, rill_qlinear_amx declines and the float32 kernel runs. */
@@ -60,7 +54,7 @@ enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 };
 #define TC2 6
 #define TC3 7
 /* x's pieces held for a set of rows at a time (beside their sums), each panel reading them all, its
- * B tiles widened once for the set: 1.5 MB (768 KB: 1.3x the time of 512 rows of 2048 x 8192, 4 MB 1.2x) */
+ * B tiles widened once for the set: 1.5 MB, faster than half or more than twice as much */
 enum { PIECE_SET_BYTES = 1536 * 1024 };
 
 static int amx_ready(void) {
@@ -90,14 +84,10 @@ static void configure_tiles(int span, int T) {
     _tile_loadconfig(&c);
 }
 
-/* Where the tiles beat the float32 kernel, measured (Intel Xeon with AMX, 2 threads): linears alone
- * (rill_qlinear_amx_rows(1) against 0 in one process, SmolLM2-135M's and -1.7B's shapes), then whole
- * decode steps (bench numbers in BENCHMARKS.md). Q8_0 and Q4 from 2 and 3 rows (at one row the
- * steps were 2% slower: the float32 kernel's one row is bound by memory there too); Q6_KS, whose
- * halves take tiles of 16 inputs, from 16 (0.73-0.87x the time; 1.30x at 1-8 rows on the 49152-output
- * head). From 7 to 15 rows the float32 kernel's AVX-512 tiles (one or two of up to 16 rows) made
- * steps as fast or faster (8 rows: 1.5-2%, 12 rows: 3.5%), though the tiles won on linears alone;
- * at 2-6 rows the steps were 1-9% faster with the tiles, at 16 6%, at 24-32 46-66%. */
+/* Where the tiles made whole decode steps faster than the float32 kernel (Intel Xeon with AMX, 2
+ * threads; docs/benchmarks-history.md): Q8_0 from 2 rows and Q4 from 3 (at one row the float32
+ * kernel is bound by memory too) up to 6, and again from 16 (at 7-15 the float32 kernel's AVX-512
+ * tiles are as fast); Q6_KS, whose halves take tiles of 16 inputs, from 16. */
 static inline int amx_takes(int64_t rows, int kind) {
     if (!is_q4(kind) && !is_int8(kind)) return 0;  /* Q5_1, Q6_K: their bits on two planes, no tiles */
     if (kind == Q6_KS) return rows >= 16;
@@ -286,7 +276,7 @@ static inline __attribute__((always_inline)) void panel_tiles(const uint16_t *pi
             if (row0 == s0 && part == 0 && b + 1 < blocks)  /* the next block, while these multiply */
                 widen_blocks(panel, panel_bytes, b + 1, bf + ((b + 1) & 1) * 1024, nd, nm, ne, c, G, kind);
             if (set == 0) /* the other set, issued before these; a constant set in each call (flush_set with
-                             set ^ 1 made 512 rows of 6144 x 2048 1.17-1.19x slower) */
+                             set ^ 1 was slower) */
                 flush_set(pend, 1, sums, rows, per_row, T, G, kind);
             else
                 flush_set(pend, 0, sums, rows, per_row, T, G, kind);

@@ -1,7 +1,7 @@
 /* y = x w^T + bias for block-quantized weights with int8 activations, as llama.cpp computes
  * them (built by engine/kernels/build.py). Lossy: each block of 32 inputs of a row of x is rounded to int8
  * with its own scale (dx = max |x| / 127), so the result differs from the float32 product by that
- * rounding; engine/model/quant.py measures how much (top-1 agreement and KL in BENCHMARKS.md).
+ * rounding (top-1 agreement and KL against float32: `python -m bench.divergence`).
  *
  * A block's dot product is then exact integer arithmetic: sum_k q_k xq_k, from which
  *   Q8_0: d dx sum(q xq)          Q4_0: d dx (sum(q xq) - 8 sum(xq))
@@ -211,9 +211,8 @@ enum { Q8_OFFSET = 0 };
 
 /* A tile: TILE_ROWS rows times both halves of a panel, so each broadcast of a row's inputs serves
  * two byte dot products and each widened weight vector serves TILE_ROWS rows: 12 int16/int32 sums
- * and 6 float ones, in registers. bench/qlinear_ab.py against per-row sums kept in memory (the
- * kernel before): 0.68-0.80x the time at 32 rows, 0.77-0.90x at 8, 0.73-1.03x at one; against
- * tiles of 4 rows, 2 rows or 4 rows of one half at a time: 0.92-0.96x, 0.91-0.99x, 0.94-0.98x. */
+ * and 6 float ones, in registers: faster than per-row sums kept in memory and than tiles of 2 or 4
+ * rows (docs/benchmarks-history.md). */
 enum { TILE_ROWS = 3 };
 
 /* four inputs of a row of xq, in every 32-bit lane */
@@ -392,8 +391,7 @@ static inline __attribute__((always_inline)) void tile_rows(const int8_t *xq, co
 }
 
 /* all rows times one panel: acc [rows][16], in tiles of TILE_ROWS rows (the last one 1-2); Q6_K in
- * tiles of 2, whose two sets of sums (inputs 0-15, 16-31) fit the registers better: 1.2x the speed of
- * tiles of 3 at 8 to 128 rows (one thread, 2048 x 2048) */
+ * tiles of 2, whose two sets of sums (inputs 0-15, 16-31) fit the registers better */
 static inline __attribute__((always_inline)) void panel_rows(const int8_t *xq, const float *dx, const float *dxs,
                                                              const int32_t *xs, const int32_t *xh,
                                                              const uint8_t *panel, int64_t blocks, int64_t rows,
