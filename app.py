@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
         gc.freeze()
         log.info("serving %s on http://%s:%d (backend %s, engine: %s attention)", engine.model_name, settings.host,
-                 settings.port, settings.backend, getattr(engine, "attention_path", "?"))
+                 settings.port, settings.backend, engine.attention_path)
         status = serve(app, settings, engine)
     finally:
         engine.shutdown()

@@ -56,8 +56,7 @@ def check_prompt_chars(engine, num_chars: int, param: str) -> None:
 
 def _down_reason(engine) -> str:
     """Why the engine cannot serve now, in the backend's words when it has them."""
-    reason = getattr(engine, "unavailable_reason", None)
-    return reason() if reason is not None else "The engine is not running; the server cannot generate. Check /health."
+    return engine.unavailable_reason()
 
 
 async def off_loop(function, *args):
@@ -252,12 +251,11 @@ def compile_constraint_now(engine, params: SamplingParams, client: str | None = 
     engine thread never waits for a grammar; 400 when it does not compile, 429 when too many are
     compiling (for everyone, or for `client`). An engine without a compiler (a remote one) compiles
     where it runs."""
-    compile_ = getattr(engine, "compile_constraint", None)
-    if params.constraint is None or compile_ is None:
+    if params.constraint is None or engine.grammars is None:
         return
     with COMPILE_SLOTS.held(client):
         try:
-            compile_(params)
+            engine.compile_constraint(params)
         except QueueFull as exc:
             raise queue_full_error(exc, RETRY_AFTER_S) from None
 
@@ -269,8 +267,8 @@ async def compile_constraint(engine, params: SamplingParams, client: str | None 
     `client` (frontend `client_of`) is whom COMPILES_PER_CALLER counts."""
     if params.constraint is None:
         return
-    grammars = getattr(engine, "grammars", None)
-    if grammars is None or getattr(engine, "compile_constraint", None) is None:
+    grammars = engine.grammars
+    if grammars is None:
         return  # a remote engine compiles where it runs
     async with COMPILE_SLOTS.held_async(client):
         future = _submit(grammars, params)
@@ -340,12 +338,9 @@ class Generation:
         """Waits until the engine took the request (at once for the local engine; a remote one
         answers after a round trip): its refusal is the same 400, 429 or 503 as a local one, and
         a request that cannot even be admitted before its deadline is a 504."""
-        wait = getattr(self.engine, "wait_admitted", None)
-        if wait is None:
-            return self
         timeout = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
         try:
-            await wait(self.stream, timeout)
+            await self.engine.wait_admitted(self.stream, timeout)
         except QueueFull as exc:
             raise queue_full_error(exc, RETRY_AFTER_S) from None
         except asyncio.TimeoutError:

@@ -76,13 +76,11 @@ def _from_file(folder: str | None) -> dict:
 def model_sampling_defaults(engine) -> SamplingDefaults:
     """The engine's model's defaults: its loaded generation config (local engines) or the
     `generation_config.json` beside its tokenizer, then the model card's table for what is still unset."""
-    loaded = getattr(engine, "loaded", None)
-    config = getattr(getattr(loaded, "model", None), "generation_config", None)
+    config = engine.generation_config
     found = _usable(lambda name: getattr(config, name, None)) if config is not None else {}
     if not found:
-        tokenizer = getattr(engine, "tokenizer", None)
-        found = _from_file(getattr(tokenizer, "name_or_path", None))
-    card = MODEL_CARD_DEFAULTS.get(str(getattr(engine, "model_name", "") or ""), {})
+        found = _from_file(getattr(engine.tokenizer, "name_or_path", None))
+    card = MODEL_CARD_DEFAULTS.get(engine.model_name or "", {})
     values = {**card, **found}
     defaults = SamplingDefaults(**values)
     if values:

@@ -131,7 +131,7 @@ class _EngineCollector:
         yield _family("rill_requests_waiting", stats.num_waiting)
         yield _family("rill_kv_cache_usage_ratio", float(stats.kv_usage))
         yield _family("rill_kv_cache_blocks", stats.num_kv_blocks)
-        yield _family("rill_engine_alive", 1.0 if getattr(self.engine, "alive", True) else 0.0)
+        yield _family("rill_engine_alive", 1.0 if self.engine.alive else 0.0)
         yield _family("rill_preemptions_total", stats.num_preemptions)
         yield _family("rill_engine_steps_total", stats.num_steps)
         yield _family("rill_prefix_cache_queried_tokens_total", stats.prefix_cache_queried_tokens)

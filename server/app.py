@@ -45,15 +45,11 @@ def _engine_stats(engine) -> dict:
 
 def _backend_health(engine) -> dict:
     """The backend's own part of /health (local: weights, linears, restarts; ray: its replicas)."""
-    info = getattr(engine, "health_info", None)
-    if info is not None:
-        try:
-            return info()
-        except Exception:  # health still answers
-            log.warning("backend health unavailable", exc_info=True)
-            return {}
-    return {"weights": engine.loaded.weights, "linears": engine.core.linears,
-            "engine_restarts": getattr(engine, "num_restarts", 0)}
+    try:
+        return engine.health_info()
+    except Exception:  # health still answers
+        log.warning("backend health unavailable", exc_info=True)
+        return {}
 
 
 def create_app(engine, settings: Settings) -> FastAPI:
@@ -68,7 +64,7 @@ def create_app(engine, settings: Settings) -> FastAPI:
     state.shutting_down = False
     state.resume = ResumeRegistry(settings.resume_window, engine.abort, max_streams=settings.resume_max_streams,
                                   max_bytes=settings.resume_max_bytes,
-                                  continuable=getattr(engine, "continuable", True))
+                                  continuable=engine.continuable)
     state.tasks = set()  # background pump tasks, kept referenced until they finish
 
     def spawn(coro) -> asyncio.Task:

@@ -71,7 +71,7 @@ def _sampling_params(body: ChatBody, settings, engine, defaults: SamplingDefault
         seed=body.seed,
         ignore_eos=body.ignore_eos,
         constraint=body.constraint(),
-        reasoning=getattr(engine, "think_tags", None) is not None,
+        reasoning=engine.think_tags is not None,
         max_reasoning_tokens=None if body.max_reasoning_tokens is None else min(body.max_reasoning_tokens, max_tokens),
         cache_salt=body.cache_salt,
     )

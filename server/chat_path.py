@@ -61,9 +61,8 @@ def default_max_tokens(engine, num_prompt_tokens: int) -> int:
     """OpenAI's default: whatever room the context (and the KV cache) leaves; at least 1, so that
     a prompt that fills the context gets check_prompt's message."""
     room = engine.max_model_len
-    core = getattr(engine, "core", None)
-    if core is not None and hasattr(core, "num_kv_blocks"):
-        room = min(room, core.num_kv_blocks * engine.config.block_size)
+    if engine.kv_cache_tokens is not None:
+        room = min(room, engine.kv_cache_tokens)
     return max(1, room - num_prompt_tokens)
 
 
@@ -127,7 +126,7 @@ async def start_chat(request: Request, job: ChatJob, request_id: str, route: str
     max_tokens = job.max_tokens or default_max_tokens(engine, len(encoded.prompt_ids))
     constraint = fmt.constraint(job.tools, engine.tokenizer) if fmt is not None else job.constraint
     params = sampling_params(job.sampling, max_tokens, job.logprobs, constraint,
-                             reasoning=getattr(engine, "think_tags", None) is not None,
+                             reasoning=engine.think_tags is not None,
                              defaults=model_defaults(request.app.state))
     try:
         await compile_constraint(engine, params, client=client_of(request))

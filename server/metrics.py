@@ -62,7 +62,7 @@ def install_metrics(app, engine, *, log_format: str = "text", logger: logging.Lo
     The recorder is also kept as `app.state.metrics`. Call it before mounting Gradio at "/".
     """
     metrics = RequestMetrics(engine, log_format=log_format, logger=logger)
-    if getattr(engine, "backend", "local") == "ray":
+    if engine.backend == "ray":
         metrics.registry.register(_ReplicaCollector(engine))
 
     async def metrics_endpoint() -> Response:

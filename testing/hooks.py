@@ -87,8 +87,8 @@ def install_test_routes(app: FastAPI, engine) -> None:
     async def raise_inside():
         raise InjectedFailure("secret detail from /srv/rill/server/app.py line 1")
 
-    local = getattr(engine, "core", None) is not None
-    if not local and not hasattr(engine, "delay_steps"):
+    local = engine.backend == "local"
+    if engine.backend not in ("local", "ray"):
         return  # --backend openai: nothing of the engine runs here
 
     @app.post("/_test/slow-steps", include_in_schema=False)

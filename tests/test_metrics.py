@@ -33,6 +33,7 @@ class _Stats:
 
 class _Engine:
     alive = True
+    backend = "local"
 
     def stats(self):
         return _Stats()

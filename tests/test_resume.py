@@ -36,6 +36,9 @@ class ScriptedEngine:
     def check_prompt(self, prompt_token_ids, params) -> None:
         pass
 
+    async def wait_admitted(self, stream, timeout=None) -> None:
+        return None  # add_request admitted it
+
     def add_request(self, prompt_token_ids, params, request_id, prior_output_ids=()) -> RequestStream:
         assert request_id not in self.streams
         self.streams[request_id] = RequestStream(self, request_id, params.n)

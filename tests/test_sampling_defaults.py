@@ -17,8 +17,7 @@ from ui.chat import ChatSettings
 
 
 def _engine(name="some-model", generation_config=None, folder=None):
-    model = SimpleNamespace(generation_config=generation_config)
-    return SimpleNamespace(model_name=name, loaded=SimpleNamespace(model=model),
+    return SimpleNamespace(model_name=name, generation_config=generation_config,
                            tokenizer=SimpleNamespace(name_or_path=folder))
 
 
@@ -30,7 +29,7 @@ def test_the_generation_config_gives_the_defaults():
 
 def test_a_remote_backend_reads_generation_config_json_beside_its_tokenizer(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.95, "top_k": 0}))
-    engine = SimpleNamespace(model_name="m", tokenizer=SimpleNamespace(name_or_path=str(tmp_path)))
+    engine = SimpleNamespace(model_name="m", generation_config=None, tokenizer=SimpleNamespace(name_or_path=str(tmp_path)))
     assert model_sampling_defaults(engine) == SamplingDefaults(temperature=0.6, top_p=0.95, top_k=0)
 
 
@@ -51,7 +50,7 @@ def test_routes_fill_unset_fields_from_the_model_and_keep_what_a_request_sets():
     assert (given.temperature, given.top_p, given.repetition_penalty) == (0, 1, 1)
     plain = _params(ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}]), 8, None)
     assert (plain.temperature, plain.top_p, plain.top_k, plain.repetition_penalty) == (1.0, 1.0, 0, 1.0)
-    chat = _sampling_params(ChatBody(prompt="hi"), settings, None, model)
+    chat = _sampling_params(ChatBody(prompt="hi"), settings, SimpleNamespace(think_tags=None), model)
     assert (chat.temperature, chat.top_p, chat.top_k, chat.repetition_penalty) == (0.3, 0.8, 20, 1.05)
-    seed_protocol = _sampling_params(ChatBody(prompt="hi"), settings, None)
+    seed_protocol = _sampling_params(ChatBody(prompt="hi"), settings, SimpleNamespace(think_tags=None))
     assert (seed_protocol.temperature, seed_protocol.top_p, seed_protocol.top_k) == (0.7, 1.0, 0)

@@ -8,8 +8,8 @@ import json
 import jsonschema
 import pytest
 
-from engine.async_engine import AsyncEngine
 from engine.model.loading import load_model
+from frontend.backends.local import LocalEngine
 from ui.chat import AnswerStats, ChatSettings, answer_messages, stream_answer
 from ui.history import ChatError
 from ui.page import build_demo
@@ -20,7 +20,7 @@ SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    engine = AsyncEngine(load_model(tiny_model("qwen3"))).start()
+    engine = LocalEngine(load_model(tiny_model("qwen3"))).start()  # the page needs the engine client
     yield engine
     engine.shutdown()
 

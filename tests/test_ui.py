@@ -105,6 +105,10 @@ class FakeChatEngine:
     model_name = "fake-chat-model"
     attention_path = "paged"
     alive = True
+    backend = "local"
+    tokenizer = None
+    think_tags = None
+    generation_config = None
 
     def __init__(self, reply="Hello there, this is a scripted answer.", max_model_len=64, token_delay=0.0):
         self.reply = reply

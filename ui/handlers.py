@@ -95,8 +95,8 @@ class PageHandlers:
         self.session_salt = session_salts() if salt_sessions else (lambda request: None)
         self.default_max_new_tokens = default_max_new_tokens
         self.visitors = VisitorStreams()
-        self.thinks = getattr(engine, "think_tags", None) is not None  # a thinking model: its thought in its own box
-        tokenizer = getattr(engine, "tokenizer", None)
+        self.thinks = engine.think_tags is not None  # a thinking model: its thought in its own box
+        tokenizer = engine.tokenizer
         self.calls_format = tool_format(tokenizer).name if tokenizer is not None else None  # calls as tool messages
 
     def respond(self, history, system_prompt, temperature, top_p, top_k, max_new_tokens, repetition_penalty,

@@ -29,7 +29,7 @@ CSS = """
 def _header(engine, model_name: str) -> str:
     return (f"## rill chat · `{model_name}`\n"
             f"Context: **{engine.max_model_len} tokens** · continuous batching on a paged KV cache · "
-            f"attention: {getattr(engine, 'attention_path', 'paged')}. "
+            f"attention: {engine.attention_path}. "
             "Answers stream as they are generated; **Stop** aborts the request in the engine.")
 
 
@@ -156,7 +156,7 @@ def build_demo(engine, settings=None, metrics: RequestMetrics | None = None) -> 
     default_max_new = int(getattr(settings, "default_max_new_tokens", DEFAULTS.max_new_tokens) or 512)
     context = int(engine.max_model_len)
     default_max_new = max(1, min(default_max_new, context // 2))
-    model_name = getattr(engine, "model_name", None) or getattr(settings, "model_id", None) or "model"
+    model_name = engine.model_name or getattr(settings, "model_id", None) or "model"
     defaults = with_model_defaults(DEFAULTS, model_sampling_defaults(engine))  # the sliders show the model's
     folder = feedback_folder(getattr(settings, "feedback_dir", None))
     feedback = FeedbackLog(folder, model_name) if folder is not None else None

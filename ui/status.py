@@ -21,7 +21,7 @@ HISTORY_S = 300.0  # the plots show the last five minutes
 
 def status_markdown(engine, recent) -> str:
     """The panel's numbers as a markdown table."""
-    alive = getattr(engine, "alive", True)
+    alive = engine.alive
     try:
         stats = engine.stats()
     except Exception:  # the panel still answers when the engine is gone; visitors get no exception text
@@ -29,7 +29,7 @@ def status_markdown(engine, recent) -> str:
         return ENGINE_UNAVAILABLE
     used_blocks = stats.num_kv_blocks - stats.num_free_kv_blocks
     ttft = "–" if recent.mean_ttft_s is None else f"{recent.mean_ttft_s:.2f} s"
-    backend = getattr(engine, "backend", "local")
+    backend = engine.backend
     kv = (f"{stats.kv_usage * 100:.1f} % ({used_blocks} / {stats.num_kv_blocks} blocks)" if stats.num_kv_blocks
           else "– (the backend does not report it)")
     rows = [

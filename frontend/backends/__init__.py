@@ -13,10 +13,11 @@ resume, metrics, API keys, 429, timeouts, disconnect abort) are the same code on
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Callable, Iterator, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # no import at run time: the local backend must not pay for (or need) the others
     from engine.core import EngineStats
+    from engine.grammar import GrammarCompiler
     from engine.request import SamplingParams
     from engine.streams import RequestStream
     from engine.streamers import RequestTextStreamer
@@ -26,7 +27,9 @@ BACKENDS = ("local", "ray", "openai")
 
 @runtime_checkable
 class EngineClient(Protocol):
-    """The surface of an engine as the front end sees it (exactly what server/ and ui/ use).
+    """The surface of an engine as the front end sees it: exactly what server/, ui/ and frontend/
+    use, so none of them probes an engine for a member (tests/test_engine_client.py holds every
+    backend to it).
 
     Admission is two steps: `add_request` returns at once (local checks, the request queued or
     sent), and `wait_admitted` says whether the engine took it: it raises `InvalidRequest` (400),
@@ -40,11 +43,21 @@ class EngineClient(Protocol):
     tokenizer: object  # the model's transformers tokenizer (the front tokenizes for every backend)
     backend: str  # "local", "ray" or "openai"
     continuable: bool  # a request can continue from its prior output ids (resume after a disconnect)
+    attention_path: str  # how the engine runs attention, for the page's header and the log
+    think_tags: tuple[str, str] | None  # the model's thought delimiters; None: no thought is parsed here
+    grammars: "GrammarCompiler | None"  # compiles constraints before admission; None: the engine compiles them
+    on_fatal: Callable[[BaseException], None] | None  # app.py's: called once when the engine stays dead
 
     @property
     def alive(self) -> bool: ...  # the engine (some replica, the remote) can serve now
 
     def unavailable_reason(self) -> str: ...  # why not, for a 503 and the page, when not alive
+
+    @property
+    def generation_config(self) -> object | None: ...  # the loaded model's GenerationConfig; None: not loaded here
+
+    @property
+    def kv_cache_tokens(self) -> int | None: ...  # tokens the KV cache holds in all; None: not known here
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -52,6 +65,8 @@ class EngineClient(Protocol):
                     **template_kwargs) -> list[int]: ...
 
     def check_prompt(self, prompt_token_ids: list[int], params: "SamplingParams") -> None: ...
+
+    def compile_constraint(self, params: "SamplingParams") -> None: ...  # blocking; a no-op where `grammars` is None
 
     def add_request(self, prompt_token_ids: list[int], params: "SamplingParams", request_id: str | None = None,
                     prior_output_ids: list[int] = (), session: str | None = None,

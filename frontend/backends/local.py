@@ -69,6 +69,14 @@ class LocalEngine(AsyncEngine):
     async def wait_admitted(self, stream, timeout: float | None = None) -> None:
         return None  # add_request already admitted it or raised
 
+    @property
+    def generation_config(self):
+        return self.loaded.model.generation_config
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        return self.core.num_kv_blocks * self.config.block_size
+
     def replica_stats(self) -> list[dict]:
         return []
 

@@ -96,6 +96,11 @@ class RemoteEngine:
 
     backend = "remote"
     continuable = False  # a subclass that gets output token ids back can continue a request
+    attention_path = "remote"
+    think_tags = None  # the remote's text arrives as it is: no thought is parsed out here
+    grammars = None  # a constraint is compiled where the engine runs
+    generation_config = None  # no model is loaded here (sampling defaults come from the tokenizer's folder)
+    kv_cache_tokens = None
 
     def __init__(self, *, model_name: str, max_model_len: int, tokenizer):
         self.model_name = model_name
@@ -147,6 +152,9 @@ class RemoteEngine:
     def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """The engine behind checks the prompt against its context, vocabulary and KV cache when
         it admits the request (its 400 comes back from `wait_admitted`); nothing to check here."""
+
+    def compile_constraint(self, params: SamplingParams) -> None:
+        """The engine behind compiles a constraint when it admits the request; nothing to do here."""
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
                     prior_output_ids: list[int] = (), session: str | None = None,
