@@ -8,7 +8,7 @@ API key every route that reaches the model is closed: these routes by the `Autho
 header, the page and its Gradio API (the same model, through `gradio_client`) by Gradio's login,
 which takes the key as password. /health, /ready and /docs stay open; /metrics needs the key too,
 and /health without it says only whether the server runs: the engine's counters (the prefix
-cache's hits above all) tell one client what the others sent (see the README's Operations).
+cache's hits above all) tell one client what the others sent (see docs/operations.md).
 
 The key's rule, the same on every route (`key_problem`): the key may come as `Authorization:
 Bearer <key>`, as `x-api-key: <key>`, or both; if any key header sent is wrong, the request has no
