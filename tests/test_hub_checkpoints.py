@@ -138,7 +138,7 @@ def test_the_tied_head_and_embedding_come_from_the_one_table(tied_llama):
     assert got == _generate_refs(tied_llama, prompts)
 
 
-@pytest.mark.parametrize("kind", ["q8_0", "q4_k", "q6_k"])
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_1", "q4_k", "q6_k"])
 def test_quantize_at_load_streams_from_the_checkpoint(tiny_model, kind):
     """`--quantize` on a bfloat16 checkpoint: every linear quantized from its own tensor (the K
     types in llama.cpp's block layout, read by the same repack as a downloaded GGUF's, with
@@ -163,6 +163,27 @@ def test_quantize_at_load_streams_from_the_checkpoint(tiny_model, kind):
     torch.testing.assert_close(layer(x), want, atol=1e-4, rtol=1e-4)
     out = LLM(loaded, EngineConfig()).generate([[1, 5, 9]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 8
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_c_quantizer_writes_the_blocks_quantize_blocks_rounds(dtype):
+    """`--quantize q8_0|q4_0|q4_1` quantizes in C from the mapped 16-bit rows: the same bytes as
+    `quantize_blocks`' float32 rounding, including an all-zero block, a flat one and a tie in magnitude."""
+    import numpy as np
+
+    from engine.kernels.linear import linear_kernel
+    from engine.model.loading import rill_cache_dir
+    from engine.model.quant import quantize_blocks, unpack_raw
+
+    kernel = linear_kernel(rill_cache_dir())
+    gen = torch.Generator().manual_seed(3)
+    for kind in ("q8_0", "q4_0", "q4_1"):
+        weight = (torch.randn(37, 320, generator=gen) * torch.rand(37, 1, generator=gen) * 4).to(dtype)
+        weight[0, :32], weight[1, :32] = 0, 0.5
+        weight[2, 7] = -weight[2, :32].abs().max()
+        got, want = unpack_raw(kernel.quantize(weight, kind), kind), quantize_blocks(weight.float(), kind)
+        for part_got, part_want in zip(got, want):
+            assert (part_got is None and part_want is None) or np.array_equal(part_got, part_want), kind
 
 
 def test_k_quants_at_load_hold_llama_cpps_blocks():

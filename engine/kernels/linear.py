@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -18,6 +19,7 @@ from engine.kernels.build import checked_kernel
 
 
 PANEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the panels may hold: 16-bit weights kept as they are
+QUANTIZE_KINDS = {"q8_0": (0, 34), "q4_0": (1, 18), "q4_1": (2, 20)}  # rill_quantize_rows: kind -> (its number, block bytes)
 
 
 def panels_of(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -69,6 +71,9 @@ class LinearKernel:
         self._pack16 = library.rill_pack16
         self._pack16.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_int]
         self._fn.restype = self._fn16.restype = self._pack16.restype = None
+        self._quantize = library.rill_quantize_rows
+        self._quantize.argtypes = [ptr, i64, i64, ctypes.c_int, ctypes.c_int, ptr, ctypes.c_int]
+        self._quantize.restype = ctypes.c_int
         self.threads = torch.get_num_threads()
 
     def panels16(self, weight: torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:
@@ -85,6 +90,22 @@ class LinearKernel:
         self._pack16(weight.data_ptr(), out_features, weight.shape[1], None if order is None else order.data_ptr(),
                      panels.data_ptr(), self.threads)
         return panels
+
+    def quantize(self, weight: torch.Tensor, kind: str) -> np.ndarray:
+        """A float32/bfloat16/float16 weight [out, in] (in a multiple of 32; e.g. a view of a mapped
+        file) -> ggml's blocks of `kind` (QUANTIZE_KINDS) as a GGUF file holds them, uint8 [out, row
+        bytes], rounded as quant.py's `quantize_blocks` rounds; row by row, no float32 copy."""
+        if kind not in QUANTIZE_KINDS or weight.dim() != 2 or weight.shape[1] % 32 \
+                or weight.dtype not in PANEL_DTYPES:
+            raise ValueError(f"quantize takes a 2-d float32/bfloat16/float16 weight of a width that is a multiple "
+                             f"of 32 into {', '.join(QUANTIZE_KINDS)}; given {weight.dtype} {tuple(weight.shape)}, "
+                             f"{kind!r}")
+        weight = weight.contiguous()
+        out_features, in_features = weight.shape
+        raw = np.empty((out_features, in_features // 32 * QUANTIZE_KINDS[kind][1]), dtype=np.uint8)
+        self._quantize(weight.data_ptr(), out_features, in_features, PANEL_DTYPES.index(weight.dtype),
+                       QUANTIZE_KINDS[kind][0], raw.ctypes.data, self.threads)
+        return raw
 
     def __call__(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
                  out_features: int) -> torch.Tensor:

@@ -18,6 +18,7 @@ says why with `LeanLoadUnsupported` and the caller takes `from_pretrained`.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import mmap
@@ -168,6 +169,15 @@ class _Mapped:
             self.map.madvise(mmap.MADV_DONTNEED, first, end - first)
 
 
+def _return_freed_memory() -> None:
+    """Hands the heap's freed pages back to the system (glibc keeps what a load's temporaries freed
+    between the weights it kept, which counts as resident until reused); nothing elsewhere."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def checkpoint_files(folder: Path) -> list[Path]:
     """The folder's safetensors files (one, or the shards its index names), or [] when it has none."""
     index = folder / "model.safetensors.index.json"
@@ -195,11 +205,14 @@ def checkpoint_dtype(files: list[Path]) -> torch.dtype | None:
 
 def _linear_make(tensor: torch.Tensor, bias: torch.Tensor | None, kernel, quant_kernel, quantize: str | None,
                  int8: bool, report: SafetensorsLoad) -> nn.Module:
+    from engine.kernels.linear import QUANTIZE_KINDS
     from engine.model.linears import PanelLinear
-    from engine.model.quant import quantize_linear
+    from engine.model.quant import QuantLinear, quantize_linear
 
     if quantize and tensor.shape[1] % 32 == 0:
         report.quantized[quantize] = report.quantized.get(quantize, 0) + 1
+        if quantize in QUANTIZE_KINDS:  # in C, row by row from the mapped file
+            return QuantLinear.from_gguf(kernel.quantize(tensor, quantize), quantize, bias, quant_kernel, int8)
         return quantize_linear(tensor.float(), bias, quantize, quant_kernel, int8)  # this tensor in float32, never the model
     dtype = tensor.dtype if tensor.dtype in KEEP_DTYPES else torch.float32
     if dtype in KEEP_DTYPES:
@@ -294,6 +307,7 @@ def load_safetensors(folder: Path, *, kernel, quant_kernel=None, quantize: str |
         raise LeanLoadUnsupported(f"the checkpoint has no tensor for {len(missing)} of the model's weights "
                                   f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})")
     del tensors, mapped
+    _return_freed_memory()
     if (folder / "generation_config.json").is_file():  # what from_pretrained reads beside the weights
         from transformers import GenerationConfig
         model.generation_config = GenerationConfig.from_pretrained(folder)

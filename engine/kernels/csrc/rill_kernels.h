@@ -15,6 +15,7 @@ void rill_linear16(const float *x, int64_t x_row, const uint16_t *panels, const 
                    int64_t rows, int64_t out, int64_t in, int threads, int half);
 /* 16-bit weights [out, in] (rows in `order`, or NULL) into those panels */
 void rill_pack16(const uint16_t *w, int64_t out, int64_t in, const int64_t *order, uint16_t *panels, int threads);
+int rill_quantize_rows(const void *w, int64_t rows, int64_t in, int dtype, int kind, uint8_t *out, int threads);
 
 /* csrc/qlinear.c (float32 activations) and csrc/qlinear_i8.c (int8 activations): the same over
  * GGUF blocks; kind: 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q5_1, 4 Q6_K (csrc/blocks.h). Return 0, -1 when out
