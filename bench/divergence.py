@@ -9,7 +9,8 @@ the same blocks with int8 activations (`--activations int8`), and the float32 we
 load to q8_0 and to q4_0 (`--quantize q8_0|q4_0` on the de-quantized model). `--model M`: a
 checkpoint's own paths (its 16-bit weights kept, each `--quantize`) against it upcast to float32.
 
-`--kv-cache`: the KV cache's dtypes instead (`--kv-cache-dtype`), on the float32 model: the text
+`--kv-cache`: the KV cache's dtypes instead (`--kv-cache-dtype`), on the float32 model (or `--model` in
+float32): the text
 read through the engine's paged attention in prompt chunks of 256 tokens, every key and value
 stored in the cache and read back from it, float32 against bfloat16 and float16.
 """
@@ -75,11 +76,11 @@ def compare(label: str, weights: str, ref: torch.Tensor, test: torch.Tensor) -> 
     print(f"| {label} | {weights} | {agree:.2%} | {kl.mean().item():.2e} | {kl.max().item():.2e} |", flush=True)
 
 
-def kv_cache_main(tokens: int) -> None:
+def kv_cache_main(model: str | None, tokens: int) -> None:
     """float32 against 16-bit KV caches on the float32 model (see the module docstring)."""
     from engine.model.loading import load_model
 
-    loaded = load_model(None, quantize="none")
+    loaded = load_model(model, dtype="float32", quantize="none")
     ids = loaded.tokenizer(TEXT.read_text(), return_tensors="pt").input_ids
     ids = ids[:, :tokens] if tokens else ids
     ref = paged_log_probs(loaded.model, ids, torch.float32)
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     from engine.model.loading import load_model
 
     if args.kv_cache:
-        return kv_cache_main(args.tokens)
+        return kv_cache_main(args.model, args.tokens)
 
     model = args.model or None
     paths = CHECKPOINT_PATHS if model else PATHS

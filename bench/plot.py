@@ -68,8 +68,14 @@ def plot_files(paths: list[str], out: str, title: str | None = None) -> None:
     plot_results(load_runs(paths), out, title)
 
 
-if __name__ == "__main__":
-    if len(sys.argv) < 3:
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) < 2:
         sys.exit("usage: python -m bench.plot OUT.png RESULTS.json [RESULTS.json ...]")
-    plot_files(sys.argv[2:], sys.argv[1])
-    print(f"wrote {sys.argv[1]}")
+    plot_files(argv[1:], argv[0])
+    print(f"wrote {argv[0]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,6 +1,7 @@
 """What the ray backend costs and how far it scales: side by side in one run, the same total cores.
 
-    .venv/bin/python -m bench.scaleout [--concurrency 8,32] [--workload short]
+    .venv/bin/python -m bench.scaleout [--concurrency 8,32] [--workload short] [--model DIR] [--requests N]
+                                       [--max-tokens N]
 
 1. `app.py --backend local`: one engine, torch's threads on every core;
 2. `app.py --backend ray --replicas N --replica-cpus 1`: the front end and N replicas of one thread
@@ -11,7 +12,7 @@ tokens/s and TTFT p50 per level with their ratio, and the front end's own CPU ti
 token in the ray run (its process alone: no model runs there), hence how many tokens per second
 one front process can relay on one core. Then a model of throughput against replicas:
 min(R x one replica's measured tokens/s, the front's relay capacity). Writes
-bench/results/scaleout-<workload>.json. The benchmark Llama (bench/model.py) is the model.
+bench/results/scaleout-<workload>.json. The benchmark Llama (bench/model.py) is the model unless `--model`.
 """
 
 from __future__ import annotations
@@ -29,10 +30,8 @@ import httpx
 
 from bench.model import ensure_bench_model
 from bench.run import machine_info
-from bench.suite import free_port
+from bench.servers import RESULTS, ROOT, free_port
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
 PYTHON = sys.executable
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -68,8 +67,10 @@ def serve_and_load(name: str, flags: list[str], args, model: Path) -> dict:
         out = RESULTS / f"scaleout-{name}.json"
         cpu_before = cpu_seconds(server.pid)
         tokens_before = health["engine"]["generation_tokens_total"]
+        sizes = [*(("--requests", str(args.requests)) if args.requests else ()),
+                 *(("--max-tokens", str(args.max_tokens)) if args.max_tokens else ())]
         subprocess.run([PYTHON, "-m", "bench", "--url", url, "--api", "openai", "--concurrency", args.concurrency,
-                        "--workload", args.workload, "--ignore-eos", "--tokenizer", str(model), "--label", name,
+                        "--workload", args.workload, *sizes, "--ignore-eos", "--tokenizer", str(model), "--label", name,
                         "--out", str(out), "--no-progress"], cwd=ROOT, check=True)
         time.sleep(1.5)  # the replicas post their counters every 0.5 s
         tokens = httpx.get(f"{url}/health", timeout=10).json()["engine"]["generation_tokens_total"] - tokens_before
@@ -82,25 +83,28 @@ def serve_and_load(name: str, flags: list[str], args, model: Path) -> dict:
         server.wait(120)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", default="8,32")
     parser.add_argument("--workload", default="short")
     parser.add_argument("--replicas", type=int, default=os.cpu_count() or 2,
                         help="replicas of one thread each (default: the cores, as the local run uses)")
-    args = parser.parse_args()
+    parser.add_argument("--model", type=Path, help="a model folder (default: the benchmark Llama, built once)")
+    parser.add_argument("--requests", type=int, help="requests per level (default: the load client's)")
+    parser.add_argument("--max-tokens", type=int, help="tokens out per request (default: the workload's)")
+    args = parser.parse_args(argv)
     if Path("/work/BENCH_LOCK").exists():
         print("/work/BENCH_LOCK exists: someone is measuring; run this later", file=sys.stderr)
         return 1
     RESULTS.mkdir(parents=True, exist_ok=True)
-    model = ensure_bench_model()
+    model = args.model or ensure_bench_model()
     docs = {
         "local": serve_and_load("local", ["--backend", "local"], args, model),
         "ray": serve_and_load("ray", ["--backend", "ray", "--replicas", str(args.replicas), "--replica-cpus", "1"],
                               args, model),
     }
     machine = machine_info()
-    print(f"\nbenchmark Llama (hidden 512, 8 layers), /v1/completions, workload {args.workload}, ignore_eos; "
+    print(f"\n{model.name}, /v1/completions, workload {args.workload}, ignore_eos; "
           f"{machine.get('cpu')}, {machine.get('cpus')} CPUs; ray: {args.replicas} replicas x 1 thread")
     print("| clients | local tok/s (TTFT p50) | ray tok/s (TTFT p50) | ray / local |")
     print("|---|---|---|---|")

@@ -2,14 +2,15 @@
 of its own, no HTTP) and through `app.py` over `/v1/completions` with `python -m bench`, rounds
 interleaved, medians.
 
-    python -m bench.server_share [--rounds 3] [--concurrency 1,8] [--app-args "--activations int8"]
+    python -m bench.server_share [--rounds 3] [--concurrency 1,8] [--app-args "--activations int8"] [--model M]
 
 The workload is `python -m bench`'s default (`short`: ~20-token prompts from its own prompt maker,
 64 tokens out with ignore_eos, greedy, closed loop, max(2 per client, 8) requests per level, after
 a warm-up), so the two sides differ only by the HTTP server: the event loop, SSE, JSON, the route.
 An engine-alone figure from `LLM.generate` with a one-line prompt is not this workload: it leaves
 out the prompts, 20 tokens each, which arrive together in a closed loop (8 x 20 = 160 prompt tokens
-in one step: about as much work as 5 decode steps of 8).
+in one step: about as much work as 5 decode steps of 8). The embedded SmolLM2-135M unless `--model`
+(a folder or a GGUF file, for both sides).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import asyncio
 import json
 import os
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _engine_alone(levels: list[int], app_args: list[str]) -> list[dict]:
+def _engine_alone(levels: list[int], app_args: list[str], model: str | None) -> list[dict]:
     """One process: load as app.py would (its weight flags), then each level through AsyncEngine."""
     from engine import AsyncEngine, SamplingParams
     from engine.model.loading import load_model
@@ -39,7 +39,7 @@ def _engine_alone(levels: list[int], app_args: list[str]) -> list[dict]:
     kwargs = {}
     if "--activations" in app_args:
         kwargs["activations"] = app_args[app_args.index("--activations") + 1]
-    loaded = load_model(None, **kwargs)
+    loaded = load_model(model, **kwargs)
     engine = AsyncEngine(loaded).start()
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
 
@@ -75,19 +75,15 @@ def _engine_alone(levels: list[int], app_args: list[str]) -> list[dict]:
         engine.shutdown()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _over_http(levels: list[int], app_args: list[str]) -> list[dict]:
+def _over_http(levels: list[int], app_args: list[str], model: str | None) -> list[dict]:
     from bench.model import gguf_folder
+    from bench.servers import free_port
     from engine.model.loading import embedded_gguf_path
 
-    port = _free_port()
-    server = subprocess.Popen([sys.executable, "app.py", "--port", str(port), "--log-level", "warning", *app_args],
-                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    port = free_port()
+    chosen = ("--model", model) if model else ()
+    server = subprocess.Popen([sys.executable, "app.py", "--port", str(port), "--log-level", "warning", *chosen,
+                               *app_args], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         import urllib.request
 
@@ -97,12 +93,15 @@ def _over_http(levels: list[int], app_args: list[str]) -> list[dict]:
                     break
             except OSError:
                 time.sleep(0.5)
+        if model is None:
+            tokenizer = gguf_folder(embedded_gguf_path())
+        else:
+            tokenizer = Path(model) if Path(model).is_dir() else gguf_folder(Path(model))
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "r.json"
             subprocess.run([sys.executable, "-m", "bench", "--url", f"http://127.0.0.1:{port}", "--api", "openai",
                             "--concurrency", ",".join(map(str, levels)), "--ignore-eos", "--no-progress",
-                            "--tokenizer", str(gguf_folder(embedded_gguf_path())),
-                            "--model-name", "SmolLM2-135M-Instruct", "--out", str(out)],
+                            "--tokenizer", str(tokenizer), "--out", str(out)],
                            cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
             doc = json.loads(out.read_text())
         return [{"concurrency": lv["concurrency"], "output_tokens_per_s": lv["output_tokens_per_s"],
@@ -112,25 +111,27 @@ def _over_http(levels: list[int], app_args: list[str]) -> list[dict]:
         server.wait()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--concurrency", default="1,8")
     parser.add_argument("--app-args", default="", help="flags for app.py (and the engine's weights)")
+    parser.add_argument("--model", help="a model folder or GGUF file (default: the embedded SmolLM2-135M)")
     parser.add_argument("--side", choices=["engine"], help=argparse.SUPPRESS)  # the child process
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
     app_args = shlex.split(args.app_args)
     if args.side == "engine":
-        print(json.dumps(_engine_alone(levels, app_args)))
+        print(json.dumps(_engine_alone(levels, app_args, args.model)))
         return
     runs: dict[str, list[list[dict]]] = {"engine alone": [], "over HTTP": []}
     for round_ in range(args.rounds):
+        chosen = ["--model", args.model] if args.model else []
         child = subprocess.run([sys.executable, "-m", "bench.server_share", "--side", "engine", "--concurrency",
-                                args.concurrency, "--app-args", args.app_args], cwd=ROOT, check=True,
+                                args.concurrency, "--app-args", args.app_args, *chosen], cwd=ROOT, check=True,
                                capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
         runs["engine alone"].append(json.loads(child.stdout.strip().splitlines()[-1]))
-        runs["over HTTP"].append(_over_http(levels, app_args))
+        runs["over HTTP"].append(_over_http(levels, app_args, args.model))
         for side, results in runs.items():
             print(f"round {round_}: {side}: " + ", ".join(
                 f"c={r['concurrency']} {r['output_tokens_per_s']:.1f} tok/s ITL {r['itl_s'] * 1000:.1f} ms"

@@ -127,7 +127,7 @@ def measure_llama_server(variant: str, args, gguf: Path, draft_gguf: Path, promp
     import httpx
 
     from bench.peers import RESULTS, LlamaServer
-    from bench.suite import Server, ServerProcess, free_port
+    from bench.servers import Server, ServerProcess, free_port
 
     peer = LlamaServer()
     if not peer.state().ready:

@@ -77,12 +77,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--events", type=int, default=400)
     parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     port = _free_port()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     server = subprocess.Popen([sys.executable, "-c", SERVER, str(port)], cwd=root)

@@ -98,13 +98,13 @@ def most_common_character(engine: AsyncEngine, prompt_ids: list[int]) -> str:
     return counts.most_common(1)[0][0] if counts else "a"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="a model folder, or `tiny` (default: the benchmark Llama)")
     parser.add_argument("--tokens", type=int, default=40, help="tokens the victim stream is timed over, per round")
     parser.add_argument("--rounds", type=int, default=3, help="times each case runs, in turn with the others")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or auto")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.model == "tiny":
         from tests.tiny_models import TINY_VOCAB, build_tiny_model, build_tokenizer
         model_dir = build_tiny_model("llama", Path(tempfile.mkdtemp(prefix="rill-bench-stops-")) / "llama",

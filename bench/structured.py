@@ -2,7 +2,7 @@
 constrained by a JSON schema, on the embedded SmolLM2-135M (its real 49152-token vocabulary: the
 bitmask work per step is what a real model pays).
 
-    python -m bench.structured [--streams 32] [--tokens 128] [--rounds 3]
+    python -m bench.structured [--streams 32] [--tokens 128] [--rounds 3] [--model M]
 
 Every stream generates exactly `--tokens` tokens (the unconstrained ones ignore EOS; the schema
 asks for more items than fit), so both runs do the same decode work apart from the masks. Runs
@@ -80,8 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M GGUF")
     args = parser.parse_args(argv)
-    llm = LLM(load_model(None))
+    llm = LLM(load_model(args.model))
     run(llm, 4, 8, 2)  # warm-up: kernels, llguidance's tokenizer, the schema's compile
     none, half = [], []
     for round_ in range(args.rounds):

@@ -1,12 +1,14 @@
 """The embedded SmolLM2 over HTTP with its GGUF blocks kept (`--quantize auto`) against the same
 model de-quantized to float32 (`--quantize none`), side by side in one run.
 
-    .venv/bin/python -m bench.weights [--concurrency 1,8,32] [--workload short]
+    .venv/bin/python -m bench.weights [--concurrency 1,8,32] [--workload short] [--model GGUF]
+                                      [--requests N] [--max-tokens N]
 
 Each server in turn: `app.py --quantize MODE` on a free port, the load client (bench/run.py) on
 `/v1/completions` with `ignore_eos` (every request writes its max tokens), its peak RSS, stop.
 Prints tokens/s, ITL p50 and TTFT p50 per level, and the ratio of the blocks to float32.
-Writes bench/results/weights-<workload>.json.
+Writes bench/results/weights-<workload>.json. The load client counts tokens with the GGUF's
+tokenizer, from its float32 folder (bench/model.py's `gguf_folder`, written once into $RILL_CACHE).
 """
 
 from __future__ import annotations
@@ -21,26 +23,18 @@ from pathlib import Path
 
 import httpx
 
+from bench.model import embedded_model, transformers_folder
 from bench.run import machine_info
-from bench.suite import free_port
+from bench.servers import RESULTS, ROOT, free_port
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
 PYTHON = sys.executable
 
 
-def tokenizer_folder() -> str:
-    """The converted embedded model's folder (it holds the tokenizer the load client counts with)."""
-    code = ("from engine.model.loading import load_model; import sys; "
-            "m = load_model(None, quantize='none'); print(m.tokenizer.name_or_path)")
-    return subprocess.run([PYTHON, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()[-1]
-
-
-def serve_and_load(mode: str, args, tokenizer: str) -> dict:
+def serve_and_load(mode: str, args, gguf: Path, tokenizer: Path) -> dict:
     port = free_port()
     log = tempfile.NamedTemporaryFile(prefix=f"rill-{mode}-", suffix=".log", delete=False)
-    server = subprocess.Popen([PYTHON, "app.py", "--port", str(port), "--quantize", mode], cwd=ROOT,
-                              stdout=log, stderr=subprocess.STDOUT)
+    server = subprocess.Popen([PYTHON, "app.py", "--port", str(port), "--model", str(gguf), "--quantize", mode],
+                              cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 600
@@ -55,8 +49,10 @@ def serve_and_load(mode: str, args, tokenizer: str) -> dict:
             time.sleep(0.5)
         health = httpx.get(f"{url}/health", timeout=5).json()
         out = RESULTS / f"weights-{mode}.json"
+        sizes = [*(("--requests", str(args.requests)) if args.requests else ()),
+                 *(("--max-tokens", str(args.max_tokens)) if args.max_tokens else ())]
         subprocess.run([PYTHON, "-m", "bench", "--url", url, "--api", "openai", "--concurrency", args.concurrency,
-                        "--workload", args.workload, "--ignore-eos", "--tokenizer", tokenizer,
+                        "--workload", args.workload, *sizes, "--ignore-eos", "--tokenizer", str(tokenizer),
                         "--server-pid", str(server.pid), "--label", f"rill {mode}", "--out", str(out),
                         "--no-progress"], cwd=ROOT, check=True)
         doc = json.loads(out.read_text())
@@ -67,16 +63,19 @@ def serve_and_load(mode: str, args, tokenizer: str) -> dict:
         server.wait(60)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--workload", default="short")
-    args = parser.parse_args()
+    parser.add_argument("--model", type=Path, help="a GGUF file (default: the embedded SmolLM2-135M-Instruct's)")
+    parser.add_argument("--requests", type=int, help="requests per level (default: the load client's)")
+    parser.add_argument("--max-tokens", type=int, help="tokens out per request (default: the workload's)")
+    args = parser.parse_args(argv)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    tokenizer = tokenizer_folder()
-    docs = {mode: serve_and_load(mode, args, tokenizer) for mode in ("none", "auto")}
+    gguf, tokenizer = (args.model, transformers_folder(args.model)) if args.model else embedded_model()
+    docs = {mode: serve_and_load(mode, args, gguf, tokenizer) for mode in ("none", "auto")}
     machine = machine_info()
-    print(f"\nSmolLM2-135M-Instruct, /v1/completions, workload {args.workload}, ignore_eos; {machine.get('cpu')}, "
+    print(f"\n{gguf.name}, /v1/completions, workload {args.workload}, ignore_eos; {machine.get('cpu')}, "
           f"{machine.get('cpus')} CPUs")
     for mode, doc in docs.items():
         print(f"  --quantize {mode}: weights {doc['weights']}; linears {doc['linears']}")
