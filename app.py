@@ -40,7 +40,8 @@ def build_app(engine, settings: Settings):
     from server.middleware import guard_gradio, page_login
 
     app = create_app(engine, settings)
-    demo = ui.build_demo(engine, settings, metrics=getattr(app.state, "metrics", None))  # queue set up there
+    # the page admits as the routes do: the same defaults, metrics and --request-timeout (queue set up there)
+    demo = ui.build_demo(engine, settings, metrics=app.state.metrics, defaults=app.state.request_defaults)
     # With an API key the page is closed too: its Gradio API reaches the same model as /chat.
     app = gr.mount_gradio_app(app, demo, path="/", auth=page_login(settings.api_key, settings.ui_auth),
                               auth_message=_LOGIN_MESSAGE if settings.api_key else None, server_name=settings.host,

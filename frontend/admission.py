@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 import secrets
 import threading
 import time
 from collections.abc import AsyncIterator
 
 from engine.request import (MAX_CHARS_PER_TOKEN, FinishReason, InvalidRequest, QueueFull, RequestOutput,
-                            SamplingParams, new_request_id, prompt_char_limit)
+                            SamplingParams, prompt_char_limit)
 from frontend.errors import ApiError, public_engine_error, queue_full_error
 
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _ALIVE_CHECK_S = 1.0  # how often a waiting reader checks that the engine thread still runs
 
 
@@ -32,16 +30,6 @@ class RequestFailed(Exception):
         super().__init__(message)
         self.message = message
         self.code = code
-
-
-def request_id_from(header_value: str | None) -> str:
-    """The client's `x-request-id` when it is a usable id, else a fresh one."""
-    if header_value is None or header_value == "":
-        return new_request_id()
-    if not _REQUEST_ID.match(header_value):
-        raise ApiError(400, "`x-request-id` must be 1 to 128 characters of letters, digits, '.', '_', ':' or '-'. "
-                            f"Given: {header_value[:140]!r}", param="x-request-id")
-    return header_value
 
 
 def check_prompt_chars(engine, num_chars: int, param: str) -> None:
@@ -65,58 +53,14 @@ async def off_loop(function, *args):
     return await asyncio.to_thread(function, *args)
 
 
-SESSION_HEADER = "x-session-id"  # a conversation's key: its requests go to the same replica (prefix cache)
-_MAX_SESSION_CHARS = 256
-
-
-def admission(request, route: str) -> dict:
-    """The keyword arguments every route passes to `Generation` (timeout, metrics, test hook, session,
-    client)."""
-    state = request.app.state
-    on_admit = None
-    if state.settings.test_hooks:
-        from testing.hooks import fault_hook  # never imported without --test-hooks
-
-        on_admit = fault_hook(request)
-    return dict(timeout=state.settings.request_timeout, on_admit=on_admit,
-                metrics=getattr(state, "metrics", None), route=route, session=(session := session_from(request)),
-                client=client_of(request, session))
-
-
-def session_from(request) -> str | None:
-    """The client's `x-session-id`: which replica's prefix cache its conversation should reuse."""
-    value = request.headers.get(SESSION_HEADER) if getattr(request, "headers", None) else None
-    if value is None or value == "":
-        return None
-    if len(value) > _MAX_SESSION_CHARS:
-        raise ApiError(400, f"`{SESSION_HEADER}` may have at most {_MAX_SESSION_CHARS} characters. "
-                            f"Given: {len(value)} characters.", param=SESSION_HEADER)
-    return value
-
-
-def client_of(request, session: str | None = None) -> str | None:
-    """Who sends the request, for the engine's fair shares: the caller's address, never what it says.
-
-    The address is the TCP peer's, or, when that peer is a proxy --forwarded-allow-ips trusts, the
-    right-most untrusted one of its `X-Forwarded-For` (uvicorn puts it in `request.client`; app.py
-    `serve`). `x-session-id` (`session`) is the caller's own name for a conversation: it picks a
-    replica but takes no share, so rotating names gains nothing. The one `--api-key` is shared by
-    all, so it names nobody either. Prefixed apart from the page's sessions (ui/handlers.py
-    `page_client`)."""
-    peer = getattr(request, "client", None)
-    return f"addr:{peer.host}" if peer is not None and peer.host else None
-
-
 RETRY_AFTER_S = 1  # a 429's Retry-After: slots free as requests finish (many per second under load)
 
 
-def admit(engine, prompt_token_ids: list[int], params: SamplingParams, request_id: str, *, text: bool = False,
-          timeout: float | None = None, prior_output_ids: list[int] = (), session: str | None = None,
-          client: str | None = None, on_admit=None):
-    """The one admission path of `/chat`, `/v1` and the page: the engine checks the prompt and the
-    parameters once (context, vocabulary, KV cache, capacity) and queues the request; its refusals
-    come out as `InvalidRequest` (400) or `ApiError` (429, 503). Returns the request's
-    `RequestStream`, or with `text=True` a `TextIteratorStreamer` for a worker thread (the page).
+def admit(engine, prompt_token_ids: list[int], params: SamplingParams, request_id: str, *,
+          prior_output_ids: list[int] = (), session: str | None = None, client: str | None = None, on_admit=None):
+    """The one admission path of `/chat`, `/v1`, the page and MCP: the engine checks the prompt and
+    the parameters once (context, vocabulary, KV cache, capacity) and queues the request; its refusals
+    come out as `InvalidRequest` (400) or `ApiError` (429, 503). Returns the request's `RequestStream`.
     `session` picks a replica (remote backends); `client` is whom the local engine shares between."""
     if not engine.alive:
         raise ApiError(503, _down_reason(engine), code="engine_dead")
@@ -124,13 +68,8 @@ def admit(engine, prompt_token_ids: list[int], params: SamplingParams, request_i
     if client is not None:
         extra["client"] = client
     try:
-        if text:
-            if timeout is not None:
-                extra["timeout"] = timeout
-            handle = engine.text_streamer(prompt_token_ids, params, request_id=request_id, **extra)
-        else:
-            handle = engine.add_request(prompt_token_ids, params, request_id=request_id,
-                                        prior_output_ids=prior_output_ids, **extra)
+        handle = engine.add_request(prompt_token_ids, params, request_id=request_id,
+                                    prior_output_ids=prior_output_ids, **extra)
     except QueueFull as exc:
         raise queue_full_error(exc, RETRY_AFTER_S) from None
     except InvalidRequest:
@@ -148,8 +87,7 @@ _COMPILE_POLL_S = 0.02  # how often a waiting compile looks for its caller's fre
 
 
 class _CompileSlots:
-    """The compiles each caller has in the grammar pool (thread-safe: the page waits in worker threads,
-    routes on the loop), so one caller flooding distinct grammars cannot take the pool from the others:
+    """The compiles each caller has in the grammar pool, so one caller flooding distinct grammars cannot take the pool from the others:
     at most `limit` of a caller's compile at once, up to `waiting` more wait for one of them to end."""
 
     def __init__(self, limit: int = COMPILES_PER_CALLER, waiting: int = COMPILES_WAITING_PER_CALLER):
@@ -197,28 +135,10 @@ class _CompileSlots:
             if left:
                 self._running[client] = left
 
-    @contextlib.contextmanager
-    def held(self, client: str | None):
-        """A worker thread's slot of `client` (None: a caller nobody named, counted only in the
-        compiler's global bound) for the block's duration, waited for."""
-        if client is None:
-            yield
-            return
-        self._enter(client)
-        try:
-            while not self._try_start(client):
-                time.sleep(_COMPILE_POLL_S)
-        except BaseException:
-            self._abandon(client)
-            raise
-        try:
-            yield
-        finally:
-            self._end(client)
-
     @contextlib.asynccontextmanager
-    async def held_async(self, client: str | None):
-        """The same on the event loop: the wait holds no thread."""
+    async def held(self, client: str | None):
+        """`client`'s slot (None: a caller nobody named, counted only in the compiler's global bound)
+        for the block's duration, waited for on the event loop (the wait holds no thread)."""
         if client is None:
             yield
             return
@@ -246,52 +166,24 @@ def _submit(grammars, params: SamplingParams):
         raise queue_full_error(exc, RETRY_AFTER_S) from None
 
 
-def compile_constraint_now(engine, params: SamplingParams, client: str | None = None) -> None:
-    """Blocking (a worker thread): the request's constraint compiled before admission, so that the
-    engine thread never waits for a grammar; 400 when it does not compile, 429 when too many are
-    compiling (for everyone, or for `client`). An engine without a compiler (a remote one) compiles
-    where it runs."""
-    if params.constraint is None or engine.grammars is None:
-        return
-    with COMPILE_SLOTS.held(client):
-        try:
-            engine.compile_constraint(params)
-        except QueueFull as exc:
-            raise queue_full_error(exc, RETRY_AFTER_S) from None
-
-
 async def compile_constraint(engine, params: SamplingParams, client: str | None = None) -> None:
-    """The request's constraint compiled before admission (400/429 as `compile_constraint_now`),
-    waited for on the loop: the compile runs in the engine's grammar pool and this awaits its future,
-    so no worker thread of the default executor (which tokenizes every request) is held meanwhile.
-    `client` (frontend `client_of`) is whom COMPILES_PER_CALLER counts."""
+    """The request's constraint compiled before admission, so that the engine thread never waits for
+    a grammar (400 when it does not compile, 429 when too many are compiling, for everyone or for
+    `client`), waited for on the loop: the compile runs in the engine's grammar pool and this awaits
+    its future, so no worker thread of the default executor (which tokenizes every request) is held
+    meanwhile. `client` (server/headers.py `client_of`, the page's `page_client`) is whom
+    COMPILES_PER_CALLER counts."""
     if params.constraint is None:
         return
     grammars = engine.grammars
     if grammars is None:
         return  # a remote engine compiles where it runs
-    async with COMPILE_SLOTS.held_async(client):
+    async with COMPILE_SLOTS.held(client):
         future = _submit(grammars, params)
         if not future.done():
             # asyncio.wait never cancels what it waits on: the compile may be shared with other requests
             await asyncio.wait({asyncio.wrap_future(future)}, timeout=grammars.timeout_s)
         grammars.result(params.constraint, future)  # InvalidRequest (400): no grammar, or not done in time
-
-
-def admit_text(engine, prompt_token_ids: list[int], params: SamplingParams, *, timeout: float | None = None,
-               metrics=None, route: str = "ui", session: str | None = None, client: str | None = None):
-    """A worker thread's admission (the page's generator): the constraint compiled, then `admit`
-    with a text streamer; a refusal is counted in the metrics under its status and raised as
-    `ApiError` (400, 429 or 503) whose message the page shows as it is."""
-    try:
-        compile_constraint_now(engine, params, client)
-        return admit(engine, prompt_token_ids, params, new_engine_request_id(), text=True, timeout=timeout,
-                     session=session, client=client)
-    except (ApiError, InvalidRequest) as exc:
-        error = exc if isinstance(exc, ApiError) else ApiError(400, str(exc), param=exc.param)
-        if metrics is not None:
-            metrics.error(route, error.status)
-        raise error from None
 
 
 def new_engine_request_id() -> str:

@@ -1,16 +1,16 @@
-"""Each route's default sampling, from the model: its generation config where it has one (as vLLM
-does for the fields a request leaves unset), and the settings its model card recommends for the
-embedded SmolLM2-135M-Instruct (whose GGUF carries no generation config).
+"""The one set of sampling defaults: the model's generation config where it has one (as vLLM does
+for the fields a request leaves unset), the model card's settings for the embedded SmolLM2-135M-Instruct
+(whose GGUF carries no generation config), then rill's own (`RILL_SAMPLING`).
 
-`model_sampling_defaults(engine)` is read once at start-up; the page's sliders, its `/chat` API,
-`POST /chat` and the OpenAI routes all fill unset fields from it, then from their own fallbacks.
+`model_sampling_defaults(engine)` is read once at start-up; frontend/request.py fills every unset
+field from it, whichever way the request came in (the page's sliders start at the same values).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 log = logging.getLogger("rill")
@@ -18,6 +18,10 @@ log = logging.getLogger("rill")
 # What a model card recommends, for models whose files say nothing (matched by the model's name).
 # SmolLM2's card: "temperature=0.2, top_p=0.9" (huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct).
 MODEL_CARD_DEFAULTS = {"SmolLM2-135M-Instruct": {"temperature": 0.2, "top_p": 0.9}}
+
+# rill's own, for what the model leaves unset: chosen so that the README's example lines give the
+# embedded model's good first answer (docs/benchmarks-history.md, session 35).
+RILL_SAMPLING = {"temperature": 0.7, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,16 +32,12 @@ class SamplingDefaults:
     top_p: float | None = None
     top_k: int | None = None
     repetition_penalty: float | None = None
+    min_p: float | None = None
 
     def get(self, name: str, fallback):
         """The model's value of `name`, else `fallback`."""
         value = getattr(self, name)
         return fallback if value is None else value
-
-    def filled(self, fallbacks: dict, **given) -> dict:
-        """A request's sampling fields (`given`): each one it left unset (None) takes the model's
-        value, else the route's own fallback."""
-        return {name: self.get(name, fallbacks[name]) if value is None else value for name, value in given.items()}
 
 
 _NAMES = tuple(f.name for f in fields(SamplingDefaults))
@@ -51,6 +51,8 @@ def _checked(name: str, value):
         return int(value) if value >= 0 and float(value).is_integer() else None
     if name == "top_p":
         return float(value) if 0 < value <= 1 else None
+    if name == "min_p":
+        return float(value) if 0 <= value <= 1 else None
     if name == "temperature":
         return float(value) if value >= 0 else None
     return float(value) if value > 0 else None
@@ -86,9 +88,3 @@ def model_sampling_defaults(engine) -> SamplingDefaults:
     if values:
         log.info("sampling defaults from the model: %s", ", ".join(f"{k}={v}" for k, v in values.items()))
     return defaults
-
-
-def with_model_defaults(settings, defaults: SamplingDefaults):
-    """A `ChatSettings` (or any dataclass with these fields) with the model's values over its own."""
-    return replace(settings, **{name: getattr(defaults, name) for name in _NAMES
-                                if getattr(defaults, name) is not None and hasattr(settings, name)})

@@ -1,5 +1,5 @@
-"""`POST /v1/messages` and `POST /v1/messages/count_tokens`: Anthropic's Messages API over the chat
-path (server/chat_path.py: the same template, tools, constraint, admission and engine as
+"""`POST /v1/messages` and `POST /v1/messages/count_tokens`: Anthropic's Messages API over the one
+request path (frontend/request.py: the same template, tools, constraint, admission and engine as
 `/v1/chat/completions`).
 
 The answer's content is a list of blocks: `thinking` (a thinking model's thought), `text`,
@@ -20,8 +20,9 @@ from fastapi.responses import JSONResponse
 
 from engine.request import FinishReason
 from frontend.admission import RequestFailed
-from server.chat import run_while_connected
-from server.chat_path import Block, ChatJob, ReplyBlocks, check_model, encode_job, route_start, start_chat
+from frontend.request import ChatJob, Sampling, encode
+from server.reply_blocks import Block, ReplyBlocks
+from server.streaming import check_model, route_start, run_while_connected, start
 from server.errors import BODY_FIELDS, error_body, internal_error_message, slow_reader_end
 from server.anthropic_schemas import CountTokensRequest, MessagesRequest
 from server.sse import event_stream_response
@@ -32,9 +33,10 @@ BODY_FIELDS["/v1/messages"] = list(MessagesRequest.model_fields)
 BODY_FIELDS["/v1/messages/count_tokens"] = list(CountTokensRequest.model_fields)
 
 
-def _job(body: CountTokensRequest, sampling=None, max_tokens: int | None = None) -> ChatJob:
-    return ChatJob(body.chat_messages(), body.tool_request(), body.constraint(), sampling, max_tokens,
-                   template_kwargs=body.template_kwargs(), format_param="output_config.format")
+def _job(body: CountTokensRequest, sampling: Sampling | None = None, max_tokens: int | None = None) -> ChatJob:
+    return ChatJob(body.chat_messages(), sampling=sampling or Sampling(), max_tokens=max_tokens,
+                   tools=body.tool_request(), constraint=body.constraint(), template_kwargs=body.template_kwargs(),
+                   format_param="output_config.format")
 
 
 def matched_stop(tokenizer, token_ids: list[int], stops: list[str]) -> str | None:
@@ -116,9 +118,9 @@ class MessageBuilder:
 @router.post("/messages")
 async def create_message(body: MessagesRequest, request: Request, x_request_id: str | None = Header(None)):
     engine, request_id = route_start(request, body, x_request_id)
-    gens, encoded = await start_chat(request, _job(body, body.sampling(), body.max_tokens), request_id, "v1_messages")
+    gens, prepared = await start(request, _job(body, body.sampling(), body.max_tokens), request_id, "v1_messages")
     gen = gens[0]
-    blocks = ReplyBlocks(encoded.fmt)
+    blocks = ReplyBlocks(prepared.fmt)
     builder = MessageBuilder(body, request_id, engine.model_name, blocks, engine.tokenizer)
     builder.num_prompt_tokens = gen.num_prompt_tokens
 
@@ -155,5 +157,5 @@ async def create_message(body: MessagesRequest, request: Request, x_request_id: 
 async def count_tokens(body: CountTokensRequest, request: Request):
     state = request.app.state
     check_model(state, body.model)
-    encoded = await encode_job(state.engine, _job(body))
-    return {"input_tokens": len(encoded.prompt_ids)}
+    prompts, *_ = await encode(state.engine, _job(body))
+    return {"input_tokens": len(prompts[0])}

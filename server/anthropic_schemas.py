@@ -10,7 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from engine.request import MAX_CACHE_SALT_CHARS, Constraint
 from frontend.tools import ToolRequest
-from server.schemas import (CACHE_SALT_DOC, MAX_TOOLS, SamplingFields, _stop_list, check_depth,
+from frontend.request import Sampling
+from server.schemas import (CACHE_SALT_DOC, MAX_TOOLS, _stop_list, check_depth,
                             check_tool_choice)
 
 MAX_MESSAGES = 2048
@@ -231,7 +232,7 @@ class MessagesRequest(CountTokensRequest):
         _stop_list(value)
         return value
 
-    def sampling(self) -> SamplingFields:
+    def sampling(self) -> Sampling:
         budget = self.thinking.budget_tokens if self.thinking and self.thinking.type == "enabled" else None
-        return SamplingFields(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              stop=self.stop_sequences, max_reasoning_tokens=budget, cache_salt=self.cache_salt)
+        return Sampling(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                        stop=tuple(self.stop_sequences or ()), max_reasoning_tokens=budget, cache_salt=self.cache_salt)

@@ -14,6 +14,7 @@ from server import anthropic_api, chat, openai_api, responses_api
 from server.errors import ApiError, install_error_handlers
 from server.middleware import ApiGuard, CorsGuard, has_key
 from server.resume import ResumeRegistry
+from frontend.request import RequestDefaults
 from frontend.sampling_defaults import model_sampling_defaults
 from frontend.settings import Settings
 
@@ -58,7 +59,8 @@ def create_app(engine, settings: Settings) -> FastAPI:
                   docs_url="/docs", redoc_url=None)
     state = app.state
     state.engine = engine
-    state.sampling_defaults = model_sampling_defaults(engine)  # unset sampling fields of every route
+    # what every entrance's unset fields take (the page's sliders start there too)
+    state.request_defaults = RequestDefaults(model_sampling_defaults(engine), settings.default_max_new_tokens)
     state.settings = settings
     state.started_at = int(time.time())
     state.shutting_down = False

@@ -18,14 +18,15 @@ import json
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import JSONResponse
 
-from engine.request import FinishReason, InvalidRequest, SamplingParams
+from engine.request import FinishReason
+from frontend.admission import Generation, RequestFailed, compile_constraint, start_generation
+from frontend.request import ChatJob, Sampling
 from server.errors import BODY_FIELDS, ApiError, internal_error_message, log_internal_error
-from frontend.admission import (Generation, RequestFailed, admission, client_of, compile_constraint, check_prompt_chars, off_loop, request_id_from,
-                               start_generation)
-from frontend.sampling_defaults import SamplingDefaults
+from server.headers import admission, client_of, request_id_from
 from server.resume import ResumableStream
 from server.schemas import ChatBody
 from server.sse import event_stream_response
+from server.streaming import run_while_connected, start
 
 RESUME_TOKEN_HEADER = "x-resume-token"  # in a stream's response, and in the request that resumes it
 
@@ -33,48 +34,23 @@ router = APIRouter()
 BODY_FIELDS["/chat"] = list(ChatBody.model_fields)
 
 
-def _check_prompt_size(engine, body: ChatBody) -> None:
-    """400 for a prompt, conversation and system message too long to fit the context in any case."""
-    if body.messages is not None:
-        chars = sum(len(m.content) for m in body.messages)
-        param = "messages"
-    else:
-        chars, param = len(body.prompt), "prompt"
-    check_prompt_chars(engine, chars + len(body.system or ""), param)
-
-
-def _prompt_token_ids(engine, body: ChatBody) -> list[int]:
-    """Tokens of the body's prompt (blocking: call it in a worker thread)."""
+def _job(body: ChatBody) -> ChatJob:
+    """The body as the one request record: `prompt` (through the chat template unless `raw`) or
+    `messages`, after `system`; unset sampling fields take the defaults."""
+    sampling = Sampling(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                        repetition_penalty=body.repetition_penalty, seed=body.seed, stop=body.stop_list(),
+                        ignore_eos=body.ignore_eos, max_reasoning_tokens=body.max_reasoning_tokens,
+                        cache_salt=body.cache_salt)
+    job = ChatJob(sampling=sampling, max_tokens=body.max_new_tokens, constraint=body.constraint(),
+                  template_kwargs=body.chat_template_kwargs, param="prompt" if body.messages is None else "messages",
+                  max_tokens_param="max_new_tokens")
     if body.raw:
-        return engine.encode(body.prompt)
-    if body.messages is not None:
-        messages = [m.model_dump() for m in body.messages]
-    else:
-        messages = [{"role": "user", "content": body.prompt}]
-    if body.system is not None:
-        messages.insert(0, {"role": "system", "content": body.system})
-    return engine.encode_chat(messages, True, None, **(body.chat_template_kwargs or {}))
-
-
-SEED_FALLBACKS = {"temperature": 0.7, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}  # the seed protocol's
-
-
-def _sampling_params(body: ChatBody, settings, engine, defaults: SamplingDefaults = SamplingDefaults()
-                     ) -> SamplingParams:
-    """Unset sampling fields: the model's defaults (`defaults`), else the seed protocol's."""
-    max_tokens = body.max_new_tokens or settings.default_max_new_tokens
-    return SamplingParams(
-        max_tokens=max_tokens,
-        **defaults.filled(SEED_FALLBACKS, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                          repetition_penalty=body.repetition_penalty),
-        stop=tuple(body.stop_list()),
-        seed=body.seed,
-        ignore_eos=body.ignore_eos,
-        constraint=body.constraint(),
-        reasoning=engine.think_tags is not None,
-        max_reasoning_tokens=None if body.max_reasoning_tokens is None else min(body.max_reasoning_tokens, max_tokens),
-        cache_salt=body.cache_salt,
-    )
+        job.prompts = [body.prompt]
+        return job
+    messages = ([m.model_dump() for m in body.messages] if body.messages is not None
+                else [{"role": "user", "content": body.prompt}])
+    job.messages = ([{"role": "system", "content": body.system}] if body.system is not None else []) + messages
+    return job
 
 
 def _usage(gen: Generation, completion_tokens: int, finish_reason) -> dict:
@@ -165,52 +141,19 @@ async def _collect(gen: Generation, request: Request) -> tuple[str, str, int, ob
     return "".join(pieces), "".join(thought), completion_tokens, finish_reason
 
 
-async def run_while_connected(coro, request: Request, gen: Generation):
-    """Await `coro` unless the client disconnects first; then abort the request."""
-    task = asyncio.ensure_future(coro)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.25)
-            if task in done:
-                try:
-                    return task.result()
-                except RequestFailed as exc:
-                    status = {"timeout": 504, "engine_dead": 503}.get(exc.code, 500)
-                    raise ApiError(status, exc.message, code=exc.code) from None
-            if await request.is_disconnected():
-                task.cancel()
-                gen.abort()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
-                raise ApiError(499, "The client closed the connection.")
-    finally:
-        if not task.done():
-            task.cancel()
-            gen.abort()
-
-
 @router.post("/chat", summary="Generate a reply (SSE stream by default)")
 async def chat(body: ChatBody, request: Request, x_request_id: str | None = Header(None)):
     state = request.app.state
-    engine, settings = state.engine, state.settings
     request_id = request_id_from(x_request_id)  # a label; resuming needs the record's token too
-    params = _sampling_params(body, settings, engine, getattr(state, "sampling_defaults", SamplingDefaults()))
-    _check_prompt_size(engine, body)
-    prompt_ids = await off_loop(_prompt_token_ids, engine, body)
-    await compile_constraint(engine, params, client=client_of(request))
-    try:
-        gen = await start_generation(engine, prompt_ids, params, request_id, **admission(request, "chat"))
-    except InvalidRequest as exc:  # the engine names OpenAI's `max_tokens`; /chat calls it max_new_tokens
-        if exc.param == "max_tokens":
-            raise InvalidRequest(str(exc).replace("max_tokens", "max_new_tokens"), "max_new_tokens") from None
-        raise
+    gens, prepared = await start(request, _job(body), request_id, "chat")
+    gen = gens[0]
     if not body.stream:
         text, thought, completion_tokens, finish_reason = await _collect(gen, request)
         reply = {"response": text, "usage": _usage(gen, completion_tokens, finish_reason), "request_id": request_id}
         if thought:
             reply["reasoning"] = thought
         return JSONResponse(reply, headers={"x-request-id": request_id})
-    record = state.resume.create(request_id, prompt_ids, params)
+    record = state.resume.create(request_id, prepared.prompts[0], prepared.params)
     _start_pump(state, gen, record)
     headers = {RESUME_TOKEN_HEADER: record.token} if record.token is not None else None
     return event_stream_response(_follow(record, 0), request_id, headers=headers)

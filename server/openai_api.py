@@ -8,24 +8,20 @@ after a stream started is an `event: error` chunk with that shape, then `[DONE]`
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse
 
-from engine.request import RequestOutput
-from server.chat import run_while_connected
+from frontend.admission import Generation, RequestFailed
+from frontend.request import ChatJob, Sampling, default_max_tokens
 from server.errors import error_body, internal_error_message, slow_reader_end
-from frontend.admission import Generation, RequestFailed, check_prompt_chars, client_of, compile_constraint, off_loop
-from server.chat_path import (ChatJob, admit_all, check_model, default_max_tokens, model_defaults, route_start,
-                              sampling_params, start_chat)
 from server.openai_choices import ChatChoices, CompletionChoices, TokenText
-from server.schemas import ChatCompletionRequest, CompletionRequest
+from server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from server.sse import event_stream_response
+from server.streaming import check_model, merged, route_start, run_while_connected, start
 
 router = APIRouter(prefix="/v1")
 log = logging.getLogger("rill.server")
@@ -33,40 +29,14 @@ log = logging.getLogger("rill.server")
 _ROLE_MAP = {"developer": "system"}
 
 
-async def _merged(gens: list[Generation]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Deltas of several generations as (generation index, delta), in arrival order."""
-    if len(gens) == 1:
-        async for out in gens[0].deltas():
-            yield 0, out
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def read(i: int, gen: Generation):
-        try:
-            async for out in gen.deltas():
-                await queue.put((i, out))
-            await queue.put((i, done))
-        except BaseException as exc:  # hand failures to the reader
-            await queue.put((i, exc))
-
-    tasks = [asyncio.ensure_future(read(i, g)) for i, g in enumerate(gens)]
-    try:
-        remaining = len(gens)
-        while remaining:
-            i, item = await queue.get()
-            if item is done:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        for gen in gens:
-            if not gen.finished:
-                gen.abort()
+def sampling_of(body: SamplingFields) -> Sampling:
+    """The sampling fields of an OpenAI-style body (a `top_k` of -1 is vLLM's "off")."""
+    return Sampling(temperature=body.temperature, top_p=body.top_p, top_k=0 if body.top_k == -1 else body.top_k,
+                    min_p=body.min_p, repetition_penalty=body.repetition_penalty,
+                    presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                    min_tokens=body.min_tokens, seed=body.seed, stop=body.stop_list(),
+                    stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos, n=body.n,
+                    max_reasoning_tokens=body.max_reasoning_tokens, cache_salt=body.cache_salt)
 
 
 def _error_chunk(path: str, exc: Exception) -> dict:
@@ -104,11 +74,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, x_requ
     engine, request_id = route_start(request, body, x_request_id)
     body.check_answer_budget(default_max_tokens(engine, 0))  # n x max_tokens x logprobs: a 400 before any work
     top_n = body.top_logprobs or 0
-    job = ChatJob([m.template_message(_ROLE_MAP.get(m.role, m.role)) for m in body.messages], body.tool_request(),
-                  body.constraint(), body, body.max_completion_tokens or body.max_tokens, body.chat_template_kwargs,
+    job = ChatJob([m.template_message(_ROLE_MAP.get(m.role, m.role)) for m in body.messages], sampling=sampling_of(body),
+                  max_tokens=body.max_completion_tokens or body.max_tokens, open_ended=True, tools=body.tool_request(),
+                  constraint=body.constraint(), template_kwargs=body.chat_template_kwargs,
                   logprobs=top_n if body.logprobs else None)
-    gens, encoded = await start_chat(request, job, request_id, "v1_chat")
-    choices = ChatChoices(body.n, encoded.fmt, TokenText(engine.tokenizer), top_n, bool(body.logprobs))
+    gens, prepared = await start(request, job, request_id, "v1_chat")
+    choices = ChatChoices(body.n, prepared.fmt, TokenText(engine.tokenizer), top_n, bool(body.logprobs))
     return await _answer(request, gens, body, choices, f"chatcmpl-{request_id}", request_id)
 
 
@@ -116,19 +87,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, x_requ
 async def completions(body: CompletionRequest, request: Request, x_request_id: str | None = Header(None)):
     engine, request_id = route_start(request, body, x_request_id)
     body.check_answer_budget(default_max_tokens(engine, 0))
-    raw_prompts = body.prompts()  # at most MAX_PROMPTS (schemas.py)
-    for p in raw_prompts:
-        if isinstance(p, str):
-            check_prompt_chars(engine, len(p), "prompt")
-    prompts = await off_loop(lambda: [engine.encode(p) if isinstance(p, str) else list(p) for p in raw_prompts])
-    if body.max_tokens is not None:
-        max_tokens = body.max_tokens
-    else:
-        max_tokens = default_max_tokens(engine, max(len(p) for p in prompts))
-    params = sampling_params(body, max_tokens, body.logprobs, body.constraint(),
-                             defaults=model_defaults(request.app.state))
-    await compile_constraint(engine, params, client=client_of(request))
-    gens = await admit_all(request, prompts, params, request_id, "v1_completions")
+    job = ChatJob(prompts=body.prompts(), sampling=sampling_of(body), max_tokens=body.max_tokens, open_ended=True,
+                  constraint=body.constraint(), logprobs=body.logprobs, param="prompt")
+    gens, _ = await start(request, job, request_id, "v1_completions")
     choices = CompletionChoices(body.n * len(gens), TokenText(engine.tokenizer), body.logprobs)
     return await _answer(request, gens, body, choices, f"cmpl-{request_id}", request_id)
 
@@ -143,12 +104,12 @@ async def _answer(request: Request, gens: list[Generation], body, choices, answe
 
     if not body.stream:
         async def read():
-            async for g, out in _merged(gens):
+            async for g, out in merged(gens):
                 index = g * body.n + out.index
                 counts[index] = out.num_output_tokens
                 choices.add(index, out)
 
-        await _run_or_500(read(), request, *gens)
+        await run_while_connected(read(), request, *gens)
         return JSONResponse({**meta, "object": choices.whole_object, "choices": choices.whole(),
                              "system_fingerprint": None, "usage": _usage(prompt_tokens, sum(counts.values()))},
                             headers={"x-request-id": request_id})
@@ -166,7 +127,7 @@ async def _answer(request: Request, gens: list[Generation], body, choices, answe
         try:
             for opening in choices.opening():
                 yield chunk([opening])
-            async for g, out in _merged(gens):
+            async for g, out in merged(gens):
                 index = g * body.n + out.index
                 counts[index] = out.num_output_tokens
                 for choice in choices.stream(index, out):
@@ -185,16 +146,3 @@ async def _answer(request: Request, gens: list[Generation], body, choices, answe
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
-
-
-async def _run_or_500(coro, request: Request, *gens: Generation):
-    await run_while_connected(coro, request, gens[0] if len(gens) == 1 else _AbortAll(gens))
-
-
-class _AbortAll:
-    def __init__(self, gens):
-        self.gens = gens
-
-    def abort(self):
-        for gen in self.gens:
-            gen.abort()

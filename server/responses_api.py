@@ -1,5 +1,5 @@
 """`POST /v1/responses` and `GET /v1/responses/{id}`: OpenAI's Responses API over the chat path
-(server/chat_path.py: the same template, tools, constraint, admission and engine as
+(frontend/request.py: the same template, tools, constraint, admission and engine as
 `/v1/chat/completions`).
 
 The input (a string, or message / function_call / function_call_output / reasoning items) becomes a
@@ -31,11 +31,12 @@ from fastapi.responses import JSONResponse, Response
 
 from engine.request import FinishReason
 from frontend.admission import RequestFailed
-from server.chat import run_while_connected
-from server.chat_path import Block, ChatJob, ReplyBlocks, route_start, start_chat
+from frontend.request import ChatJob
+from server.reply_blocks import Block, ReplyBlocks
 from server.errors import ApiError, BODY_FIELDS, internal_error_message, slow_reader_end
 from server.responses_schemas import FunctionCallItem, FunctionCallOutputItem, MessageItem, ResponsesRequest
 from server.sse import event_stream_response
+from server.streaming import route_start, run_while_connected, start
 
 router = APIRouter(prefix="/v1")
 log = logging.getLogger("rill.server")
@@ -283,11 +284,12 @@ async def create_response(body: ResponsesRequest, request: Request, x_request_id
         if body.previous_response_id else []
     conversation = [*history, *input_messages(body, history)]
     instructions = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    job = ChatJob([*instructions, *conversation], body.tool_request(), body.constraint(), body.sampling(),
-                  body.max_output_tokens, body.template_kwargs(), param="input", format_param="text.format")
-    gens, encoded = await start_chat(request, job, request_id, "v1_responses")
+    job = ChatJob([*instructions, *conversation], sampling=body.sampling(), max_tokens=body.max_output_tokens,
+                  open_ended=True, tools=body.tool_request(), constraint=body.constraint(),
+                  template_kwargs=body.template_kwargs(), param="input", format_param="text.format")
+    gens, prepared = await start(request, job, request_id, "v1_responses")
     gen = gens[0]
-    blocks = ReplyBlocks(encoded.fmt)
+    blocks = ReplyBlocks(prepared.fmt)
     builder = ResponseBuilder(body, engine.model_name, blocks)
     builder.num_prompt_tokens = gen.num_prompt_tokens
 

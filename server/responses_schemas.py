@@ -12,7 +12,8 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_val
 
 from engine.request import MAX_CACHE_SALT_CHARS, Constraint
 from frontend.tools import ToolRequest
-from server.schemas import (CACHE_SALT_DOC, MAX_TOOLS, SamplingFields, _template_kwargs, check_depth,
+from frontend.request import Sampling
+from server.schemas import (CACHE_SALT_DOC, MAX_TOOLS, _template_kwargs, check_depth,
                             check_tool_choice)
 
 MAX_INPUT_ITEMS = 2048  # items in one request's `input`
@@ -217,9 +218,10 @@ class ResponsesRequest(BaseModel):
             return Constraint.json_schema(self.text.format.schema_, strict=bool(self.text.format.strict))
         return None
 
-    def sampling(self) -> SamplingFields:
-        return SamplingFields(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
-                              max_reasoning_tokens=self.max_reasoning_tokens, cache_salt=self.cache_salt)
+    def sampling(self) -> Sampling:
+        return Sampling(temperature=self.temperature, top_p=self.top_p, top_k=0 if self.top_k == -1 else self.top_k,
+                        seed=self.seed,
+                        max_reasoning_tokens=self.max_reasoning_tokens, cache_salt=self.cache_salt)
 
     def template_kwargs(self) -> dict | None:
         """`chat_template_kwargs`, with `reasoning.effort: "none"` as `enable_thinking: false` unless it says."""

@@ -4,6 +4,7 @@ name, range and value, and the page's history bounds and linear trimming."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import pytest
@@ -12,8 +13,9 @@ from hypothesis import strategies as st
 
 from engine.detokenizer import IncrementalDetokenizer, StopMatcher
 from engine.request import MAX_STOP_LENGTH, InvalidRequest, SamplingParams, prompt_char_limit
+from frontend.request import RequestDefaults, fit_to_context
 from ui.chat import ChatSettings, stream_answer
-from ui.history import MAX_HISTORY_CHARS, MAX_HISTORY_MESSAGES, ChatError, fit_to_context, to_engine_messages
+from ui.history import MAX_HISTORY_CHARS, MAX_HISTORY_MESSAGES, ChatError, to_engine_messages
 
 # --------------------------------------------------------------------------- stop strings
 
@@ -234,8 +236,8 @@ def test_trimming_drops_the_fewest_oldest_turns_like_one_at_a_time(words, contex
     history = _conversation(words)
     engine = WordEngine(context)
     try:
-        fitted = fit_to_context(engine, history, "the question", "", answer)
-    except ChatError:
+        fitted = fit_to_context(engine, history + [{"role": "user", "content": "the question"}], answer)
+    except InvalidRequest:
         assert len(engine.encode_chat([{"role": "user", "content": "the question"}])) >= context
         return
     expected = _fewest_dropped(WordEngine(context), history, "the question", answer)
@@ -248,7 +250,8 @@ def test_trimming_drops_the_fewest_oldest_turns_like_one_at_a_time(words, contex
 def test_a_long_history_costs_a_logarithmic_number_of_renders():
     history = _conversation([5] * 1000)  # 500 turns
     engine = WordEngine(200)
-    fitted = fit_to_context(engine, history, "now?", "be brief", 50)
+    fitted = fit_to_context(engine, [{"role": "system", "content": "be brief"}, *history,
+                                     {"role": "user", "content": "now?"}], 50)
     assert fitted.dropped_turns == 500 - 12  # 12 turns of 12 tokens + system, message and answer fit
     assert engine.renders <= 2 + math.ceil(math.log2(501))
     kept = [m for turn in _turns_of(history)[500 - 12:] for m in turn]
@@ -264,16 +267,16 @@ def test_turns_beyond_the_character_bound_are_dropped_without_rendering_them():
     engine = WordEngine(context)
     rendered = []
     engine.encode_chat = lambda messages, add_generation_prompt=True: rendered.append(messages) or [0] * 10
-    fitted = fit_to_context(engine, history, "next", "", 8)
+    fitted = fit_to_context(engine, history + [{"role": "user", "content": "next"}], 8)
     assert fitted.dropped_turns == 1
     assert all(m["content"] != huge for messages in rendered for m in messages)
 
 
 def test_a_message_past_the_character_bound_is_refused_before_any_render():
     engine = WordEngine(10)
-    with pytest.raises(ChatError, match=r"has 161 characters, and the model's context of 10 tokens takes at most "
-                                        r"160 characters"):
-        fit_to_context(engine, [], "x" * 161, "", 1)
+    with pytest.raises(InvalidRequest, match=r"has 161 characters, and the model's context of 10 tokens takes at "
+                                             r"most 160 characters"):
+        fit_to_context(engine, [{"role": "user", "content": "x" * 161}], 1)
     assert engine.renders == 0
 
 
@@ -302,7 +305,11 @@ def test_an_oversized_or_malformed_history_is_a_clear_error(history, message):
 ])
 def test_the_page_api_refuses_non_finite_and_wrong_typed_settings(settings_, message):
     engine = WordEngine(64)
-    with pytest.raises(ChatError) as caught:
-        list(stream_answer(engine, None, "gradio", [], "hi", settings_))
+    async def answer():
+        async for _ in stream_answer(engine, RequestDefaults(), [], "hi", settings_, admission={}):
+            pass
+
+    with pytest.raises((ChatError, InvalidRequest)) as caught:
+        asyncio.run(answer())
     assert message in str(caught.value)
     assert engine.renders == 0  # refused before any tokenizing

@@ -14,7 +14,8 @@ from types import SimpleNamespace
 from engine.request import FinishReason, RequestOutput, SamplingParams
 from engine.streams import RequestStream
 from server.chat import _continue, _start_pump
-from frontend.admission import Generation, admission
+from frontend.admission import Generation
+from server.headers import admission
 from server.resume import ResumeRegistry
 from frontend.settings import Settings
 

@@ -1,6 +1,6 @@
-"""Each route's default sampling comes from the model: its generation config where it has one (as
-vLLM does for unset fields), the model card's settings for the embedded SmolLM2-135M-Instruct, and
-the route's own fallback (OpenAI's 1.0, /chat's 0.7) only where the model says nothing."""
+"""One set of sampling defaults for every entrance: the model's generation config where it has one
+(as vLLM does for unset fields), the model card's settings for the embedded SmolLM2-135M-Instruct,
+and rill's own (`RILL_SAMPLING`) only where the model says nothing."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ from types import SimpleNamespace
 
 from transformers import GenerationConfig
 
-from frontend.sampling_defaults import SamplingDefaults, model_sampling_defaults, with_model_defaults
-from server.chat import _sampling_params
-from server.chat_path import sampling_params as _params
+from frontend.request import ChatJob, RequestDefaults, Sampling, sampling_params
+from frontend.sampling_defaults import RILL_SAMPLING, SamplingDefaults, model_sampling_defaults
+from server.chat import _job as chat_job
+from server.openai_api import sampling_of
 from server.schemas import ChatBody, ChatCompletionRequest
 from ui.chat import ChatSettings
 
@@ -36,21 +37,24 @@ def test_a_remote_backend_reads_generation_config_json_beside_its_tokenizer(tmp_
 def test_the_embedded_model_gets_its_model_cards_settings():
     defaults = model_sampling_defaults(_engine("SmolLM2-135M-Instruct", GenerationConfig()))
     assert (defaults.temperature, defaults.top_p) == (0.2, 0.9)
-    page = with_model_defaults(ChatSettings(), defaults)  # what the page's sliders show
-    assert (page.temperature, page.top_p, page.top_k) == (0.2, 0.9, ChatSettings().top_k)
+    page = RequestDefaults(defaults).resolved()  # what the page's sliders show, and what an unset field takes
+    assert (page["temperature"], page["top_p"], page["top_k"]) == (0.2, 0.9, RILL_SAMPLING["top_k"])
 
 
-def test_routes_fill_unset_fields_from_the_model_and_keep_what_a_request_sets():
-    model = SamplingDefaults(temperature=0.3, top_p=0.8, top_k=20, repetition_penalty=1.05)
-    settings = SimpleNamespace(default_max_new_tokens=16)
-    unset = _params(ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}]), 8, None, defaults=model)
-    assert (unset.temperature, unset.top_p, unset.top_k, unset.repetition_penalty) == (0.3, 0.8, 20, 1.05)
-    given = _params(ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], temperature=0, top_p=1,
-                                          repetition_penalty=1), 8, None, defaults=model)
+def test_every_entrance_fills_unset_fields_from_the_model_then_rill_and_keeps_what_a_request_sets():
+    model = RequestDefaults(SamplingDefaults(temperature=0.3, top_p=0.8, top_k=20, repetition_penalty=1.05))
+    hi = [{"role": "user", "content": "hi"}]
+    jobs = {"/v1": ChatJob(hi, sampling=sampling_of(ChatCompletionRequest(messages=hi))),
+            "/chat": chat_job(ChatBody(prompt="hi")),
+            "page": ChatSettings().job([], "hi")}
+    for entrance, job in jobs.items():
+        unset = sampling_params(job, 8, model)
+        assert (unset.temperature, unset.top_p, unset.top_k, unset.repetition_penalty) == (0.3, 0.8, 20, 1.05), entrance
+        plain = sampling_params(job, 8, RequestDefaults())
+        assert {name: getattr(plain, name) for name in RILL_SAMPLING} == RILL_SAMPLING, entrance
+    given = ChatCompletionRequest(messages=hi, temperature=0, top_p=1, repetition_penalty=1)
+    given = sampling_params(ChatJob(hi, sampling=sampling_of(given)), 8, model)
     assert (given.temperature, given.top_p, given.repetition_penalty) == (0, 1, 1)
-    plain = _params(ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}]), 8, None)
-    assert (plain.temperature, plain.top_p, plain.top_k, plain.repetition_penalty) == (1.0, 1.0, 0, 1.0)
-    chat = _sampling_params(ChatBody(prompt="hi"), settings, SimpleNamespace(think_tags=None), model)
-    assert (chat.temperature, chat.top_p, chat.top_k, chat.repetition_penalty) == (0.3, 0.8, 20, 1.05)
-    seed_protocol = _sampling_params(ChatBody(prompt="hi"), settings, SimpleNamespace(think_tags=None))
-    assert (seed_protocol.temperature, seed_protocol.top_p, seed_protocol.top_k) == (0.7, 1.0, 0)
+    page = sampling_params(ChatSettings(temperature=0.0, top_k=5.0).job([], "hi"), 8, model)
+    assert (page.temperature, page.top_k, page.top_p) == (0.0, 5, 0.8)
+    assert sampling_params(ChatJob(hi, sampling=Sampling(min_p=0.2)), 8, model).min_p == 0.2

@@ -3,13 +3,16 @@ tool messages instead of markup, JSON that matches the schema), on the tiny thin
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import jsonschema
 import pytest
 
 from engine.model.loading import load_model
+from engine.request import InvalidRequest
 from frontend.backends.local import LocalEngine
+from frontend.request import RequestDefaults
 from ui.chat import AnswerStats, ChatSettings, answer_messages, stream_answer
 from ui.history import ChatError
 from ui.page import build_demo
@@ -50,20 +53,24 @@ def test_a_tool_call_shows_as_a_tool_message_not_markup():
 
 def test_json_mode_settings_are_checked():
     with pytest.raises(ChatError, match="needs a schema"):
-        ChatSettings(output_format="JSON schema").sampling_params(8)
-    with pytest.raises(ChatError, match="not valid JSON"):
-        ChatSettings(output_format="JSON schema", json_schema="{nope").sampling_params(8)
+        ChatSettings(output_format="JSON schema").job([], "hi")
+    with pytest.raises(InvalidRequest, match="not valid JSON"):
+        ChatSettings(output_format="JSON schema", json_schema="{nope").job([], "hi")
     with pytest.raises(ChatError, match="output format must be one of"):
-        ChatSettings(output_format="XML").sampling_params(8)
-    assert ChatSettings(output_format="JSON object").sampling_params(8).constraint.kind == "json_object"
+        ChatSettings(output_format="XML").job([], "hi")
+    assert ChatSettings(output_format="JSON object").job([], "hi").constraint.kind == "json_object"
 
 
 def test_page_streams_the_thought_apart_and_json_matches_the_schema(engine):
-    settings = ChatSettings(temperature=0.0, max_new_tokens=60, reasoning=True, max_reasoning_tokens=8,
-                            output_format="JSON schema",
+    settings = ChatSettings(temperature=0.0, max_new_tokens=60, max_reasoning_tokens=8, output_format="JSON schema",
                             json_schema=json.dumps(SCHEMA), top_k=0, repetition_penalty=1.0)
-    steps = [(text, AnswerStats(**{k: getattr(stats, k) for k in ("reasoning", "thinking", "finish_reason")}))
-             for text, stats in stream_answer(engine, None, "gradio", [], "Weather?", settings)]
+
+    async def answer():
+        return [(text, AnswerStats(**{k: getattr(stats, k) for k in ("reasoning", "thinking", "finish_reason")}))
+                async for text, stats in stream_answer(engine, RequestDefaults(), [], "Weather?", settings,
+                                                       admission={"route": "gradio"})]
+
+    steps = asyncio.run(answer())
     text, stats = steps[-1]
     assert stats.reasoning and "<think>" not in stats.reasoning and "</think>" not in text
     assert any(s.thinking for _, s in steps) and not stats.thinking

@@ -5,7 +5,7 @@ what the page promises at the edges: text never becomes HTML, long conversations
 oldest turns, the API streams, a cancelled job aborts its engine request, answers run in parallel.
 """
 
-import queue
+import asyncio
 import threading
 import time
 from dataclasses import dataclass, field
@@ -14,18 +14,17 @@ from types import SimpleNamespace
 import pytest
 from hypothesis import given, settings as hyp_settings, strategies as st
 
-from engine.request import FinishReason, InvalidRequest, new_request_id
+from engine.request import FinishReason, InvalidRequest, RequestOutput, new_request_id
+from engine.streams import RequestStream
+from frontend.request import RequestDefaults, fit_to_context
 from frontend.telemetry import RequestMetrics
 from ui.chat import ChatSettings, stream_answer
-from ui.history import ChatError, fit_to_context, to_engine_messages
+from ui.history import ChatError, to_engine_messages
 from ui.markup import _split_code, escape_html, unescape_html
 
 XSS = "<img src=x onerror=alert(1)>"
 
 # --------------------------------------------------------------------------- a scripted engine
-
-_END = object()
-
 
 @dataclass
 class FakeStats:
@@ -43,22 +42,27 @@ class FakeStats:
     prefix_cache_hit_tokens: int = 0
 
 
-class FakeStreamer:
-    """Iterates text pieces like `RequestTextStreamer`, fed by a thread (honours `.timeout`)."""
+class FakeRequest:
+    """One scripted answer, written word by word into the request's stream by a thread (as the
+    engine thread feeds a `RequestStream`)."""
 
     def __init__(self, engine, prompt_token_ids, params, request_id):
         self.engine = engine
         self.request_id = request_id
         self.params = params
+        self.stream = RequestStream(engine, request_id, 1)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_output_tokens = 0
         self.finish_reason = None
-        self.error = None
-        self.timeout = None
-        self.text_queue = queue.Queue()
         self.aborted = threading.Event()
         self.done = threading.Event()
         threading.Thread(target=self._run, daemon=True).start()
+
+    def _emit(self, text, finish_reason=None):
+        self.stream._on_output(RequestOutput(self.request_id, 0, [1] if text else [], text,
+                                             finished=finish_reason is not None, finish_reason=finish_reason,
+                                             num_prompt_tokens=self.num_prompt_tokens,
+                                             num_output_tokens=self.num_output_tokens))
 
     def _run(self):
         engine = self.engine
@@ -79,24 +83,12 @@ class FakeStreamer:
                     self.finish_reason = FinishReason.STOP
                     break
                 self.num_output_tokens += 1
-                self.text_queue.put(words[i] if i == 0 else " " + words[i])
+                self._emit(words[i] if i == 0 else " " + words[i])
         finally:
             with engine.lock:
                 engine.running -= 1
             self.done.set()
-            self.text_queue.put(_END)
-
-    def abort(self):
-        self.aborted.set()
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        value = self.text_queue.get(timeout=self.timeout)
-        if value is _END:
-            raise StopIteration
-        return value
+            self._emit("", self.finish_reason)
 
 
 class FakeChatEngine:
@@ -119,8 +111,8 @@ class FakeChatEngine:
         self.running = 0
         self.max_running = 0
         self.prompts = []  # the messages of each encode_chat call
-        self.streamers = []
-        self.clients = []  # the client each text_streamer call named (the page: its session)
+        self.streamers = []  # every FakeRequest, in order of admission
+        self.clients = []  # the client each add_request call named (the page: its address)
 
     def encode_chat(self, messages, add_generation_prompt=True):
         self.prompts.append([dict(m) for m in messages])
@@ -130,13 +122,28 @@ class FakeChatEngine:
             words.extend(message["content"].split())
         return list(range(len(words)))
 
-    def text_streamer(self, prompt_token_ids, params, request_id=None, client=None):
+    grammars = None  # nothing to compile here
+
+    def add_request(self, prompt_token_ids, params, request_id=None, prior_output_ids=(), client=None):
         self.clients.append(client)
         if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
             raise InvalidRequest(f"prompt + max_tokens > {self.max_model_len}")
-        streamer = FakeStreamer(self, prompt_token_ids, params, request_id or new_request_id())
-        self.streamers.append(streamer)
-        return streamer
+        request = FakeRequest(self, prompt_token_ids, params, request_id or new_request_id())
+        self.streamers.append(request)
+        return request.stream
+
+    async def wait_admitted(self, stream, timeout):
+        return None
+
+    def abort(self, request_id):
+        for request in self.streamers:
+            if request.request_id == request_id:
+                request.aborted.set()
+                return True
+        return False
+
+    def unavailable_reason(self):
+        return "The fake engine is not running."
 
     def stats(self):
         return FakeStats(num_running=self.running)
@@ -187,6 +194,19 @@ def test_history_in_every_gradio_shape_becomes_plain_messages():
     assert to_engine_messages([{"role": "user", "content": "a &lt; b"}], escaped=False)[0]["content"] == "a &lt; b"
 
 
+def answer(engine, history, message, settings, metrics=None, warn=None):
+    """Every (text so far, stats) the page's generator yields, run in an event loop of its own."""
+    async def run():
+        admission = dict(route="gradio", metrics=metrics, timeout=0.0, client=None)
+        return [update async for update in stream_answer(engine, RequestDefaults(), history, message, settings,
+                                                         admission=admission, warn=warn)]
+    return asyncio.run(run())
+
+
+def prompt(system, history, message):
+    return [{"role": "system", "content": system}] * bool(system) + history + [{"role": "user", "content": message}]
+
+
 def _turn(i):
     return [{"role": "user", "content": f"question {i} " + "w " * 6},
             {"role": "assistant", "content": f"answer {i} " + "w " * 6}]
@@ -195,7 +215,7 @@ def _turn(i):
 def test_long_conversation_drops_oldest_turns_first():
     engine = FakeChatEngine(max_model_len=60)
     history = _turn(1) + _turn(2) + _turn(3)  # 9 tokens per message
-    fitted = fit_to_context(engine, history, "last question", "be brief", max_new_tokens=20)
+    fitted = fit_to_context(engine, prompt("be brief", history, "last question"), max_new_tokens=20)
     assert fitted.dropped_turns == 2
     kept = ([{"role": "system", "content": "be brief"}] + history[2 * fitted.dropped_turns:]
             + [{"role": "user", "content": "last question"}])
@@ -207,17 +227,16 @@ def test_long_conversation_drops_oldest_turns_first():
 
 def test_a_message_longer_than_the_context_is_refused_with_the_numbers():
     engine = FakeChatEngine(max_model_len=10)
-    with pytest.raises(ChatError, match=r"takes 13 tokens, and the model's context holds 10 tokens"):
-        fit_to_context(engine, [], "w " * 12, "", max_new_tokens=4)
-    fitted = fit_to_context(engine, [], "w " * 6, "", max_new_tokens=8)  # 7 prompt tokens: 3 left
+    with pytest.raises(InvalidRequest, match=r"takes 13 tokens, and the model's context holds 10 tokens"):
+        fit_to_context(engine, prompt("", [], "w " * 12), max_new_tokens=4)
+    fitted = fit_to_context(engine, prompt("", [], "w " * 6), max_new_tokens=8)  # 7 prompt tokens: 3 left
     assert fitted.max_tokens == 3
 
 
 def test_trimming_warns_and_the_answer_streams():
     engine = FakeChatEngine(reply="one two three", max_model_len=40)
     warnings = []
-    outputs = list(stream_answer(engine, None, "gradio", _turn(1) + _turn(2), "now?",
-                                 ChatSettings(max_new_tokens=8), warn=warnings.append))
+    outputs = answer(engine, _turn(1) + _turn(2), "now?", ChatSettings(max_new_tokens=8), warn=warnings.append)
     assert [text for text, _ in outputs][-1] == "one two three"
     assert len(warnings) == 1 and "1 oldest turn(s) were left out" in warnings[0]
     assert "context (40 tokens)" in warnings[0]
@@ -234,8 +253,8 @@ def test_trimming_warns_and_the_answer_streams():
 def test_bad_settings_are_refused_before_the_engine_sees_them(field_, value, message):
     engine = FakeChatEngine()
     settings = ChatSettings(**{field_: value})
-    with pytest.raises(ChatError) as info:
-        list(stream_answer(engine, None, "gradio", [], "hi", settings))
+    with pytest.raises((ChatError, InvalidRequest)) as info:
+        answer(engine, [], "hi", settings)
     assert message in str(info.value)
     assert engine.streamers == []
 
@@ -272,9 +291,10 @@ def test_chat_api_lists_named_parameters_with_defaults(page):
     assert list(params) == ["message", "history", "system_prompt", "temperature", "top_p", "top_k",
                             "max_new_tokens", "repetition_penalty"]
     assert not params["message"]["parameter_has_default"]
+    rill = RequestDefaults().resolved()  # the fake model has no sampling of its own: rill's, as on every route
     assert {name: params[name]["parameter_default"] for name in list(params)[2:]} == {
-        "system_prompt": "", "temperature": 0.7, "top_p": 0.9, "top_k": 50, "max_new_tokens": 64,
-        "repetition_penalty": 1.1}
+        "system_prompt": "", "temperature": rill["temperature"], "top_p": rill["top_p"], "top_k": rill["top_k"],
+        "max_new_tokens": 64, "repetition_penalty": rill["repetition_penalty"]}
     assert info["returns"][0]["type"] == {"type": "string"}
 
 
@@ -349,7 +369,7 @@ def test_status_panel_counts_what_the_page_streamed():
 
     engine = FakeChatEngine(reply="one two three four", max_model_len=64)
     metrics = RequestMetrics(engine)
-    list(stream_answer(engine, metrics, "gradio", [], "count", ChatSettings(max_new_tokens=8)))
+    answer(engine, [], "count", ChatSettings(max_new_tokens=8), metrics=metrics)
     markdown, throughput, ttft = status.snapshot(engine, metrics)
     assert "| Tokens generated (last minute) | 4 |" in markdown
     assert "| Requests finished (last minute) | 1 |" in markdown

@@ -1,45 +1,43 @@
-"""The chat logic behind the page, free of Gradio layout: settings and history in, streamed answer out.
+"""The chat logic behind the page, free of Gradio layout: the page's settings and history in, the
+streamed answer out, through the same path as every HTTP route.
 
-`stream_answer` is the generator: it admits the request through the front end's one admission
-path (a threaded `TextIteratorStreamer`, frontend/admission.py `admit_text`) and yields the
-growing text; closing it (Stop in the page, a cancelled gradio_client job) aborts the engine
-request. `answer_messages` is what the page shows of an answer (a "Thinking" box, tool calls as
-tool messages). The conversation's bounds and trimming are in ui/history.py, the escaping in
-ui/markup.py.
+`stream_answer` fills the one request record (frontend/request.py `ChatJob`), prepares and admits it
+and reads its `Generation` (deadline, abort when closed, metrics), yielding the growing text; closing
+it (Stop in the page, a cancelled gradio_client job, a closed tab) aborts the engine request.
+`answer_messages` is what the page shows of an answer (a "Thinking" box, tool calls as tool
+messages). The conversation's shapes and bounds are in ui/history.py, the escaping in ui/markup.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-import queue
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from engine.request import Constraint, InvalidRequest, SamplingParams
-from engine.streamers import ReasoningPiece
-from frontend.admission import admit_text
-from frontend.errors import ApiError
-from frontend.telemetry import queue_time_of
+from engine.request import Constraint, new_request_id
+from frontend.request import ChatJob, RequestDefaults, Sampling, prepare, start_job
 from frontend.tool_parsers import HermesParser, Llama3Parser
-from ui.history import ChatError, check_history, fit_to_context
+from ui.history import ChatError, check_history
 from ui.markup import escape_html
 
-WAIT_POLL_S = 0.25  # while no token comes, the generator wakes this often so Stop can close it
 OUTPUT_FORMATS = ("Text", "JSON object", "JSON schema")  # the page's "JSON mode / schema" choice
+
+
 @dataclass(frozen=True, slots=True)
 class ChatSettings:
-    """The sampling settings the page and the `/chat` API take."""
+    """What the page, its `/chat` API and its MCP tools send besides the conversation; a sampling
+    field left None takes the one set of defaults (the model's, then rill's), as on every route."""
 
     system_prompt: str = ""
-    temperature: float = 0.7
-    top_p: float = 0.9
-    top_k: int = 50
-    max_new_tokens: int = 512
-    repetition_penalty: float = 1.1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # 0 = off
+    max_new_tokens: int | None = None  # None: --max-new-tokens
+    repetition_penalty: float | None = None
     output_format: str = "Text"  # one of OUTPUT_FORMATS
     json_schema: str = ""  # the schema (JSON text) when output_format is "JSON schema"
-    reasoning: bool = False  # split a thinking model's thought from its answer
     max_reasoning_tokens: int | None = None  # the thought's budget (None or 0: no limit but max_new_tokens)
     cache_salt: str | None = None  # the page session's prefix-cache salt (--cache-salt-per-session)
 
@@ -53,30 +51,40 @@ class ChatSettings:
             if not isinstance(self.json_schema, str) or not self.json_schema.strip():
                 raise ChatError("JSON schema output needs a schema: paste one into the schema box "
                                 '(for example {"type": "object", "properties": {"name": {"type": "string"}}}).')
-            try:
-                return Constraint("json_schema", self.json_schema, strict=True)
-            except InvalidRequest as exc:
-                raise ChatError(str(exc)) from exc
+            return Constraint("json_schema", self.json_schema, strict=True)  # InvalidRequest: not a schema
         return None
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """Raises `ChatError` with the engine's message (what was wrong, allowed, given). Values go
-        to `SamplingParams` as they came (it checks type, finiteness and range), except that a
-        whole float such as a slider's 50.0 counts as the integer it is."""
-        constraint = self.constraint()
+    def job(self, history: list[dict], message) -> ChatJob:
+        """The one request record of `message` after `history` (the page's own fields checked here;
+        the sampling fields by `SamplingParams`, once, before any tokenizing)."""
+        if not isinstance(message, str):
+            raise ChatError(f"`message` must be a string. Given: {type(message).__name__}")
+        if not message.strip():
+            raise ChatError("The message is empty: type something to send.")
+        if not isinstance(self.system_prompt, str):
+            raise ChatError(f"`system_prompt` must be a string. Given: {type(self.system_prompt).__name__}")
+        check_history(history)
+        max_new_tokens = self.max_new_tokens
+        if max_new_tokens is not None:
+            try:
+                whole = int(max_new_tokens)
+            except (TypeError, ValueError, OverflowError):
+                whole = None
+            if whole is None or whole < 1 or whole != max_new_tokens:
+                raise ChatError(f"`max_new_tokens` must be an integer >= 1. Given: {max_new_tokens!r}")
+            max_new_tokens = whole
         budget = _whole(self.max_reasoning_tokens) or None
-        try:
-            return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                                  top_k=_whole(self.top_k), repetition_penalty=self.repetition_penalty,
-                                  constraint=constraint, reasoning=self.reasoning,
-                                  max_reasoning_tokens=min(budget, max_tokens) if isinstance(budget, int) else budget,
-                                  cache_salt=self.cache_salt)
-        except InvalidRequest as exc:
-            raise ChatError(str(exc)) from exc
+        sampling = Sampling(temperature=self.temperature, top_p=self.top_p, top_k=_whole(self.top_k),
+                            repetition_penalty=self.repetition_penalty, max_reasoning_tokens=budget,
+                            cache_salt=self.cache_salt)
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt.strip() else []
+        return ChatJob(system + [m for m in history if m["role"] != "system"] + [{"role": "user", "content": message}],
+                       sampling=sampling, max_tokens=max_new_tokens, constraint=self.constraint(), fit_context=True,
+                       param="message", max_tokens_param="max_new_tokens")
 
 
 def _whole(value):
-    """50.0 -> 50; anything else unchanged."""
+    """50.0 -> 50 (a slider's value); anything else unchanged."""
     if isinstance(value, float) and value.is_integer():
         return int(value)
     return value
@@ -96,6 +104,7 @@ class AnswerStats:
     reasoning: str = ""  # the thought so far (a thinking model)
     thinking: bool = False  # the thought is still being written
     reasoning_s: float | None = None  # how long the thought took (from its first piece to the answer's)
+    thought_start: float | None = None  # when its first piece came (monotonic)
 
     def markdown(self) -> str:
         if self.num_output_tokens == 0 and self.finish_reason is None:
@@ -112,147 +121,61 @@ class AnswerStats:
         state = "Streaming" if self.finish_reason is None else f"Last answer ({self.finish_reason})"
         return f"{state}: " + " · ".join(parts)
 
-
-def _checked_max_new_tokens(message, settings: ChatSettings, history: list[dict]) -> int:
-    """The request's checks before any tokenizing; returns max_new_tokens as an int."""
-    if not isinstance(message, str):
-        raise ChatError(f"`message` must be a string. Given: {type(message).__name__}")
-    if not message.strip():
-        raise ChatError("The message is empty: type something to send.")
-    if not isinstance(settings.system_prompt, str):
-        raise ChatError(f"`system_prompt` must be a string. Given: {type(settings.system_prompt).__name__}")
-    check_history(history)
-    try:
-        max_new_tokens = int(settings.max_new_tokens)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise ChatError(f"`max_new_tokens` must be an integer >= 1. Given: {settings.max_new_tokens!r}") from exc
-    if max_new_tokens < 1 or max_new_tokens != settings.max_new_tokens:
-        raise ChatError(f"`max_new_tokens` must be an integer >= 1. Given: {settings.max_new_tokens!r}")
-    settings.sampling_params(max_new_tokens)  # the parameters are checked before any tokenizing
-    return max_new_tokens
-
-
-class _Progress:
-    """One answer's stats as its pieces arrive (what the page shows under the chat), and its
-    metrics record (tokens as they come, the end with its finish reason)."""
-
-    def __init__(self, streamer, stats: AnswerStats, arrival: float, tracker):
-        self.streamer, self.stats, self.arrival, self.tracker = streamer, stats, arrival, tracker
-        self.first_time: float | None = None
-        self.thought_start = arrival
-
-    def produced(self) -> int:
-        return int(getattr(self.streamer, "num_output_tokens", 0) or 0)
-
-    def _rate(self, now: float) -> None:
-        self.stats.elapsed_s = now - self.arrival
-        if self.first_time is not None and self.stats.num_output_tokens > 1 and now > self.first_time:
-            self.stats.decode_tokens_per_s = (self.stats.num_output_tokens - 1) / (now - self.first_time)
-
-    def piece(self, piece: str, now: float) -> bool:
-        """Records a piece; True when the page has something new to show."""
-        stats, produced = self.stats, self.produced()
-        first_token_time = getattr(self.streamer, "first_token_time", None)
-        if self.first_time is None and (piece or produced):
-            self.first_time = first_token_time or now
-            stats.ttft_s = max(0.0, self.first_time - self.arrival)
-        if self.tracker is not None and produced > self.tracker.num_output_tokens:
-            self.tracker.tokens(produced - self.tracker.num_output_tokens, now=now, first_token_time=first_token_time)
-        stats.num_output_tokens = max(produced, self.tracker.num_output_tokens if self.tracker else 0,
-                                      stats.num_output_tokens)
-        self._rate(now)
-        if isinstance(piece, ReasoningPiece):
-            if not stats.thinking:
-                stats.thinking, self.thought_start = True, now
-            stats.reasoning += piece
-            stats.reasoning_s = now - self.thought_start
-            return True
-        if piece and stats.thinking:
-            stats.thinking = False
-            stats.reasoning_s = now - self.thought_start
-        return bool(piece)
-
-    def end(self, finished: bool) -> str:
-        """The answer ended (`finished`: it reached its end, else it was closed); returns the finish reason."""
-        now, stats, streamer = time.monotonic(), self.stats, self.streamer
-        reason = getattr(streamer, "finish_reason", None)
-        reason = str(getattr(reason, "value", reason)) if reason is not None and finished else "abort"
-        produced = self.produced()
-        stats.num_output_tokens = max(produced, stats.num_output_tokens)
-        stats.finish_reason = reason
-        if stats.thinking:
-            stats.thinking = False
-            stats.reasoning_s = now - self.thought_start
-        self._rate(now)
-        if self.tracker is not None:
-            queue_time = queue_time_of(streamer)
-            if queue_time is None and getattr(streamer, "scheduled_time", None) is not None:
-                queue_time = max(0.0, streamer.scheduled_time - self.arrival)
-            self.tracker.finish(reason, num_output_tokens=produced if finished else None, now=now,
-                                error=getattr(streamer, "error", None), queue_time=queue_time)
-        return reason
+    def add(self, out, arrival: float, first: list, now: float) -> None:
+        """One delta of the answer (`first`: [time of the first token], filled here)."""
+        if out.num_output_tokens and not first:
+            first.append(now)
+            self.ttft_s = max(0.0, now - arrival)
+        self.num_output_tokens = max(self.num_output_tokens, out.num_output_tokens)
+        self.elapsed_s = now - arrival
+        if first and self.num_output_tokens > 1 and now > first[0]:
+            self.decode_tokens_per_s = (self.num_output_tokens - 1) / (now - first[0])
+        if out.reasoning:
+            if self.thought_start is None:
+                self.thought_start = now
+            self.thinking = True
+            self.reasoning += out.reasoning
+        if self.thinking:
+            self.reasoning_s = now - self.thought_start
+            self.thinking = not (out.text or out.finished)
+        if out.finished:
+            self.finish_reason = str(getattr(out.finish_reason, "value", out.finish_reason))
 
 
-def stream_answer(engine, metrics, route: str, history: list[dict], message: str, settings: ChatSettings,
-                  warn: Callable[[str], None] | None = None,
-                  watch: Callable[[object], Callable[[], None]] | None = None,
-                  client: str | None = None) -> Iterator[tuple[str, AnswerStats]]:
+async def stream_answer(engine, defaults: RequestDefaults, history: list[dict], message, settings: ChatSettings, *,
+                        admission: dict, warn: Callable[[str], None] | None = None,
+                        watch: Callable[[object], Callable[[], None]] | None = None
+                        ) -> AsyncIterator[tuple[str, AnswerStats]]:
     """Yields (text so far, stats) as the engine streams the answer to `message` after `history`.
 
-    The engine request is aborted when the generator is closed before the end (Stop, a cancelled
-    client job, a dropped connection). Raises `ChatError` for requests the engine refuses.
-    `watch(streamer)` is called once the request is admitted (e.g. to abort it when the visitor's
-    tab closes); what it returns is called when the request ends. `client`: the visitor, for the
-    engine's fair shares (ui/handlers.py `page_client`).
+    `admission`: `Generation`'s keywords (route, metrics, timeout, client), as a route passes them.
+    Raises what the request path raises (ChatError, InvalidRequest, ApiError before the answer,
+    RequestFailed during it); ui/handlers.py `page_error` turns each into what the page shows.
+    `watch(generation)` is called once the request is admitted (to abort it when the visitor's tab
+    closes); what it returns is called when the request ends.
     """
-    max_new_tokens = _checked_max_new_tokens(message, settings, history)
+    job = settings.job(history, message)
     arrival = time.monotonic()
-    fitted = fit_to_context(engine, history, message, settings.system_prompt or "", max_new_tokens)
-    if fitted.dropped_turns and warn is not None:
+    prepared = await prepare(engine, job, defaults, client=admission.get("client"))
+    if prepared.dropped_turns and warn is not None:
         warn(f"The conversation is longer than the model's context ({engine.max_model_len} tokens): "
-             f"the {fitted.dropped_turns} oldest turn(s) were left out of this answer's prompt.")
-    if fitted.max_tokens < max_new_tokens and warn is not None:
-        warn(f"Only {fitted.max_tokens} tokens of the context are left for the answer "
-             f"(asked: {max_new_tokens}); it may be cut short.")
-    params = settings.sampling_params(fitted.max_tokens)
+             f"the {prepared.dropped_turns} oldest turn(s) were left out of this answer's prompt.")
+    if prepared.params.max_tokens < prepared.asked_max_tokens and warn is not None:
+        warn(f"Only {prepared.params.max_tokens} tokens of the context are left for the answer "
+             f"(asked: {prepared.asked_max_tokens}); it may be cut short.")
+    gen = (await start_job(engine, job, prepared, new_request_id(), **admission))[0]
+    unwatch = watch(gen) if watch is not None else None
+    stats = AnswerStats(num_prompt_tokens=gen.num_prompt_tokens, dropped_turns=prepared.dropped_turns)
+    text, first = "", []
     try:
-        streamer = admit_text(engine, fitted.prompt_token_ids, params, metrics=metrics, route=route, client=client)
-    except ApiError as exc:
-        raise ChatError(exc.message) from exc
-    streamer.timeout = WAIT_POLL_S  # TextIteratorStreamer raises queue.Empty past it; we wait again
-    unwatch = watch(streamer) if watch is not None else None
-    tracker = metrics.start(route, num_prompt_tokens=len(fitted.prompt_token_ids),
-                            request_id=getattr(streamer, "request_id", None), arrival_time=arrival) \
-        if metrics is not None else None
-    stats = AnswerStats(num_prompt_tokens=len(fitted.prompt_token_ids), dropped_turns=fitted.dropped_turns)
-    progress = _Progress(streamer, stats, arrival, tracker)
-    text = ""
-    finished = False
-    try:
-        iterator = iter(streamer)
-        while True:
-            try:
-                piece = next(iterator)
-            except StopIteration:
-                break
-            except queue.Empty:
-                stats.elapsed_s = time.monotonic() - arrival
-                yield text, stats  # nothing new: a chance for Stop to close the generator
-                continue
-            if progress.piece(piece, time.monotonic()):
-                if not isinstance(piece, ReasoningPiece):
-                    text += piece
+        async with contextlib.aclosing(gen.deltas()) as deltas:
+            async for out in deltas:
+                stats.add(out, arrival, first, time.monotonic())
+                text += out.text
                 yield text, stats
-        finished = True
     finally:
-        if not finished:
-            streamer.abort()
         if unwatch is not None:
             unwatch()
-        reason = progress.end(finished)
-    if reason == "error":
-        raise ChatError(f"The engine failed while answering: {getattr(streamer, 'error', None) or 'unknown error'}")
-    yield text, stats  # the final stats (finish reason, totals)
 
 
 # --- what the page shows of an answer ------------------------------------------------------------

@@ -1,6 +1,7 @@
 """What the page's events do, apart from its layout (ui/page.py wires them to components):
 answering (the page's generator and the `/chat` API for gradio_client), the chat buttons' small
-history edits, and the answers each browser session streams (a closed tab aborts them)."""
+history edits, and the answers each browser session streams (a closed tab aborts them). Every
+refusal or failure becomes what the visitor sees in one place, `page_error`."""
 
 import hashlib
 import hmac
@@ -9,6 +10,10 @@ import threading
 
 import gradio as gr
 
+from engine.request import InvalidRequest
+from frontend.admission import RequestFailed
+from frontend.errors import ApiError
+from frontend.request import RequestDefaults
 from frontend.telemetry import RequestMetrics
 from frontend.tools import tool_format
 from ui import status
@@ -16,10 +21,27 @@ from ui.chat import ChatSettings, answer_messages, stream_answer
 from ui.history import ChatError, to_engine_messages
 from ui.markup import escape_html
 
-DEFAULTS = ChatSettings()
+ROUTE = "gradio"  # the page's requests in the metrics
 # (send, stop, textbox) while an answer streams and after
 GENERATING = (gr.update(visible=False), gr.update(visible=True), gr.update(interactive=False))
 IDLE = (gr.update(visible=True), gr.update(visible=False), gr.update(interactive=True))
+
+
+def page_error(exc: Exception, metrics: RequestMetrics | None, route: str = ROUTE) -> Exception:
+    """What the visitor sees of a refusal or failure: its message as a `gr.Error` (a refusal counted
+    in the metrics under its status, as the HTTP routes count theirs). Anything else is returned as
+    it is: Gradio logs it and shows no text of it (mounted with show_error=False)."""
+    if isinstance(exc, (ChatError, InvalidRequest)):
+        status_code, message = 400, str(exc)
+    elif isinstance(exc, ApiError):
+        status_code, message = exc.status, exc.message
+    elif isinstance(exc, RequestFailed):  # during the answer: its metrics record ended with the error
+        return gr.Error(exc.message)
+    else:
+        return exc
+    if metrics is not None:
+        metrics.error(route, status_code)
+    return gr.Error(message)
 
 
 class VisitorStreams:
@@ -27,22 +49,22 @@ class VisitorStreams:
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._by_session: dict[str, set] = {}  # session hash -> streamers in flight
+        self._by_session: dict[str, set] = {}  # session hash -> generations in flight
 
     def watcher(self, request: gr.Request | None):
         session = getattr(request, "session_hash", None)
         if session is None:
             return None
 
-        def watch(streamer):
+        def watch(generation):
             with self._lock:
-                self._by_session.setdefault(session, set()).add(streamer)
+                self._by_session.setdefault(session, set()).add(generation)
 
             def unwatch():
                 with self._lock:
                     streams = self._by_session.get(session)
                     if streams is not None:
-                        streams.discard(streamer)
+                        streams.discard(generation)
                         if not streams:
                             del self._by_session[session]
             return unwatch
@@ -54,8 +76,8 @@ class VisitorStreams:
         session = getattr(request, "session_hash", None)
         with self._lock:
             streams = self._by_session.pop(session, set())
-        for streamer in streams:
-            streamer.abort()
+        for generation in streams:
+            generation.abort()
 
 
 def page_client(request) -> str | None:
@@ -85,22 +107,37 @@ def session_salts():
 
 
 class PageHandlers:
-    """The page's event handlers for one engine; the page's requests are recorded under "gradio"."""
+    """The page's event handlers for one engine; the page's requests are recorded under "gradio" and
+    admitted as the routes admit theirs (--request-timeout, fair share, metrics)."""
 
-    def __init__(self, engine, metrics: RequestMetrics, default_max_new_tokens: int, defaults: ChatSettings = DEFAULTS,
+    def __init__(self, engine, metrics: RequestMetrics, defaults: RequestDefaults, request_timeout: float = 0.0,
                  salt_sessions: bool = False, served=None):
         self.engine, self.metrics = engine, metrics
         self.served = served  # ui/feedback.py ServedAnswers: what each session was streamed (kept for ratings)
-        self.defaults = defaults  # the sliders' and the `/chat` API's defaults (the model's, where it has them)
+        self.defaults = defaults  # what unset fields take; the sliders and the `/chat` API start there
+        self.request_timeout = request_timeout
         self.session_salt = session_salts() if salt_sessions else (lambda request: None)
-        self.default_max_new_tokens = default_max_new_tokens
         self.visitors = VisitorStreams()
-        self.thinks = engine.think_tags is not None  # a thinking model: its thought in its own box
-        tokenizer = engine.tokenizer
+        self.thinks = getattr(engine, "think_tags", None) is not None  # a thinking model: its thought in its own box
+        tokenizer = getattr(engine, "tokenizer", None)
         self.calls_format = tool_format(tokenizer).name if tokenizer is not None else None  # calls as tool messages
 
-    def respond(self, history, system_prompt, temperature, top_p, top_k, max_new_tokens, repetition_penalty,
-                output_format, json_schema, thinking_budget, request: gr.Request):
+    def admission(self, request, route: str = ROUTE) -> dict:
+        """`Generation`'s keywords for a page request, as server/headers.py `admission` gives a route's."""
+        return dict(timeout=self.request_timeout, metrics=self.metrics, route=route, client=page_client(request))
+
+    async def answer(self, messages: list[dict], message: str, settings: ChatSettings, request, *,
+                     route: str = ROUTE, warn=None, watch=None):
+        """(text so far, stats) of the answer; every refusal or failure raised as `page_error` has it."""
+        try:
+            async for update in stream_answer(self.engine, self.defaults, messages, message, settings,
+                                              admission=self.admission(request, route), warn=warn, watch=watch):
+                yield update
+        except Exception as exc:
+            raise page_error(exc, self.metrics, route) from None
+
+    async def respond(self, history, system_prompt, temperature, top_p, top_k, max_new_tokens, repetition_penalty,
+                      output_format, json_schema, thinking_budget, request: gr.Request):
         """The page's generator: answers the last user message of `history`, streaming."""
         history = list(history or [])
         if not history or not isinstance(history[-1], dict) or history[-1].get("role") != "user":
@@ -108,23 +145,20 @@ class PageHandlers:
         try:
             messages = to_engine_messages(history, escaped=True)
         except ChatError as exc:
-            raise gr.Error(str(exc)) from None
+            raise page_error(exc, self.metrics) from None
         if not messages or messages[-1]["role"] != "user":
             return
         message = messages.pop()["content"]
         chat_settings = ChatSettings(system_prompt or "", temperature, top_p, top_k, max_new_tokens,
-                                     repetition_penalty, output_format or "Text", json_schema or "", self.thinks,
+                                     repetition_penalty, output_format or "Text", json_schema or "",
                                      thinking_budget or None, cache_salt=self.session_salt(request))
         fmt = self.calls_format if chat_settings.output_format == "Text" else None  # JSON mode: the JSON as it is
         shown: list[dict] = []
         try:
-            for text, stats in stream_answer(self.engine, self.metrics, "gradio", messages, message, chat_settings,
-                                             warn=gr.Warning, watch=self.visitors.watcher(request),
-                                             client=page_client(request)):
+            async for text, stats in self.answer(messages, message, chat_settings, request, warn=gr.Warning,
+                                                 watch=self.visitors.watcher(request)):
                 shown = answer_messages(text, stats, fmt)
                 yield history + shown, stats.markdown()
-        except ChatError as exc:
-            raise gr.Error(str(exc)) from None
         finally:  # also when Stop closed it: what was streamed so far is what the visitor may rate
             if self.served is not None and shown:
                 self.served.add(getattr(request, "session_hash", None), len(history), shown,
@@ -132,12 +166,13 @@ class PageHandlers:
 
     def api_chat(self):
         """The `/chat` API function (its signature and docstring are what gradio_client shows)."""
-        engine, metrics, defaults, session_salt = self.engine, self.metrics, self.defaults, self.session_salt
+        defaults, session_salt, answer = self.defaults.resolved(), self.session_salt, self.answer
+        metrics, max_new = self.metrics, self.defaults.max_new_tokens
 
-        def chat(message: str, history: list[dict] | None = None, system_prompt: str = defaults.system_prompt,
-                 temperature: float = defaults.temperature, top_p: float = defaults.top_p,
-                 top_k: int = defaults.top_k, max_new_tokens: int = self.default_max_new_tokens,
-                 repetition_penalty: float = defaults.repetition_penalty, request: gr.Request = None) -> str:
+        async def chat(message: str, history: list[dict] | None = None, system_prompt: str = "",
+                       temperature: float = defaults["temperature"], top_p: float = defaults["top_p"],
+                       top_k: int = defaults["top_k"], max_new_tokens: int = max_new,
+                       repetition_penalty: float = defaults["repetition_penalty"], request: gr.Request = None) -> str:
             """Streams the assistant's answer to `message` (the text so far on each update).
 
             history: earlier messages, [{"role": "user" | "assistant", "content": "..."}] (oldest first).
@@ -148,11 +183,10 @@ class PageHandlers:
                                          repetition_penalty, cache_salt=session_salt(request))
             try:
                 messages = to_engine_messages(history, escaped=False)
-                for text, _stats in stream_answer(engine, metrics, "gradio", messages, message, chat_settings,
-                                                  warn=gr.Warning, client=page_client(request)):
-                    yield text
             except ChatError as exc:
-                raise gr.Error(str(exc)) from None
+                raise page_error(exc, metrics) from None
+            async for text, _stats in answer(messages, message, chat_settings, request, warn=gr.Warning):
+                yield text
 
         return chat
 

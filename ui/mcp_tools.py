@@ -14,12 +14,9 @@ by the API key's Bearer header instead (server/middleware.py). Requests are reco
 from __future__ import annotations
 
 import json
-from dataclasses import replace
-
 import gradio as gr
 
-from ui.chat import ChatSettings, stream_answer
-from ui.history import ChatError
+from ui.chat import ChatSettings
 
 ROUTE = "mcp"
 
@@ -40,22 +37,20 @@ def hide_from_mcp(fn):
     return fn
 
 
-def _answer(engine, metrics, message: str, settings: ChatSettings) -> str:
-    text = ""
-    try:
-        for text, _stats in stream_answer(engine, metrics, ROUTE, [], message, settings):
-            pass
-    except ChatError as exc:
-        raise gr.Error(str(exc)) from None
-    return text
-
-
-def register_mcp_tools(engine, metrics, defaults: ChatSettings, default_max_new_tokens: int) -> None:
+def register_mcp_tools(handlers) -> None:
     """Adds the `chat` and `generate_json` endpoints (call inside an open `gr.Blocks`, before any
-    other API function named `chat`, so that this one gets the tool name)."""
+    other API function named `chat`, so that this one gets the tool name). `handlers`: the page's
+    (ui/handlers.py `PageHandlers`), whose request path and defaults they take."""
+    defaults = handlers.defaults.resolved()
 
-    def chat(message: str, system_prompt: str = "", temperature: float = defaults.temperature,
-             max_new_tokens: int = default_max_new_tokens) -> str:
+    async def answer(message: str, settings: ChatSettings) -> str:
+        text = ""
+        async for text, _stats in handlers.answer([], message, settings, None, route=ROUTE):
+            pass
+        return text
+
+    async def chat(message: str, system_prompt: str = "", temperature: float = defaults["temperature"],
+                   max_new_tokens: int = handlers.defaults.max_new_tokens) -> str:
         """Answers one chat message with the model this server runs.
 
         Args:
@@ -66,12 +61,10 @@ def register_mcp_tools(engine, metrics, defaults: ChatSettings, default_max_new_
         Returns:
             the model's answer.
         """
-        settings = replace(defaults, system_prompt=system_prompt or "", temperature=temperature,
-                           max_new_tokens=max_new_tokens)
-        return _answer(engine, metrics, message, settings)
+        return await answer(message, ChatSettings(system_prompt or "", temperature, max_new_tokens=max_new_tokens))
 
-    def generate_json(prompt: str, json_schema: str, system_prompt: str = "", temperature: float = 0.0,
-                      max_new_tokens: int = default_max_new_tokens) -> str:
+    async def generate_json(prompt: str, json_schema: str, system_prompt: str = "", temperature: float = 0.0,
+                            max_new_tokens: int = handlers.defaults.max_new_tokens) -> str:
         """Generates JSON that matches a JSON schema (constrained decoding: every token is checked
         against the schema as it is generated).
 
@@ -86,10 +79,8 @@ def register_mcp_tools(engine, metrics, defaults: ChatSettings, default_max_new_
         """
         if isinstance(json_schema, (dict, list)):
             json_schema = json.dumps(json_schema)
-        settings = replace(defaults, system_prompt=system_prompt or "", temperature=temperature,
-                           max_new_tokens=max_new_tokens, output_format="JSON schema",
-                           json_schema=json_schema or "")
-        return _answer(engine, metrics, prompt, settings)
+        return await answer(prompt, ChatSettings(system_prompt or "", temperature, max_new_tokens=max_new_tokens,
+                                                 output_format="JSON schema", json_schema=json_schema or ""))
 
     gr.api(chat, api_name="mcp_chat", queue=False)
     gr.api(generate_json, api_name="generate_json", queue=False)

@@ -5,12 +5,15 @@ from types import SimpleNamespace
 
 import gradio as gr
 
-from frontend.sampling_defaults import model_sampling_defaults, with_model_defaults
+from dataclasses import replace
+
+from frontend.request import RequestDefaults
+from frontend.sampling_defaults import model_sampling_defaults
 from frontend.telemetry import RequestMetrics
-from ui.chat import OUTPUT_FORMATS, ChatSettings
+from ui.chat import OUTPUT_FORMATS
 from ui.conversations import conversation_bar, drop_exports, edited, wire_conversations
 from ui.feedback import FeedbackLog, feedback_folder
-from ui.handlers import DEFAULTS, IDLE, PageHandlers
+from ui.handlers import IDLE, PageHandlers
 from ui.mcp_tools import hide_from_mcp, register_mcp_tools
 
 EXAMPLES = [
@@ -34,7 +37,7 @@ def _header(engine, model_name: str) -> str:
 
 
 def _chat_tab(model_name: str, context: int, default_max_new: int, thinks: bool,
-              defaults: ChatSettings, feedback: bool) -> SimpleNamespace:
+              defaults: dict, feedback: bool) -> SimpleNamespace:
     """The chat tab's components (inside an open `gr.Tab`); thumbs on answers when `feedback` is kept."""
     ui = SimpleNamespace(conversations=conversation_bar())
     ui.chatbot = gr.Chatbot(
@@ -56,22 +59,23 @@ def _chat_tab(model_name: str, context: int, default_max_new: int, thinks: bool,
     return ui
 
 
-def _settings(ui: SimpleNamespace, context: int, default_max_new: int, thinks: bool, defaults: ChatSettings) -> None:
-    """The system prompt and sampling settings (in the order `PageHandlers.respond` takes them)."""
-    ui.system_prompt = gr.Textbox(label="System prompt", value=defaults.system_prompt, lines=2,
+def _settings(ui: SimpleNamespace, context: int, default_max_new: int, thinks: bool, defaults: dict) -> None:
+    """The system prompt and sampling settings (in the order `PageHandlers.respond` takes them); the
+    sliders start at the defaults every request's unset fields take (frontend/request.py)."""
+    ui.system_prompt = gr.Textbox(label="System prompt", value="", lines=2,
                                   placeholder="Empty = the model's default system prompt")
     with gr.Row():
-        ui.temperature = gr.Slider(0.0, 2.0, value=defaults.temperature, step=0.05, label="Temperature",
+        ui.temperature = gr.Slider(0.0, 2.0, value=defaults["temperature"], step=0.05, label="Temperature",
                                    info="0 = greedy (deterministic)", elem_id="rill-temperature")
-        ui.top_p = gr.Slider(0.05, 1.0, value=defaults.top_p, step=0.05, label="Top-p",
+        ui.top_p = gr.Slider(0.05, 1.0, value=defaults["top_p"], step=0.05, label="Top-p",
                              info="nucleus: keep the smallest set with this probability mass")
     with gr.Row():
-        ui.top_k = gr.Slider(0, 200, value=defaults.top_k, step=1, label="Top-k",
+        ui.top_k = gr.Slider(0, 200, value=defaults["top_k"], step=1, label="Top-k",
                              info="keep the k most likely tokens; 0 = off")
         ui.max_new_tokens = gr.Slider(1, max(1, min(context, 4096)), value=default_max_new, step=1,
                                       label="Max new tokens", info=f"context: {context} tokens",
                                       elem_id="rill-max-new-tokens")
-        ui.repetition_penalty = gr.Slider(1.0, 2.0, value=defaults.repetition_penalty, step=0.05,
+        ui.repetition_penalty = gr.Slider(1.0, 2.0, value=defaults["repetition_penalty"], step=0.05,
                                           label="Repetition penalty", info="1 = off",
                                           elem_id="rill-repetition-penalty")
     with gr.Row():
@@ -138,11 +142,13 @@ def _wire_status(chat_tab, status_tab, ui: SimpleNamespace, handlers: PageHandle
     chat_tab.select(lambda: gr.Timer(active=False), None, [ui.timer], api_visibility="private", queue=False)
 
 
-def build_demo(engine, settings=None, metrics: RequestMetrics | None = None) -> gr.Blocks:
+def build_demo(engine, settings=None, metrics: RequestMetrics | None = None,
+               defaults: RequestDefaults | None = None) -> gr.Blocks:
     """The page for `engine`; queue already enabled (this function calls `demo.queue(...)`).
 
     `settings` is app.py's settings object (read with getattr: `max_num_seqs`, `max_queue`,
-    `default_max_new_tokens`, `model_id`). `metrics` is what `server.metrics.install_metrics`
+    `default_max_new_tokens`, `model_id`, `request_timeout`). `defaults`: what unset fields take
+    (server/app.py's `request_defaults`; the model's over rill's if not given). `metrics` is what `server.metrics.install_metrics`
     returned: the page's requests are recorded under route "gradio" and the status tab reads its
     recent window; without it the page keeps a private recorder (status then shows page traffic only).
 
@@ -153,14 +159,16 @@ def build_demo(engine, settings=None, metrics: RequestMetrics | None = None) -> 
     metrics = metrics if metrics is not None else RequestMetrics(engine)
     concurrency = int(getattr(settings, "max_num_seqs", 64) or 64)
     max_queue = int(getattr(settings, "max_queue", 256) or 256)
-    default_max_new = int(getattr(settings, "default_max_new_tokens", DEFAULTS.max_new_tokens) or 512)
+    default_max_new = int(getattr(settings, "default_max_new_tokens", 512) or 512)
     context = int(engine.max_model_len)
     default_max_new = max(1, min(default_max_new, context // 2))
-    model_name = engine.model_name or getattr(settings, "model_id", None) or "model"
-    defaults = with_model_defaults(DEFAULTS, model_sampling_defaults(engine))  # the sliders show the model's
+    model_name = getattr(engine, "model_name", None) or getattr(settings, "model_id", None) or "model"
+    if defaults is None:
+        defaults = RequestDefaults(model_sampling_defaults(engine))
+    defaults = replace(defaults, max_new_tokens=default_max_new)  # the page's answers fit half the context
     folder = feedback_folder(getattr(settings, "feedback_dir", None))
     feedback = FeedbackLog(folder, model_name) if folder is not None else None
-    handlers = PageHandlers(engine, metrics, default_max_new, defaults,
+    handlers = PageHandlers(engine, metrics, defaults, float(getattr(settings, "request_timeout", 0.0) or 0.0),
                             salt_sessions=bool(getattr(settings, "cache_salt_per_session", False)),
                             served=feedback.served if feedback is not None else None)
 
@@ -169,7 +177,7 @@ def build_demo(engine, settings=None, metrics: RequestMetrics | None = None) -> 
         gr.Markdown(_header(engine, model_name), elem_id="rill-header")
         with gr.Tabs():
             with gr.Tab("Chat", id="chat") as chat_tab:
-                chat_ui = _chat_tab(model_name, context, default_max_new, handlers.thinks, defaults,
+                chat_ui = _chat_tab(model_name, context, default_max_new, handlers.thinks, defaults.resolved(),
                                     feedback is not None)
             with gr.Tab("Status", id="status") as status_tab:
                 status_ui = _status_tab()
@@ -181,7 +189,7 @@ def build_demo(engine, settings=None, metrics: RequestMetrics | None = None) -> 
             chat_ui.chatbot.like(feedback.record, None, None, api_visibility="private", concurrency_limit=4,
                                  concurrency_id="feedback", show_progress="hidden")
         _wire_status(chat_tab, status_tab, status_ui, handlers)
-        register_mcp_tools(engine, metrics, defaults, default_max_new)  # first: the MCP tool `chat` is its
+        register_mcp_tools(handlers)  # first: the MCP tool `chat` is its
         gr.api(hide_from_mcp(handlers.api_chat()), api_name="chat", concurrency_limit=concurrency, concurrency_id="chat")
 
         def session_ended(request: gr.Request):
