@@ -4,7 +4,7 @@ csrc/qlinear.c and csrc/qlinear_i8.c compiled with those instruction sets emulat
 
     .venv/bin/python -m bench.avx512_check [--vbmi] [--vnni256]
 
-Checks the start-up probe (`_quant_agrees`: every kind, float32 and int8 activations, and the
+Checks the start-up probe (`quant_agrees`: every kind, float32 and int8 activations, and the
 repack), then every GGUF type's blocks at 1 to 300 rows (the row-by-row path, the tiles, sets of
 rows) against F.linear of gguf-py's weight (int8: of the rounded inputs). Slow (the emulation and a
 compile of a few minutes); for changes to the AVX-512 code on a host without it. Exit status 1 on
@@ -25,8 +25,10 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import build
-from engine.kernels.qlinear import QuantKernel, _quant_agrees
-from engine.model.quant import GGUF_TYPES, QuantLinear, quantize_activations, random_gguf_blocks
+from engine.kernels.qlinear import QuantKernel
+from engine.model.gguf_blocks import GGUF_TYPES, random_gguf_blocks
+from engine.model.quant import QuantLinear
+from engine.model.quant_probe import quant_agrees, quantize_activations
 
 HERE = Path(__file__).resolve().parent
 EMULATED = ("qlinear.c", "qlinear_i8.c")
@@ -61,7 +63,7 @@ def main() -> int:
         kernel = QuantKernel(ctypes.CDLL(str(library)), library)
         failures = 0
         if not args.vnni256:  # its emulated vpdpbusd saturates on Q8_0, which the probe includes
-            agrees = _quant_agrees(kernel)
+            agrees = quant_agrees(kernel)
             failures += not agrees
             print(f"{kernel.isa}: the start-up probe {'agrees' if agrees else 'DISAGREES'}")
         for ggml_type, (_, kind) in GGUF_TYPES.items():

@@ -20,9 +20,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.kernels import quant_kernel
+from engine.model.gguf_blocks import GGUF_TYPES, random_gguf_blocks
 from engine.model.loading import rill_cache_dir
-from engine.model.quant import GGUF_TYPES, QuantLinear, random_gguf_blocks
+from engine.model.quant import QuantLinear
+from engine.model.quant_probe import quant_kernel
 
 SHAPES = [(8192, 2048), (2048, 8192)]  # out x in
 COPIES, ROUNDS = 4, 40

@@ -40,8 +40,8 @@ from engine.request import (
     SamplingParams,
     new_request_id,
 )
-from engine.streamers import RequestAsyncTextStreamer, RequestTextStreamer, check_one_sample
-from engine.streams import RequestStream, deliver_batch, OutputSink
+from engine.streamers import RequestTextStreamer, check_one_sample
+from engine.streams import OutputSink, RequestStream, deliver_batch
 
 log = logging.getLogger("rill.engine")
 
@@ -56,7 +56,8 @@ class EngineNotRunning(RuntimeError):
 class AsyncEngine:
     """The engine behind the server: a thread that steps `EngineCore` while there is work.
 
-    Thread-safe entry points: `add_request`, `abort`, `inject_fault`, `stats`, the streamers.
+    Thread-safe entry points: `add_request` (from an event loop), `text_streamer` (from a thread),
+    `abort`, `inject_fault`, `stats`.
     Every admitted request ends exactly once for its consumer (its last output has
     `finished=True`), also when the engine dies; see the module docstring.
     """
@@ -238,14 +239,8 @@ class AsyncEngine:
     def text_streamer(self, prompt_token_ids: list[int], params: SamplingParams,
                       request_id: str | None = None, timeout: float | None = None, client=None) -> RequestTextStreamer:
         check_one_sample(params)
-        return self._admit(prompt_token_ids, params, request_id, lambda rid: RequestTextStreamer(self, rid, timeout),
+        return self._admit(prompt_token_ids, params, request_id, lambda rid: RequestTextStreamer(self, rid, self.tokenizer, timeout),
                            client=client)
-
-    def async_text_streamer(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                            timeout: float | None = None, client=None) -> RequestAsyncTextStreamer:
-        check_one_sample(params)
-        return self._admit(prompt_token_ids, params, request_id,
-                           lambda rid: RequestAsyncTextStreamer(self, rid, timeout), client=client)
 
     def abort(self, request_id: str) -> bool:
         """End a request; its KV blocks are freed before the next step. False if unknown or done."""
@@ -277,11 +272,6 @@ class AsyncEngine:
         pending = max(0, self._shares.total - core.num_running - core.num_waiting)  # adds not yet applied
         core.num_waiting += pending
         return core
-
-    @property
-    def num_admitted(self) -> int:
-        """Sequences admitted and not yet finished: what counts against max_num_seqs + max_queue."""
-        return self._shares.total
 
     # ---- the engine thread ----------------------------------------------------------------
 

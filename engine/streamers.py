@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from transformers import AsyncTextIteratorStreamer, TextIteratorStreamer
+from transformers import TextIteratorStreamer
 
 from engine.request import FinishReason, InvalidRequest, RequestOutput, SamplingParams
-from engine.streams import OutputSink
-
-if TYPE_CHECKING:
-    from engine.async_engine import AsyncEngine
+from engine.streams import Aborts, OutputSink
 
 
 class ReasoningPiece(str):
@@ -24,10 +19,12 @@ def check_one_sample(params: SamplingParams) -> None:
         raise InvalidRequest(f"A text streamer carries one sample: `n` must be 1. Given: {params.n}", "n")
 
 
-class _TextSinkMixin(OutputSink):
-    """What both text streamers record besides the text: how the request ended, and its size."""
+class RequestTextStreamer(OutputSink, TextIteratorStreamer):
+    """A `TextIteratorStreamer` fed by the engine thread: `for piece in streamer` in any thread. It
+    also records how the request ended, and its size."""
 
-    def _init_sink(self, engine: "AsyncEngine", request_id: str):
+    def __init__(self, engine: Aborts, request_id: str, tokenizer, timeout: float | None = None):
+        TextIteratorStreamer.__init__(self, tokenizer, skip_prompt=True, timeout=timeout)
         self.engine = engine
         self.request_id = request_id
         self.unfinished = {0}
@@ -56,30 +53,9 @@ class _TextSinkMixin(OutputSink):
     def abort(self) -> bool:
         return self.engine.abort(self.request_id)
 
-
-class RequestTextStreamer(_TextSinkMixin, TextIteratorStreamer):
-    """A `TextIteratorStreamer` fed by the engine thread: `for piece in streamer` in any thread."""
-
-    def __init__(self, engine: "AsyncEngine", request_id: str, timeout: float | None = None):
-        TextIteratorStreamer.__init__(self, engine.tokenizer, skip_prompt=True, timeout=timeout)
-        self._init_sink(engine, request_id)
-
     def on_finalized_text(self, text: str, stream_end: bool = False):
         if text:
             self.text_queue.put(text, timeout=self.timeout)
         if stream_end:
             self.text_queue.put(self.stop_signal, timeout=self.timeout)
 
-
-class RequestAsyncTextStreamer(_TextSinkMixin, AsyncTextIteratorStreamer):
-    """An `AsyncTextIteratorStreamer` fed by the engine thread: `async for piece in streamer`."""
-
-    def __init__(self, engine: "AsyncEngine", request_id: str, timeout: float | None = None):
-        AsyncTextIteratorStreamer.__init__(self, engine.tokenizer, skip_prompt=True, timeout=timeout)
-        self._init_sink(engine, request_id)
-
-    def on_finalized_text(self, text: str, stream_end: bool = False):
-        if text:
-            self.loop.call_soon_threadsafe(self.text_queue.put_nowait, text)
-        if stream_end:
-            self.loop.call_soon_threadsafe(self.text_queue.put_nowait, self.stop_signal)

@@ -1,21 +1,23 @@
-"""What an asynchronous or thread consumer reads: one request's deltas, in order.
+"""What an asynchronous consumer reads: one request's deltas, in order.
 
-Outputs reach a stream from the engine thread (`engine.async_engine`): through the stream's
-event loop (`loop.call_soon_threadsafe`, one hand-over per step and loop) when the stream was
-made inside one, through a `queue.Queue` otherwise.
+Outputs reach a stream from the engine thread (`engine.async_engine`) through the event loop the
+stream was made in (`loop.call_soon_threadsafe`, one hand-over per step and loop). A thread reads
+a text streamer instead (engine/streamers.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import queue
 from collections import deque
-from typing import TYPE_CHECKING, AsyncIterator, Iterator
+from typing import AsyncIterator, Protocol
 
 from engine.request import RequestOutput
 
-if TYPE_CHECKING:
-    from engine.async_engine import AsyncEngine
+
+class Aborts(Protocol):
+    """What a stream asks of the engine that feeds it (the local engine, or a remote backend's relay)."""
+
+    def abort(self, request_id: str) -> bool: ...
 
 
 class OutputSink:
@@ -28,31 +30,28 @@ class OutputSink:
 
 
 class RequestStream(OutputSink):
-    """The deltas of one request (all `n` samples), in order; iterate with `async for` or `iter_sync()`.
+    """The deltas of one request (all `n` samples), in order; iterate with `async for`.
 
-    Made inside an event loop, it is fed on that loop: the engine thread hands each step's
-    outputs for one loop over in one `call_soon_threadsafe` (`deliver_batch`), not one per request.
+    Made inside an event loop (RuntimeError outside one), it is fed on that loop: the engine thread
+    hands each step's outputs for one loop over in one `call_soon_threadsafe` (`deliver_batch`).
     """
 
-    def __init__(self, engine: "AsyncEngine", request_id: str, n: int):
+    def __init__(self, engine: Aborts, request_id: str, n: int):
+        try:
+            self._loop = asyncio.get_running_loop()
+        except RuntimeError:
+            raise RuntimeError("A request stream is read in an event loop: add the request from one "
+                               "(a thread reads a text streamer).") from None
         self.engine = engine
         self.request_id = request_id
         self.n = n  # samples; the iterators count finishes against this
         self.unfinished = set(range(n))  # samples still running (the engine thread removes them)
-        try:
-            self._loop = asyncio.get_running_loop()
-        except RuntimeError:
-            self._loop = None
-            self._queue: queue.Queue = queue.Queue()
         self._items: deque[RequestOutput] = deque()  # event-loop side
         self._waiter: asyncio.Future | None = None
         self._remaining = n
 
-    def _on_output(self, out: RequestOutput) -> None:  # engine thread (the dispatch batches async ones per loop)
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._put, out)
-        else:
-            self._queue.put(out)
+    def _on_output(self, out: RequestOutput) -> None:  # engine thread (the dispatch batches them per loop)
+        self._loop.call_soon_threadsafe(self._put, out)
 
     def _put(self, out: RequestOutput) -> None:  # event loop
         self._items.append(out)
@@ -100,13 +99,6 @@ class RequestStream(OutputSink):
         finally:
             if not finished:
                 self.abort()
-
-    def iter_sync(self, timeout: float | None = None) -> Iterator[RequestOutput]:
-        remaining = self.n
-        while remaining:
-            out = self._queue.get(timeout=timeout)
-            remaining -= out.finished
-            yield out
 
     def abort(self) -> bool:
         return self.engine.abort(self.request_id)

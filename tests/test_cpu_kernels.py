@@ -260,7 +260,7 @@ def test_loading_and_building_an_engine_leave_the_callers_thread_without_an_open
 def test_the_kernels_build_and_agree_without_avx2(tmp_path, portable_kernels, caplog):
     """A CPU without AVX2 gets the kernels' portable paths (GCC's generic vectors), built from the
     same sources: they compile and pass the start-up checks that every build passes."""
-    from engine.kernels import quant_kernel
+    from engine.model.quant_probe import quant_kernel
 
     cpu = portable_kernels
     with caplog.at_level("WARNING", logger="rill.engine"):

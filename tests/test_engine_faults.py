@@ -62,6 +62,12 @@ def texts_alone(engine, alone) -> list[str]:
     return [engine.tokenizer.decode(alone[p]) for p in PROMPTS]
 
 
+def nothing_admitted(engine) -> bool:
+    """No sequence counts against the engine's capacity: none running, none waiting to be added."""
+    stats = engine.stats()
+    return stats.num_running == stats.num_waiting == 0
+
+
 # --------------------------------------------------------------------------- the model itself fails
 
 
@@ -90,7 +96,7 @@ def test_a_layer_raising_for_one_sequence_fails_only_that_request(tiny_model, ar
         assert all(s.finish_reason is FinishReason.LENGTH for s in streamers)
         assert engine.alive and engine.num_restarts == 0
         assert token_ids_of(engine, PROMPTS[0]) == answers[PROMPTS[0]]
-        assert engine.num_admitted == 0 and engine.stats().num_free_kv_blocks == engine.stats().num_kv_blocks
+        assert nothing_admitted(engine) and engine.stats().num_free_kv_blocks == engine.stats().num_kv_blocks
     finally:
         engine.shutdown()
 
@@ -150,7 +156,7 @@ def test_a_fault_in_one_sequences_step_fails_only_it(llama, alone, stage, breaks
         assert faulty.finish_reason is FinishReason.ERROR and expected in faulty.error, stage
         assert [s.text for s in streamers] == texts_alone(engine, alone), stage
         assert engine.alive and engine.num_restarts == 0
-        assert engine.num_admitted == 0
+        assert nothing_admitted(engine)
     finally:
         engine.shutdown()
 
@@ -172,7 +178,7 @@ def test_a_consumer_that_cannot_take_its_output_fails_alone(llama, alone):
         texts = ["".join(s) for s in streamers]
         assert broken.finish_reason is FinishReason.ERROR and "handing this request's output" in broken.error
         assert texts[:1] + texts[2:] == [t for i, t in enumerate(texts_alone(engine, alone)) if i != 1]
-        assert engine.alive and engine.num_admitted == 0
+        assert engine.alive and nothing_admitted(engine)
     finally:
         engine.shutdown()
 
@@ -184,20 +190,20 @@ def test_a_failed_add_gives_its_capacity_back(llama):
     engine = AsyncEngine(load_model(str(llama)), EngineConfig(max_num_seqs=1, max_queue=0))  # room for one
     try:
         engine.start()
-        with pytest.raises(RuntimeError, match="no running event loop"):  # async streamer outside a loop
-            engine.async_text_streamer(engine.encode("hi"), PARAMS)
-        assert engine.num_admitted == 0
+        with pytest.raises(RuntimeError, match="read in an event loop"):  # a stream outside a loop
+            engine.add_request(engine.encode("hi"), PARAMS)
+        assert nothing_admitted(engine)
         add_request = engine.core.add_request
 
         def out_of_memory(request_id, *args):  # accepted by _admit, then refused on the engine thread
             raise MemoryError("no room for the detokenizer")
 
         engine.core.add_request = out_of_memory
-        stream = engine.add_request(engine.encode("hi"), SamplingParams(max_tokens=4))
-        outs = list(stream.iter_sync(timeout=30))
+        refused = engine.text_streamer(engine.encode("hi"), SamplingParams(max_tokens=4), timeout=30)
+        assert "".join(refused) == ""
         engine.core.add_request = add_request
-        assert [o.finish_reason for o in outs] == [FinishReason.ERROR] and "adding this request" in outs[0].error
-        assert engine.num_admitted == 0
+        assert refused.finish_reason is FinishReason.ERROR and "adding this request" in refused.error
+        assert nothing_admitted(engine)
         answer = engine.text_streamer(engine.encode("hi"), PARAMS)  # the one slot is free
         assert "".join(answer) and answer.finish_reason is FinishReason.LENGTH
     finally:
@@ -253,7 +259,7 @@ def test_engine_death_ends_async_and_thread_consumers_then_the_engine_rebuilds(l
             assert len(engine.tokenizer.encode(text)) < 900
         assert wait_until(lambda: engine.alive), "the engine did not come back"
         assert token_ids_of(engine, PROMPTS[0]) == alone[PROMPTS[0]]  # rebuilt, and right
-        assert engine.alive and engine.num_restarts == 1 and engine.num_admitted == 0
+        assert engine.alive and engine.num_restarts == 1 and nothing_admitted(engine)
     finally:
         engine.shutdown()
 
@@ -274,7 +280,7 @@ def test_past_max_restarts_the_engine_stays_dead_and_calls_on_fatal(llama):
         assert not engine.alive
         with pytest.raises(EngineNotRunning, match="stopped after an internal error"):
             engine.text_streamer(engine.encode("hi"), PARAMS)
-        assert engine.num_admitted == 0
+        assert nothing_admitted(engine)
     finally:
         engine.shutdown()
 

@@ -287,10 +287,10 @@ def test_queue_full_and_invalid_prompt(llama):
 
     eng = AsyncEngine(load_model(str(llama)), EngineConfig(max_num_seqs=1, max_queue=1))  # not started
     p = SamplingParams(max_tokens=4)
-    eng.add_request([5, 6], p)
-    eng.add_request([5, 6], p)
+    eng.text_streamer([5, 6], p)
+    eng.text_streamer([5, 6], p)
     with pytest.raises(QueueFull, match="capacity"):
-        eng.add_request([5, 6], p)
+        eng.text_streamer([5, 6], p)
     with pytest.raises(InvalidRequest, match=r"beyond this model's context of 1024 tokens"):
         eng.check_prompt([5] * 1000, SamplingParams(max_tokens=100))
     with pytest.raises(InvalidRequest, match="empty"):
@@ -310,7 +310,7 @@ def test_prompt_token_ids_outside_the_vocabulary_are_refused(llama, llm):
     eng = AsyncEngine(load_model(str(llama)))  # not started: refused before anything is queued
     with pytest.raises(InvalidRequest, match=r"in \[0, \d+\).*Given: 1000000 at position 0"):
         eng.add_request([10**6], SamplingParams(max_tokens=2))
-    assert eng.num_admitted == 0
+    assert eng.stats().num_waiting == 0
     assert llm.generate([[5, vocab - 1]], SamplingParams(max_tokens=2))[0].outputs[0].token_ids  # the edge is fine
 
 

@@ -1,6 +1,7 @@
 """Fair shares between clients without HTTP: the scheduler's virtual token counters (fake
 sequences, no model) and the engine's admission past a full queue (a tiny model, not stepping)."""
 
+import asyncio
 import time
 
 import pytest
@@ -134,39 +135,51 @@ def llama(tiny_model):
 def test_past_a_full_queue_a_client_under_its_share_is_admitted(llama):
     engine = AsyncEngine(load_model(llama), EngineConfig(max_num_seqs=2, max_queue=2))  # not started: nothing ends
     prompt, one, four = [5, 6], SamplingParams(max_tokens=4), SamplingParams(max_tokens=4, n=4)
-    engine.add_request(prompt, four, client="A")  # capacity 4: all A's
-    with pytest.raises(QueueFull, match=r"capacity \(2 running and 2 waiting\)\. Retry"):
-        engine.add_request(prompt, one, client="A")  # alone, A's share is everything: as before
-    engine.add_request(prompt, one, client="B")  # B holds nothing: its share is 4 / 2
-    engine.add_request(prompt, one, client="B")
-    with pytest.raises(QueueFull, match="this client holds 2 of them, its fair share being 2 with 2 clients"):
+
+    async def admissions():  # streams are made in an event loop
+        engine.add_request(prompt, four, client="A")  # capacity 4: all A's
+        with pytest.raises(QueueFull, match=r"capacity \(2 running and 2 waiting\)\. Retry"):
+            engine.add_request(prompt, one, client="A")  # alone, A's share is everything: as before
+        engine.add_request(prompt, one, client="B")  # B holds nothing: its share is 4 / 2
         engine.add_request(prompt, one, client="B")
-    with pytest.raises(QueueFull):
-        engine.add_request(prompt, one, client="A")  # A is far over its share
-    with pytest.raises(QueueFull):
-        engine.add_request(prompt, SamplingParams(max_tokens=4, n=2), client="C")  # 2 > 4 / 3
-    engine.add_request(prompt, one, client="C")
-    engine.add_request(prompt, one)  # the anonymous client is one more: 0 + 1 <= 4 / 4
-    assert engine.num_admitted == 8
-    with pytest.raises(QueueFull):  # twice the capacity in all: memory stays bounded
-        engine.add_request(prompt, one, client="D")
+        with pytest.raises(QueueFull, match="this client holds 2 of them, its fair share being 2 with 2 clients"):
+            engine.add_request(prompt, one, client="B")
+        with pytest.raises(QueueFull):
+            engine.add_request(prompt, one, client="A")  # A is far over its share
+        with pytest.raises(QueueFull):
+            engine.add_request(prompt, SamplingParams(max_tokens=4, n=2), client="C")  # 2 > 4 / 3
+        engine.add_request(prompt, one, client="C")
+        engine.add_request(prompt, one)  # the anonymous client is one more: 0 + 1 <= 4 / 4
+        assert engine.stats().num_waiting == 8  # admitted, none added to the core yet
+        with pytest.raises(QueueFull):  # twice the capacity in all: memory stays bounded
+            engine.add_request(prompt, one, client="D")
+
+    asyncio.run(admissions())
 
 
 def test_each_finished_sequence_gives_its_clients_share_back(llama):
     engine = AsyncEngine(load_model(llama), EngineConfig(max_num_seqs=2, max_queue=2)).start()
     try:
         params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
-        streams = [engine.add_request([5, 6], SamplingParams(max_tokens=3, n=4, ignore_eos=True), client="A"),
-                   engine.add_request([5, 6], params, client="B"),
-                   engine.text_streamer([5, 6], params, client="C")]
-        engine.abort(streams[1].request_id)
-        outs = list(streams[0].iter_sync(timeout=60))
-        text = "".join(streams[2])
+
+        async def clients():
+            streams = [engine.add_request([5, 6], SamplingParams(max_tokens=3, n=4, ignore_eos=True), client="A"),
+                       engine.add_request([5, 6], params, client="B"),
+                       engine.text_streamer([5, 6], params, client="C")]  # read by this thread afterwards
+            engine.abort(streams[1].request_id)
+            return [out async for out in streams[0]], streams[2]
+
+        outs, text_streamer = asyncio.run(asyncio.wait_for(clients(), 60))
+        text = "".join(text_streamer)
         assert sum(o.finished for o in outs) == 4 and isinstance(text, str)
         deadline = time.monotonic() + 10
-        while engine.num_admitted and time.monotonic() < deadline:  # the abort lands within a step
-            time.sleep(0.05)
-        assert engine.num_admitted == 0 and not engine._shares.held
-        engine.add_request([5, 6], SamplingParams(max_tokens=1, n=4), client="D")  # the whole capacity again
+        while (engine.stats().num_running or engine.stats().num_waiting) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the abort lands within a step
+        assert engine.stats().num_running == engine.stats().num_waiting == 0 and not engine._shares.held
+
+        async def whole_capacity():
+            engine.add_request([5, 6], SamplingParams(max_tokens=1, n=4), client="D")
+
+        asyncio.run(whole_capacity())
     finally:
         engine.shutdown()

@@ -56,7 +56,7 @@ def every_type(tmp_path_factory):
 @pytest.mark.embedded
 def test_every_block_type_greedy_equals_generate_on_the_dequantized_model(every_type):
     path, types, _, expected = every_type
-    from engine.model.quant import GGUF_TYPES
+    from engine.model.gguf_blocks import GGUF_TYPES
 
     loaded = load_model(str(path))
     linears = {name: kind for name, kind in types.items() if name != "token_embd.weight"}

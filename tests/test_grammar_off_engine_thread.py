@@ -6,7 +6,7 @@ it must not matter to that stream."""
 
 from __future__ import annotations
 
-import queue
+import asyncio
 import threading
 
 import pytest
@@ -39,25 +39,42 @@ def _held_compiles(engine, monkeypatch) -> threading.Event:
     return release
 
 
+async def _outputs(stream, into: list | None = None) -> list:
+    """Every output of `stream` until its end (appended to `into` as they come); a stuck engine
+    fails the test after SAFETY_S instead of hanging it."""
+    outs = [] if into is None else into
+
+    async def read():
+        async for out in stream:
+            outs.append(out)
+
+    await asyncio.wait_for(read(), SAFETY_S)
+    return outs
+
+
 def test_an_uncompiled_constraint_added_directly_never_stalls_another_stream(engine, monkeypatch):
     release = _held_compiles(engine, monkeypatch)
     prompt = engine.encode("Once upon a time")
-    try:
-        other = engine.add_request(prompt, SamplingParams(max_tokens=OTHER_TOKENS, ignore_eos=True, temperature=0))
-        constrained = engine.add_request(prompt, SamplingParams(max_tokens=8, temperature=0,
-                                                                constraint=Constraint("regex", "(yes|no)")))
-        other_tokens = []
+
+    async def scenario():
         try:
-            for out in other.iter_sync(timeout=SAFETY_S):
-                other_tokens.extend(out.token_ids)
-        except queue.Empty:
-            pytest.fail(f"the other stream stopped after {len(other_tokens)} tokens: the engine thread waits "
-                        "for a grammar")
-        assert len(other_tokens) == OTHER_TOKENS  # all of them while the grammar was still compiling
-        assert not release.is_set()
-    finally:
-        release.set()
-    outs = list(constrained.iter_sync(timeout=SAFETY_S))
+            other = engine.add_request(prompt, SamplingParams(max_tokens=OTHER_TOKENS, ignore_eos=True,
+                                                              temperature=0))
+            constrained = engine.add_request(prompt, SamplingParams(max_tokens=8, temperature=0,
+                                                                    constraint=Constraint("regex", "(yes|no)")))
+            other_outs = []
+            try:
+                await _outputs(other, other_outs)
+            except asyncio.TimeoutError:
+                pytest.fail(f"the other stream stopped after {sum(len(o.token_ids) for o in other_outs)} "
+                            "tokens: the engine thread waits for a grammar")
+            assert sum(len(o.token_ids) for o in other_outs) == OTHER_TOKENS  # all while the grammar compiled
+            assert not release.is_set()
+        finally:
+            release.set()
+        return await _outputs(constrained)
+
+    outs = asyncio.run(scenario())
     text = "".join(o.text for o in outs)
     assert outs[-1].finish_reason is FinishReason.STOP and text in ("yes", "no"), (text, outs[-1])
 
@@ -65,14 +82,20 @@ def test_an_uncompiled_constraint_added_directly_never_stalls_another_stream(eng
 def test_an_uncompiled_constraint_aborted_while_it_compiles_ends_and_frees_its_place(engine, monkeypatch):
     release = _held_compiles(engine, monkeypatch)
     prompt = engine.encode("Once upon a time")
-    try:
-        constrained = engine.add_request(prompt, SamplingParams(max_tokens=8, constraint=Constraint("regex", "a+b")))
-        assert engine.abort(constrained.request_id)
-        outs = list(constrained.iter_sync(timeout=SAFETY_S))
-        assert [o.finish_reason for o in outs] == [FinishReason.ABORT]
-    finally:
-        release.set()
-    assert engine.grammars.submit(Constraint("regex", "a+b")).result(SAFETY_S) is not None
-    other = engine.add_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
-    assert sum(len(o.token_ids) for o in other.iter_sync(timeout=SAFETY_S)) == 4
-    assert engine.num_admitted == 0 and engine.stats().num_running == 0  # the aborted one never ran
+
+    async def scenario():
+        try:
+            constrained = engine.add_request(prompt, SamplingParams(max_tokens=8,
+                                                                    constraint=Constraint("regex", "a+b")))
+            assert engine.abort(constrained.request_id)
+            outs = await _outputs(constrained)
+            assert [o.finish_reason for o in outs] == [FinishReason.ABORT]
+        finally:
+            release.set()
+        assert engine.grammars.submit(Constraint("regex", "a+b")).result(SAFETY_S) is not None
+        other = engine.add_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+        assert sum(len(o.token_ids) for o in await _outputs(other)) == 4
+
+    asyncio.run(scenario())
+    stats = engine.stats()
+    assert stats.num_running == stats.num_waiting == 0  # the aborted one never ran, nothing is left admitted

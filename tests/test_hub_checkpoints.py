@@ -146,9 +146,10 @@ def test_quantize_at_load_streams_from_the_checkpoint(tiny_model, kind):
     the de-quantized weights' products."""
     from safetensors import safe_open
 
-    from engine.kernels.qlinear import quant_kernel
+    from engine.model.quant_probe import quant_kernel
     from engine.model.loading import rill_cache_dir
-    from engine.model.quant import QuantLinear, quantize_linear
+    from engine.model.quant import QuantLinear
+    from engine.model.quantize import quantize_linear
 
     path = tiny_model("llama", dtype="bfloat16")
     loaded = load_model(str(path), quantize=kind)
@@ -173,7 +174,8 @@ def test_the_c_quantizer_writes_the_blocks_quantize_blocks_rounds(dtype):
 
     from engine.kernels.linear import linear_kernel
     from engine.model.loading import rill_cache_dir
-    from engine.model.quant import quantize_blocks, unpack_raw
+    from engine.model.gguf_blocks import unpack_raw
+    from engine.model.quantize import quantize_blocks
 
     kernel = linear_kernel(rill_cache_dir())
     gen = torch.Generator().manual_seed(3)
@@ -189,9 +191,9 @@ def test_the_c_quantizer_writes_the_blocks_quantize_blocks_rounds(dtype):
 def test_k_quants_at_load_hold_llama_cpps_blocks():
     """A weight of whole super-blocks quantized to q4_k / q6_k at load is held as the GGUF types
     (`source`), and its products are those of the blocks' de-quantized values."""
-    from engine.kernels.qlinear import quant_kernel
+    from engine.model.quant_probe import quant_kernel
     from engine.model.loading import rill_cache_dir
-    from engine.model.quant import quantize_linear
+    from engine.model.quantize import quantize_linear
 
     kernel = quant_kernel(rill_cache_dir())
     weight = torch.randn(48, 512) * 0.05

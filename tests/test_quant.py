@@ -1,4 +1,4 @@
-"""Block-quantized weights (engine/model/quant.py, kernels/csrc/qlinear.c): the blocks are GGUF's, the kernel
+"""Block-quantized weights (engine/model/gguf_blocks.py, panels.py, quant.py, quantize.py; kernels/csrc/qlinear.c): the blocks are GGUF's, the kernel
 computes what the de-quantized float32 model computes, and greedy output equals Hugging Face
 `generate` on that de-quantized model, token for token, alone and in a busy batch."""
 
@@ -14,10 +14,12 @@ from transformers import AutoModelForCausalLM
 from bench.gguf_file import encode_q4_k
 from engine import LLM, EngineConfig, SamplingParams
 from engine.model.loading import ModelLoadError, embedded_gguf_path, load_model, rill_cache_dir
-from engine.kernels import quant_kernel
-from engine.model.quant import (GGUF_TYPES, KINDS, SUPER_KINDS, FusedPart, FusedProjections, QuantLinear, blocks_of_gguf,
-                                dequantize, panels_of_blocks, quantize_activations, quantize_blocks, quantize_linears,
-                                random_gguf_blocks, unpack_raw)
+from engine.kernels.qlinear import KINDS, SUPER_KINDS
+from engine.model.gguf_blocks import GGUF_TYPES, blocks_of_gguf, dequantize, random_gguf_blocks, unpack_raw
+from engine.model.panels import panels_of_blocks
+from engine.model.quant import FusedPart, FusedProjections, QuantLinear
+from engine.model.quant_probe import quant_kernel, quantize_activations
+from engine.model.quantize import quantize_blocks, quantize_linears
 from tests.test_engine_parity import PROMPT_LENGTHS, engine_outputs, make_prompts, reference_outputs
 
 QUANTIZED_KINDS = [kind for kind in KINDS if kind not in SUPER_KINDS]  # super-blocks hold GGUF's K types only
@@ -46,7 +48,7 @@ def test_blocks_are_ggml_blocks(kind):
 def test_q4_k_is_read_as_the_q4_1_blocks_it_is_made_of(kernel):
     """Q4_K (the most common 4-bit download) de-quantizes bit for bit as gguf-py (and so
     transformers) reads it, and a layer made from its raw rows computes with those blocks."""
-    from engine.model.quant import super_products, unpack_q4_k
+    from engine.model.gguf_blocks import super_products, unpack_q4_k
 
     weight = torch.randn(40, 512, generator=torch.Generator().manual_seed(3)) * 0.05
     raw = encode_q4_k(weight.numpy())
@@ -73,7 +75,7 @@ def test_super_blocks_compute_bit_for_bit_what_the_blocks_of_their_products_comp
     which sums d (q - 32) x where q6_k sums d q x - 32 d x (the same up to float32 rounding), and
     on a CPU with AMX q6_ks's tiles from their rows on (q6_k has none: float32 rounding again); with
     int8 activations the layer holds the plain blocks."""
-    from engine.model.quant import blocks_of_gguf, super_products
+    from engine.model.gguf_blocks import blocks_of_gguf, super_products
 
     raw = random_gguf_blocks(ggml_type, 40, 512, seed=5)
     order = np.random.default_rng(0).permutation(40)[:37]

@@ -1,11 +1,11 @@
 """The C kernels: csrc/*.c (entry points declared in csrc/rill_kernels.h), built once per CPU by
-`build`, each with a binding module that probes it against torch before handing it out:
-`linear`, `qlinear`, `decode_attention`, `decode_step`; `gpu` holds the Triton decode kernel."""
+`build`, each with a binding module: `linear` and `decode_attention` probe theirs against torch
+before handing it out; `qlinear` (probed by engine/model/quant_probe.py) and `decode_step` (by
+engine/runner/native.py) are checked beside the modules they run; `gpu` holds the Triton decode
+kernel."""
 
 from engine.kernels.build import compiled_library
 from engine.kernels.decode_attention import decode_attention_kernel
-from engine.kernels.decode_step import decode_step_kernel
 from engine.kernels.linear import linear_kernel
-from engine.kernels.qlinear import quant_kernel
 
-__all__ = ["compiled_library", "decode_attention_kernel", "decode_step_kernel", "linear_kernel", "quant_kernel"]
+__all__ = ["compiled_library", "decode_attention_kernel", "linear_kernel"]

@@ -1,8 +1,9 @@
 """`rill_qlinear` and `rill_qlinear_i8` (csrc/qlinear.c, csrc/qlinear_i8.c): linears over GGUF's
 blocks (the kinds Q8_0, Q4_0, Q4_1, Q5_1, Q6_K, Q4_K and Q6_KS, of csrc/blocks.h, hold every type of
-engine/model/quant.py's GGUF_TYPES), with float32 or int8 activations; `rill_repack`
-(csrc/repack.c): a GGUF tensor's raw rows straight into those panels. The blocks' layout and the
-modules that hold them are in engine/model/quant.py."""
+engine/model/gguf_blocks.py's GGUF_TYPES), with float32 or int8 activations; `rill_repack`
+(csrc/repack.c): a GGUF tensor's raw rows straight into those panels. The panels' layout is
+engine/model/panels.py's, the modules that hold them engine/model/quant.py's, and the probe that
+checks this binding before it is used engine/model/quant_probe.py's."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.kernels.build import checked_kernel
 from engine.kernels.linear import call_panel_kernel
 
 KINDS = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q5_1": 3, "q6_k": 4, "q4_k": 5, "q6_ks": 6}  # the kernels' `kind` argument
@@ -66,11 +66,6 @@ class QuantKernel:
             self.isa += (", AMX tiles (Q8_0 2-6 rows and 16+, Q4 3-6 and 16+, Q6_K 16+)" if self.amx_rows == 1
                          else f", AMX tiles from {self.amx_rows} rows")
 
-    def set_amx_rows(self, rows: int) -> int:
-        """AMX tiles from `rows` rows on (0: never; tests and benchmarks A/B with it); returns the
-        setting before, 0 where this CPU has no tiles (a no-op there)."""
-        return self._amx_rows(rows) if self.amx_rows else 0
-
     def __call__(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int,
                  kind: str, int8: bool = False) -> torch.Tensor:
         y, status = call_panel_kernel(self._fns[int8], self.threads, x, panels, bias, out_features, KINDS[kind])
@@ -81,7 +76,7 @@ class QuantKernel:
     def repack(self, raw: np.ndarray, ggml_type: str, kind: str, in_features: int, order: np.ndarray | None = None,
                int8: bool = False) -> torch.Tensor:
         """A GGUF tensor's raw blocks (uint8 [rows, row bytes], e.g. the file's memory map) of
-        `ggml_type` -> the panels of `kind` that engine/model/quant.py's panels_of_blocks makes from
+        `ggml_type` -> the panels of `kind` that engine/model/panels.py's panels_of_blocks makes from
         its reader's blocks, byte for byte; output r is the file's row order[r] (None: row r)."""
         raw = np.ascontiguousarray(raw)  # a memory map's rows stay where they are
         if int8 and kind in SUPER_KINDS:
@@ -99,47 +94,3 @@ class QuantKernel:
                              f"{in_features} inputs")
         return panels
 
-
-def _quant_agrees(kernel: QuantKernel) -> bool:
-    """The kernels against F.linear on the de-quantized weight, for each kind: 1 to 13 rows (the
-    row-by-row path and the tiles of 6 with every partial one), 16, 17 and 35 (AMX's tiles of up to 16 rows), a partial panel, bias or none;
-    the int8-activation kernel against F.linear of the rounded activations (`quantize_activations`);
-    `repack` against numpy's panels for every GGUF type, rows reordered or not, both layouts; the
-    super-block kinds (q4_k, q6_ks) from Q4_K's and Q6_K's raw rows, the same rows."""
-    from engine.model.quant import (GGUF_BLOCKS, GGUF_TYPES, QuantLinear, blocks_of_gguf, dequantize, held_kind,
-                                    panels_of_blocks, quantize_activations, quantize_blocks, random_gguf_blocks)
-
-    gen = torch.Generator().manual_seed(0)
-    weight, bias = torch.randn(21, 64, generator=gen), torch.randn(21, generator=gen)
-    wide = torch.randn(35, 70, generator=gen)
-    for kind in (kind for kind in KINDS if kind not in SUPER_KINDS):  # super-blocks: from GGUF only (below)
-        q, d, m = quantize_blocks(weight, kind)
-        reference = dequantize(q, d, m, kind)
-        for b, int8 in ((bias, False), (None, False), (bias, True), (None, True)):
-            layer = QuantLinear(q, d, m, kind, b, kernel, int8)
-            for rows in (*range(1, 14), 16, 17, 35):  # AMX tiles where the CPU has them (2-6 rows, 16+)
-                x = wide[:rows, :64].contiguous()
-                expected = torch.nn.functional.linear(quantize_activations(x) if int8 else x, reference, b)
-                if not torch.allclose(layer(x), expected, atol=1e-4, rtol=1e-4):
-                    return False
-    order = np.array([5, 0, 17, 3, 3, 20, 9, 1, 11, 2, 8, 4, 6, 7, 10, 12, 13])  # a partial panel, a row twice
-    for ggml_type in GGUF_TYPES:
-        raw = random_gguf_blocks(ggml_type, 21, GGUF_BLOCKS[ggml_type][0], seed=1)
-        for rows, int8 in ((None, False), (order, False), (None, True), (order, True)):
-            expected = panels_of_blocks(*blocks_of_gguf(raw, ggml_type, rows), int8)
-            kind = held_kind(ggml_type, int8)
-            if not torch.equal(kernel.repack(raw, ggml_type, kind, GGUF_BLOCKS[ggml_type][0], rows, int8), expected):
-                return False
-    for ggml_type in ("q4_k", "q6_k"):  # the super-block kinds' kernels: two super-blocks a row
-        raw = random_gguf_blocks(ggml_type, 21, 512, seed=2)
-        layer, reference = QuantLinear.from_gguf(raw, ggml_type, bias, kernel), dequantize(*blocks_of_gguf(raw, ggml_type))
-        for rows in (*range(1, 14), 16, 17, 35):  # AMX tiles where the CPU has them (2-6 rows, 16+)
-            x = torch.randn(rows, 512, generator=gen)
-            if not torch.allclose(layer(x), torch.nn.functional.linear(x, reference, bias), atol=1e-4, rtol=1e-4):
-                return False
-    return True
-
-
-def quant_kernel(cache_dir: Path) -> QuantKernel | None:
-    """The compiled block-quantized linear, or None (with the reason logged) when it cannot be used here."""
-    return checked_kernel(QuantKernel, _quant_agrees, cache_dir, "quantized linears", "F.linear", "float32 weights")

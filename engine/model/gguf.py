@@ -1,7 +1,7 @@
 """A GGUF file loaded lean: its blocks read where they lie in the file, never copied to float32 on disk.
 
 `load_gguf` builds the transformers module tree with its parameters on the meta device (no memory),
-then walks the file's tensors once. A linear whose type has a block kernel (engine/model/quant.py)
+then walks the file's tensors once. A linear whose type has a block kernel (engine/model/gguf_blocks.py)
 becomes a `QuantLinear` made straight from its rows in the file (q/k rows in llama.cpp's order put
 back by the same transformers tensor processor the float path uses, applied to row numbers); every
 other tensor (norms, biases, embeddings, types without a kernel, or every tensor with `blocks`
@@ -14,7 +14,6 @@ The header (metadata, tensor table) is read by engine/model/gguf_header.py.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,43 +21,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from engine.config import rill_cache_dir
+from engine.model.errors import ModelLoadError
 from engine.model.gguf_header import fast_metadata, gguf_config, gguf_tokenizer, header_architecture, tensor_table
-
-@contextlib.contextmanager
-def _parameters_on_meta():
-    """Modules built inside get their parameters on the meta device (no memory, no initialization
-    work); buffers (rotary frequencies) are computed as usual."""
-    register = nn.Module.register_parameter
-
-    def on_meta(module, name, param):
-        if param is not None and param.device.type != "meta":
-            param = nn.Parameter(param.to("meta"), requires_grad=False)
-        register(module, name, param)
-
-    nn.Module.register_parameter = on_meta
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register
-
-
-def _set_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
-    """Put `tensor` where the (meta) parameter or buffer `name` is, checking its shape."""
-    from engine.model.loading import ModelLoadError
-
-    owner, _, leaf = name.rpartition(".")
-    module = model.get_submodule(owner)
-    current = module._parameters.get(leaf, module._buffers.get(leaf))
-    if current is None:
-        raise ModelLoadError(f"the GGUF tensor for {name!r} has no place in the model built from its config")
-    if tuple(current.shape) != tuple(tensor.shape):
-        raise ModelLoadError(f"the GGUF tensor for {name!r} has shape {tuple(tensor.shape)}; the model built from "
-                             f"its config expects {tuple(current.shape)}: the file's metadata and tensors disagree")
-    if leaf in module._parameters:
-        module._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
-    else:
-        module._buffers[leaf] = tensor
-
+from engine.model.meta import parameters_on_meta, set_tensor
 
 class GgufEmbedding(nn.Module):
     """`nn.Embedding` over a GGUF tensor's blocks: a lookup de-quantizes only the rows it reads,
@@ -149,7 +115,7 @@ def _tie_output(model: nn.Module, embedding: _Blocks | None, pending: dict, line
     the de-quantized table, when the input embedding kept its blocks)."""
     import gguf as gguf_lib
 
-    from engine.model.quant import GGUF_TYPES
+    from engine.model.gguf_blocks import GGUF_TYPES
 
     output, inputs = model.get_output_embeddings(), model.get_input_embeddings()
     name = next((key for key, module in linears.items() if module is output), None)
@@ -194,7 +160,6 @@ def _half_linear(blocks: _Blocks, bias: torch.Tensor | None) -> nn.Module:
     exactly by the kernel as they are read."""
     from engine.kernels.linear import linear_kernel
     from engine.model.linears import PanelLinear
-    from engine.model.loading import ModelLoadError, rill_cache_dir
 
     kernel = linear_kernel(rill_cache_dir())
     if kernel is None:
@@ -238,14 +203,13 @@ def load_gguf(gguf: Path, *, device: torch.device, dtype: torch.dtype, trust_rem
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
-    from engine.model.loading import ModelLoadError
-    from engine.model.quant import GGUF_TYPES
+    from engine.model.gguf_blocks import GGUF_TYPES
 
     started = time.monotonic()
     with fast_metadata():
         config, parsed = gguf_config(gguf, trust_remote_code)
         tokenizer = gguf_tokenizer(gguf, trust_remote_code)
-        with _parameters_on_meta():
+        with parameters_on_meta():
             model = AutoModelForCausalLM.from_config(config, **_model_kwargs(dtype, trust_remote_code,
                                                                              attn_implementation))
         architecture = header_architecture(gguf)
@@ -297,9 +261,9 @@ def load_gguf(gguf: Path, *, device: torch.device, dtype: torch.dtype, trust_rem
         result = processor.process(weights=weights, name=info.name, tensor_key_mapping=mapping,
                                    parsed_parameters=state)
         if result.name in mapping:
-            _set_tensor(model, mapping[result.name], _as_tensor(result.weights, dtype, device))
+            set_tensor(model, mapping[result.name], _as_tensor(result.weights, dtype, device))
     for name, tensor in state["tensors"].items():  # MoE experts, stacked by their processor
-        _set_tensor(model, name, _as_tensor(tensor, dtype, device))
+        set_tensor(model, name, _as_tensor(tensor, dtype, device))
     _tie_output(model, embedding, pending, linears, read, blocks_ok, dtype, device)
     _make_block_linears(model, pending, kernel, int8, report, blob)
     missing = [name for name, param in model.named_parameters() if param.device.type == "meta"]

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.config import rill_cache_dir
 from engine.kernels.linear import LinearKernel, linear_kernel, padded_bias, panels_of
-from engine.model.loading import rill_cache_dir
 from engine.model.quant import FusedProjections, QuantLinear
 
 log = logging.getLogger("rill.engine")

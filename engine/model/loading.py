@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from engine.config import rill_cache_dir
+from engine.model.errors import ModelLoadError
 
 logger = logging.getLogger("rill.loading")
 
@@ -36,10 +37,6 @@ DEVICE_CHOICES = ("auto", "cpu", "cuda")
 _CONTEXT_ATTRS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length",
                   "n_ctx", "max_seq_len", "model_max_length")
 _FALLBACK_CONTEXT = 2048
-
-
-class ModelLoadError(RuntimeError):
-    """The model could not be loaded. `str(error)` is one line: what was tried and what to do."""
 
 
 @dataclass(slots=True)
@@ -286,7 +283,7 @@ def _load_hub_lean(model_id: str, *, device, dtype, **kwargs) -> tuple | None:
 def _block_kernel(cache_dir, wanted: bool):
     """The block kernel built for this CPU, or None (the reason logged); `wanted`: a quantize
     option that needs it, so its absence is a ModelLoadError."""
-    from engine.kernels.qlinear import quant_kernel
+    from engine.model.quant_probe import quant_kernel
 
     kernel = quant_kernel(rill_cache_dir(cache_dir))
     if kernel is None:
@@ -423,7 +420,8 @@ def _quantize(model, quantize: str, gguf_weights: str | None, device: torch.devi
               cache_dir, int8: bool) -> str:
     """Apply `quantize` (see load_model) to the loaded model; returns how its linears hold their
     weights. `gguf_weights`: what the GGUF loader kept as blocks (quantize auto), or None."""
-    from engine.model.quant import fuse_projections, quantize_linears
+    from engine.model.quant import fuse_projections
+    from engine.model.quantize import quantize_linears
 
     wanted = quantize not in ("auto", "none")
     if not wanted:

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.model.gguf import _parameters_on_meta, _set_tensor
+from engine.model.meta import parameters_on_meta as _parameters_on_meta, set_tensor as _set_tensor
 
 log = logging.getLogger("rill.loading")
 
@@ -207,7 +207,8 @@ def _linear_make(tensor: torch.Tensor, bias: torch.Tensor | None, kernel, quant_
                  int8: bool, report: SafetensorsLoad) -> nn.Module:
     from engine.kernels.linear import QUANTIZE_KINDS
     from engine.model.linears import PanelLinear
-    from engine.model.quant import QuantLinear, quantize_linear
+    from engine.model.quant import QuantLinear
+    from engine.model.quantize import quantize_linear
 
     if quantize and tensor.shape[1] % 32 == 0:
         report.quantized[quantize] = report.quantized.get(quantize, 0) + 1

@@ -12,11 +12,10 @@ from engine.attention import kv_cache_dtype
 from engine.config import EngineConfig, rill_cache_dir
 from engine.host import keep_freed_memory
 from engine.kernels.decode_attention import decode_attention_kernel
-from engine.kernels.decode_step import decode_step_kernel
 from engine.kernels.gpu import paged_decode_kernel
 from engine.model.linears import describe_linears, prepare_linears
 from engine.runner.fallback import FallbackRunner
-from engine.runner.native import NativeDecoder, why_not_native
+from engine.runner.native import NativeDecoder, native_decode_kernel, why_not_native
 from engine.runner.paged import PagedRunner
 from engine.runner.probe import check_paged_path
 
@@ -77,7 +76,7 @@ def _native_decoder(model) -> NativeDecoder | None:
     """csrc/decode_layer.c for decode steps when it takes this model and passed its probe, else None."""
     reason = why_not_native(model)
     if reason is None:
-        kernel = decode_step_kernel(rill_cache_dir())
+        kernel = native_decode_kernel(rill_cache_dir())
         if kernel is None:
             reason = "the native step is unavailable (see above)"
         else:

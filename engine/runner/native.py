@@ -20,14 +20,17 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from engine.kernels.build import checked_kernel
 from engine.kernels.decode_step import DecodeStepKernel, Layer, Lin
 from engine.kernels.qlinear import INT8_KIND, KINDS
 from engine.model.linears import PanelLinear
-from engine.model.quant import FusedPart, FusedProjections, QuantLinear, panels_of_blocks, q8_0_blocks_of_panels
+from engine.model.panels import panels_of_blocks, q8_0_blocks_of_panels
+from engine.model.quant import FusedPart, FusedProjections, QuantLinear
 from engine.runner.step_output import StepOutput
 
 log = logging.getLogger("rill.engine")
@@ -267,3 +270,40 @@ class NativeDecoder:
             x = x.index_select(0, keep)
         x = model.model.norm(x)
         return StepOutput(model.lm_head(x).float())
+
+
+def _decode_step_agrees(kernel: DecodeStepKernel) -> bool:
+    """A tiny random Llama (2 layers, grouped queries, 6 tokens) on the C linears: every token of
+    a prompt run through the native step as a decode (each attending to the positions up to its
+    own) gives the logits of the model's own forward over the whole prompt."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engine.attention import PagedKVCache
+    from engine.kernels.linear import LinearKernel
+    from engine.model.linears import pack_linears
+
+    torch.manual_seed(0)  # the model's initialisation; the caller's generator state is restored below
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         attn_implementation="eager")
+    model = LlamaForCausalLM(config).eval()
+    tokens = torch.randint(0, 64, (6,))
+    with torch.inference_mode():
+        want = model(input_ids=tokens[None], use_cache=False).logits[0].float()  # [6, vocab]
+    pack_linears(model, LinearKernel(kernel.library, kernel.path))
+    cache = PagedKVCache(2, 2, 8, 2, 8, torch.float32, torch.device("cpu"))
+    positions = torch.arange(6)
+    slots = positions.repeat(6, 1)  # [6, 6]: row r attends slots 0..r
+    got = NativeDecoder(model, kernel).run(tokens, positions, cache, positions, slots, positions + 1)
+    return bool(torch.allclose(got.logits, want, atol=1e-4, rtol=1e-4))
+
+
+def native_decode_kernel(cache_dir: Path) -> DecodeStepKernel | None:
+    """The compiled native decode step once it passed its probe (a tiny random float32 Llama with
+    grouped queries through `NativeDecoder` against its own forward), or None with the reason logged."""
+    rng = torch.random.get_rng_state()
+    try:
+        return checked_kernel(DecodeStepKernel, _decode_step_agrees, cache_dir, "native decode step",
+                              "transformers' modules", "transformers' modules")
+    finally:
+        torch.random.set_rng_state(rng)

@@ -27,11 +27,11 @@ from pathlib import Path
 import ray
 from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
-from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 from ray.serve.exceptions import BackPressureError
 
 from frontend.backends import BackendError
 from frontend.backends.ray_auth import check_cluster, use_token
+from frontend.backends.ray_deployment import DEPLOYMENT_NAME
 from frontend.backends.ray_replica import build_app, stats_board
 from frontend.backends.remote import Admitted, Refused, RemoteEngine
 
@@ -39,7 +39,6 @@ log = logging.getLogger("rill.backend")
 
 ROOT = Path(__file__).resolve().parents[2]
 APP_NAME = "rill"
-DEPLOYMENT_NAME = "rill-engine"
 NAMESPACE = "rill"
 POLL_PERIOD_S = 0.5  # how often the front reads the replicas' statistics
 STALE_S = 10.0  # a replica that has not posted for this long counts as dead (a busy one posts late)
@@ -91,33 +90,6 @@ def _existing_app():
 def vars_of(settings) -> dict:
     """The settings as keyword arguments (what build_app takes)."""
     return {name: getattr(settings, name) for name in settings.__slots__}
-
-
-def deployment_options(settings) -> dict:
-    """The Serve deployment of the replicas: size, overload bounds, autoscaling, router, health."""
-    options = dict(
-        name=DEPLOYMENT_NAME,
-        # Twice what the replica's engine admits: Ray keeps routing to a full replica, whose engine
-        # refuses with QueueFull (a 429 now) instead of Ray holding the request back unbounded.
-        max_ongoing_requests=2 * (settings.max_num_seqs + settings.max_queue),
-        # Requests waiting for a replica slot; Ray counts every request it is still routing, so a
-        # burst of simultaneous arrivals needs this much room (past it: 429).
-        max_queued_requests=settings.max_num_seqs + settings.max_queue,
-        ray_actor_options={"num_cpus": settings.replica_cpus},
-        health_check_period_s=2.0,
-        health_check_timeout_s=30.0,
-        graceful_shutdown_timeout_s=5.0,
-        request_router_config=RequestRouterConfig(
-            request_router_class="frontend.backends.ray_router.PrefixAffinityRouter",
-            request_router_kwargs={"block_size": settings.block_size}),
-    )
-    if settings.max_replicas > settings.replicas:
-        options["autoscaling_config"] = AutoscalingConfig(
-            min_replicas=settings.replicas, max_replicas=settings.max_replicas,
-            target_ongoing_requests=max(1, settings.max_num_seqs // 2))
-    else:
-        options["num_replicas"] = settings.replicas
-    return options
 
 
 class RayEngine(RemoteEngine):

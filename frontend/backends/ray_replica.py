@@ -60,7 +60,7 @@ def build_app(args: dict):
     (`import_path: frontend.backends.ray_replica:build_app`, `args`: app.py's settings by name, e.g.
     {"model_id": "HuggingFaceTB/SmolLM2-135M-Instruct", "replicas": 4, "max_replicas": 16})."""
     from frontend.backends import iter_engine_fields
-    from frontend.backends.ray_backend import deployment_options
+    from frontend.backends.ray_deployment import deployment_options
     from frontend.settings import Settings
 
     settings = Settings(**args)

@@ -171,7 +171,7 @@ class RemoteEngine:
         its refusal (InvalidRequest, QueueFull, RuntimeError) like the local engine does."""
         check_one_sample(params)
         streamer = self._admit(prompt_token_ids, params, request_id,
-                               lambda rid: RequestTextStreamer(self, rid, timeout), (), session)
+                               lambda rid: RequestTextStreamer(self, rid, self.tokenizer, timeout), (), session)
         try:
             streamer._admission.result(timeout=ADMIT_TIMEOUT_S)
         except concurrent.futures.TimeoutError:
@@ -308,7 +308,7 @@ class RemoteEngine:
     @staticmethod
     def _hand_over(relay: _Relay, outputs: list[RequestOutput]) -> None:
         sink = relay.sink
-        loop = getattr(sink, "_loop", None) if isinstance(sink, RequestStream) else None
+        loop = sink._loop if isinstance(sink, RequestStream) else None
         try:
             if loop is not None:
                 loop.call_soon_threadsafe(deliver_batch, [(sink, out) for out in outputs])
