@@ -4,6 +4,11 @@ Penalties, temperature, top-k, top-p and min-p are tensor operations over `[rows
 The only per-row Python work is drawing noise for seeded rows from their own generators,
 so a seeded request samples the same tokens whatever else shares the batch.
 
+With the compiled kernel (engine/kernels/sampling.py) the penalties, the ban, the argmax of a
+changed row and the draw run in C, one row per thread, from the same uniform draws: the same tokens
+as the numpy reference below, which still draws a row the kernel leaves unresolved (about one in
+10^5: a last-bit difference could flip its choice) and every row when there is no kernel.
+
 Constrained rows (an active grammar, engine/grammar.py) get their bitmask filled for this step
 and -inf on every token it forbids, over the whole logits row (a padded vocabulary's extra ids
 included), before penalties, greedy or sampling and logprobs; other rows are untouched. A row
@@ -17,7 +22,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.config import rill_cache_dir
 from engine.grammar import allowed_tokens
+from engine.kernels import sampling as native
 from engine.request import Sequence, TokenLogprob
 from engine.runner.step_output import StepOutput
 
@@ -52,16 +59,20 @@ def _end_spent_thoughts(token_ids: list[int], seqs) -> list[int]:
 class Sampler:
     """Draws each row's next token with its own parameters, the batch in one pass."""
 
-    def __init__(self, eos_token_ids: list[int], seed: int = 0, grammars=None):
+    def __init__(self, eos_token_ids: list[int], seed: int = 0, grammars=None, use_kernel: bool = True):
         self.eos_token_ids = eos_token_ids
+        self.kernel = native.sampling_kernel(rill_cache_dir()) if use_kernel else None
         self.grammars = grammars  # engine.grammar.GrammarCompiler: fills the constrained rows' bitmasks
         self.generator = torch.Generator().manual_seed(seed)  # shared by unseeded rows
         self.seq_generators: dict[str, torch.Generator] = {}  # seq_id -> its own generator
         self.seq_banned: dict[str, torch.Tensor] = {}  # seq_id -> [k] ids hidden until min_tokens, made once
+        self.seq_history: dict[str, np.ndarray] = {}  # seq_id -> its token ids so far (int64), for the kernel's penalties
+        self.resolved = self.unresolved = 0  # rows the kernel drew, rows it left to the reference
 
     def forget(self, seq_id: str) -> None:
         self.seq_generators.pop(seq_id, None)
         self.seq_banned.pop(seq_id, None)
+        self.seq_history.pop(seq_id, None)
 
     def _banned(self, seq: Sequence, vocab: int) -> torch.Tensor:
         """EOS and the stop token ids below `vocab`, as one tensor built on the sequence's first step
@@ -110,6 +121,28 @@ class Sampler:
             logits = self._mask(logits, seqs, constrained)
         raw = logits
 
+        if self.kernel is not None:
+            token_ids = self._sample_native(logits, seqs, params, best if logits is given else None)
+        else:
+            token_ids = self._sample_reference(logits, raw, given, best, seqs, params)
+
+        token_ids = _end_spent_thoughts(token_ids, seqs)
+        logprobs: list[TokenLogprob | None] = [None] * rows
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if want:
+            lp = torch.log_softmax(raw[want], dim=-1)
+            top_n = max(params[i].logprobs for i in want)
+            top_vals, top_ids = lp.topk(max(top_n, 1), dim=-1)
+            for j, i in enumerate(want):
+                n = params[i].logprobs
+                top = [(t, v) for t, v in zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist())
+                       if v != float("-inf")]  # a token the grammar forbids is no alternative
+                logprobs[i] = TokenLogprob(token_id=token_ids[i], logprob=float(lp[j, token_ids[i]]), top=top)
+        return SampleResult(token_ids, logprobs, bad_rows)
+
+    def _sample_reference(self, logits, raw, given, best, seqs, params) -> list[int]:
+        """Each row's token in torch and numpy: penalties, the min_tokens ban, then the argmax or a draw."""
+        vocab = logits.shape[1]
         logits = self._apply_penalties(logits, seqs)
         # min_tokens: hide EOS and stop ids until enough tokens exist (a grammar decides its own end)
         for i, (s, p) in enumerate(zip(seqs, params)):
@@ -126,20 +159,64 @@ class Sampler:
         if any(p.temperature != 0 for p in params):
             greedy = torch.tensor([p.temperature == 0 for p in params])
             token_ids = torch.where(greedy, torch.tensor(token_ids), self._sample(logits, seqs, params)).tolist()
+        return token_ids
 
-        token_ids = _end_spent_thoughts(token_ids, seqs)
-        logprobs: list[TokenLogprob | None] = [None] * rows
-        want = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if want:
-            lp = torch.log_softmax(raw[want], dim=-1)
-            top_n = max(params[i].logprobs for i in want)
-            top_vals, top_ids = lp.topk(max(top_n, 1), dim=-1)
-            for j, i in enumerate(want):
-                n = params[i].logprobs
-                top = [(t, v) for t, v in zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist())
-                       if v != float("-inf")]  # a token the grammar forbids is no alternative
-                logprobs[i] = TokenLogprob(token_id=token_ids[i], logprob=float(lp[j, token_ids[i]]), top=top)
-        return SampleResult(token_ids, logprobs, bad_rows)
+    def _uniforms(self, seqs, params) -> list[float]:
+        """Each sampling row's uniform draw in [0, 1) (greedy rows: 0): one shared draw per row, then one
+        from each seeded row's own generator, in row order."""
+        shared = torch.rand(len(seqs), generator=self.generator, dtype=torch.float64).tolist()
+        return [0.0 if p.temperature == 0 else shared[i] if p.seed is None
+                else float(torch.rand(1, generator=self._generator(s), dtype=torch.float64))
+                for i, (s, p) in enumerate(zip(seqs, params))]
+
+    def _history(self, seq: Sequence) -> np.ndarray:
+        """seq's token ids (prompt, output) as int64, extended by the tokens since its last step."""
+        ids = seq.token_ids
+        have = self.seq_history.get(seq.seq_id)
+        if have is None or len(have) > len(ids) or (len(have) and have[-1] != ids[len(have) - 1]):
+            have = np.array(ids, dtype=np.int64)
+        elif len(have) < len(ids):
+            have = np.concatenate([have, np.array(ids[len(have):], dtype=np.int64)])
+        self.seq_history[seq.seq_id] = have
+        return have
+
+    def _sample_native(self, logits: torch.Tensor, seqs, params, best) -> list[int]:
+        """Each row's token from the C kernel (penalties, ban, argmax or draw); the reference draws the
+        rows it leaves unresolved. best: each row's argmax when no row of `logits` was changed."""
+        rows, vocab = logits.shape
+        u = self._uniforms(seqs, params) if any(p.temperature != 0 for p in params) else [0.0] * rows
+        fparams, iparams, keep = [], [], []
+        for i, (s, p) in enumerate(zip(seqs, params)):
+            penalized = p.repetition_penalty != 1.0 or ((p.presence_penalty or p.frequency_penalty)
+                                                        and s.num_output_tokens > 0)
+            history = self._history(s) if penalized else None
+            banned = None
+            if s.num_output_tokens < p.min_tokens and not (s.grammar is not None and s.grammar.active):
+                banned = self._banned(s, vocab)
+            keep.append((history, banned))
+            mode = native.DRAW if p.temperature != 0 else \
+                native.SKIP if best is not None and history is None and banned is None else native.ARGMAX
+            fparams.append((p.temperature, p.top_p, p.min_p, u[i], p.repetition_penalty, p.frequency_penalty,
+                            p.presence_penalty))
+            iparams.append((mode, 0 if history is None else history.ctypes.data, 0 if history is None else len(history),
+                            s.num_prompt_tokens, 0 if banned is None else banned.data_ptr(),
+                            0 if banned is None else banned.numel(), p.top_k))
+        a = logits.numpy()
+        tokens, status = self.kernel(a, np.array(fparams, dtype=np.float64), np.array(iparams, dtype=np.int64))
+        token_ids = tokens.tolist()
+        for i in range(rows):
+            if iparams[i][0] == native.SKIP:
+                token_ids[i] = best[i]
+        unresolved = np.flatnonzero(status != native.DRAWN).tolist()
+        self.resolved += rows - len(unresolved)
+        self.unresolved += len(unresolved)
+        for i in unresolved:  # the reference, with the same draw
+            row = self._apply_penalties(logits[i:i + 1], [seqs[i]])
+            if keep[i][1] is not None and keep[i][1].numel():
+                row = row.clone() if row is logits[i:i + 1] else row
+                row[0, keep[i][1]] = float("-inf")
+            token_ids[i] = _draw(row[0].numpy(), params[i], u[i])
+        return token_ids
 
     def _mask(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> torch.Tensor:
         """logits [rows, vocab] with -inf where the grammar of each row in `rows` forbids the token
@@ -190,15 +267,11 @@ class Sampler:
         (a seeded row from its own generator) against the cumulative probabilities. Row by row in
         numpy: only the candidates top-k/top-p keep are sorted, never the whole vocabulary unless
         the nucleus is wider than NUCLEUS_PROBE tokens."""
-        rows, vocab = logits.shape
         a = logits.numpy()
-        shared = torch.rand(rows, generator=self.generator, dtype=torch.float64).tolist()
-        chosen = np.zeros(rows, dtype=np.int64)
-        for i, (s, p) in enumerate(zip(seqs, params)):
-            if p.temperature == 0:
-                continue
-            u = shared[i] if p.seed is None else float(torch.rand(1, generator=self._generator(s), dtype=torch.float64))
-            chosen[i] = _draw(a[i], p, u)
+        chosen = np.zeros(logits.shape[0], dtype=np.int64)
+        for i, (p, u) in enumerate(zip(params, self._uniforms(seqs, params))):
+            if p.temperature != 0:
+                chosen[i] = _draw(a[i], p, u)
         return torch.from_numpy(chosen)
 
 

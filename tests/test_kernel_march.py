@@ -1,0 +1,38 @@
+"""RILL_KERNEL_MARCH: the kernels built for a named instruction set (x86-64-v3, the AVX2 route that
+most laptops take) in a library of their own, which runs that route even where the CPU has more."""
+
+import platform
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    platform.machine() not in ("x86_64", "AMD64") or "avx2" not in Path("/proc/cpuinfo").read_text(),
+    reason="x86-64-v3 code runs on an x86-64 CPU with AVX2")
+
+
+def test_an_avx2_build_is_its_own_library_and_runs_no_avx512(tmp_path, monkeypatch, caplog):
+    import engine.kernels as cpu
+    from engine.kernels.sampling import sampling_kernel
+    from engine.model.quant_probe import quant_kernel
+
+    monkeypatch.setenv("RILL_KERNEL_MARCH", "x86-64-v3")
+    with caplog.at_level("WARNING", logger="rill.engine"):
+        found = (cpu.decode_attention_kernel(tmp_path), quant_kernel(tmp_path), sampling_kernel(tmp_path))
+    assert all(k is not None for k in found), caplog.text  # each agrees with its reference in that build
+    library, path = cpu.compiled_library(tmp_path)
+    assert path.name.startswith("rill_kernels-x86-64-v3-")
+    native = cpu.build.library_path(tmp_path, cpu.build._compiler(), "native")
+    assert path != native and not native.exists()  # a build of its own; native's is not touched
+    march, isa = cpu.build.built_for(library)
+    assert march == "x86-64-v3"
+    assert "AVX2" in isa and "FMA" in isa and not any(name.startswith(("AVX-512", "AMX")) for name in isa), isa
+    assert found[1].isa == "AVX2"  # the block kernels report (and run) 256-bit vectors, whatever this CPU has
+
+
+def test_a_march_that_is_no_compiler_value_is_refused(monkeypatch):
+    from engine.kernels import build
+
+    monkeypatch.setenv("RILL_KERNEL_MARCH", "native -O0; rm")
+    with pytest.raises(ValueError, match="RILL_KERNEL_MARCH must be a compiler -march value.*given 'native -O0; rm'"):
+        build.kernel_march()
