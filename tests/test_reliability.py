@@ -37,6 +37,17 @@ def stream_chat_events(url: str, body: dict, headers: dict | None = None) -> lis
         return list(SSEReader(response))
 
 
+def finished_total(url: str) -> dict[str, int]:
+    """The engine's finished requests by reason (stop, length, abort, ...) so far."""
+    return httpx.get(f"{url}/health", timeout=10).json()["engine"]["finished_total"]
+
+
+def finished_since(url: str, before: dict[str, int]) -> dict[str, int]:
+    """The requests finished since `before`, by reason (a shared server's earlier ones left out)."""
+    now = finished_total(url)
+    return {reason: now[reason] - before.get(reason, 0) for reason in now if now[reason] != before.get(reason, 0)}
+
+
 @pytest.fixture(scope="module")
 def abort_server(server_with):
     """Resuming off: a client that leaves aborts its request at once."""
@@ -85,6 +96,7 @@ def test_16_concurrent_conversations_over_three_routes_each_get_their_own_text(t
 def test_closed_chat_stream_is_aborted_and_its_kv_blocks_freed(tiny_server):
     url = tiny_server.url  # resuming on (--resume-window 5): the request is aborted anyway, kept resumable
     wait_idle(url)
+    before = finished_total(url)
     # steps of at least 10 ms: the tiny model would otherwise write all 900 tokens in about 0.2 s
     with slow_steps(url, 0.01), httpx.stream("POST", f"{url}/chat", timeout=120, json={
             "prompt": "Talk for a long time.", "max_new_tokens": 900, "temperature": 0}) as response:
@@ -96,7 +108,7 @@ def test_closed_chat_stream_is_aborted_and_its_kv_blocks_freed(tiny_server):
     closed = time.monotonic()
     engine = wait_idle(url, timeout=10)
     print(f"idle {time.monotonic() - closed:.3f} s after the client closed")
-    assert engine["finished_total"].get("abort", 0) >= 1
+    assert finished_since(url, before) == {"abort": 1}
 
 
 def test_closed_openai_stream_and_abandoned_plain_request_are_aborted(abort_server):
@@ -116,14 +128,20 @@ def test_closed_openai_stream_and_abandoned_plain_request_are_aborted(abort_serv
 def test_cancelled_gradio_job_is_aborted(abort_server):
     url = abort_server.url
     client = Client(url + "/", verbose=False)
-    job = client.submit(message="Talk for a long time.", history=[], **GREEDY,
-                        max_new_tokens=900, api_name="/chat")
-    deadline = time.monotonic() + 60
-    while not job.outputs() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert job.outputs(), "no streamed update arrived"
-    job.cancel()
-    wait_idle(url, timeout=10)
+    wait_idle(url)
+    before = finished_total(url)
+    # steps of at least 20 ms: 900 tokens then take 18 s, far longer than the wait below, so only an
+    # abort can end the request in time (the tiny model would otherwise finish them in about 0.2 s)
+    with slow_steps(url, 0.02):
+        job = client.submit(message="Talk for a long time.", history=[], **GREEDY,
+                            max_new_tokens=900, api_name="/chat")
+        deadline = time.monotonic() + 60
+        while not job.outputs() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert job.outputs(), "no streamed update arrived"
+        job.cancel()
+        wait_idle(url, timeout=10)
+    assert finished_since(url, before) == {"abort": 1}
 
 
 # --------------------------------------------------------------------------- overload
@@ -218,7 +236,10 @@ def test_stream_cut_after_event_k_resumes_with_exactly_the_rest(tiny_server):
     body = {"prompt": "Tell me a long story about a robot.", "max_new_tokens": 300, "temperature": 0}
     expected = chat_greedy(url, body["prompt"], 300)
     k = 7
-    with httpx.stream("POST", f"{url}/chat", json=body, timeout=120) as response:
+    before = finished_total(url)
+    # steps of at least 10 ms, so that the request is still running when the client leaves (the tiny
+    # model would otherwise write its 300 tokens in about 0.1 s)
+    with slow_steps(url, 0.01), httpx.stream("POST", f"{url}/chat", json=body, timeout=120) as response:
         request_id, token = response.headers["x-request-id"], response.headers["x-resume-token"]
         first = []
         for event in SSEReader(response):
@@ -227,8 +248,8 @@ def test_stream_cut_after_event_k_resumes_with_exactly_the_rest(tiny_server):
                 break
     assert [e.id for e in first] == [str(i) for i in range(1, k + 1)]
     # nobody reads it now: the engine request is aborted, its KV blocks freed, the stream kept
-    engine = wait_idle(url, timeout=10)
-    assert engine["finished_total"].get("abort", 0) >= 1
+    wait_idle(url, timeout=10)
+    assert finished_since(url, before) == {"abort": 1}
     assert httpx.get(f"{url}/health").json()["resumable_streams"] >= 1
     with httpx.stream("GET", f"{url}/chat/{request_id}", headers={"Last-Event-ID": str(k), "x-resume-token": token},
                       timeout=120) as response:
