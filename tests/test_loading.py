@@ -285,7 +285,6 @@ def test_embedded_default_loads_lean_and_writes_nothing(embedded_cache):
 # ---- app.py turns a load error into exit code 2 --------------------------------------------
 
 
-@pytest.mark.skipif(not (ROOT / "app.py").exists(), reason="app.py is not written yet")
 @pytest.mark.parametrize("model, fragment", [("/nonexistent", "does not exist"),
                                              ("rill-tests/no-such-model", "offline")])
 def test_app_exits_2_with_one_clear_line(model, fragment):
