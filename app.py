@@ -117,10 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         fail("--backend ray needs Ray Serve: pip install -r requirements-ray.txt")
     try:
         app = build_app(engine, settings)
-        # Everything built so far (model, tokenizer, transformers, gradio, the app) lives as long
-        # as the process: out of the collector's sight, a full collection only walks what the
-        # requests create. Otherwise each one walked them all (about 490,000 objects): pauses of
-        # 290-330 ms while serving, GIL held, so the engine and the event loop both stopped.
+        # Everything built so far lives as long as the process: frozen out of the collector's sight,
+        # a full collection walks only what requests create (pauses: docs/benchmarks-history.md).
         gc.collect()
         gc.freeze()
         log.info("serving %s on http://%s:%d (backend %s, engine: %s attention)", engine.model_name, settings.host,

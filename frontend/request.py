@@ -54,6 +54,7 @@ class ChatJob:
     param: str = "messages"  # the field a prompt too long is blamed on
     format_param: str = "response_format"  # the field a constraint that cannot compile is blamed on
     max_tokens_param: str = "max_tokens"  # the API's name of max_tokens (/chat and the page: max_new_tokens)
+    stop_param: str = "stop"  # the API's name of the stop strings (Anthropic's: stop_sequences)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +84,8 @@ def _renamed(exc: InvalidRequest, job: ChatJob) -> InvalidRequest:
     """The engine's error in the API's own field names (max_tokens, a constraint's field)."""
     if exc.param == "max_tokens" and job.max_tokens_param != "max_tokens":
         return InvalidRequest(str(exc).replace("max_tokens", job.max_tokens_param), job.max_tokens_param)
+    if exc.param == "stop" and job.stop_param != "stop":
+        return InvalidRequest(str(exc).replace("`stop`", f"`{job.stop_param}`"), job.stop_param)
     if exc.param == "response_format" and job.format_param != "response_format" and job.tools is None:
         return InvalidRequest(str(exc), job.format_param)
     return exc
@@ -113,9 +116,8 @@ def default_max_tokens(engine, num_prompt_tokens: int) -> int:
     """OpenAI's default: whatever room the context (and the KV cache) leaves; at least 1, so that
     a prompt that fills the context gets check_prompt's message."""
     room = engine.max_model_len
-    core = getattr(engine, "core", None)
-    if core is not None and hasattr(core, "num_kv_blocks"):
-        room = min(room, core.num_kv_blocks * engine.config.block_size)
+    if engine.kv_cache_tokens is not None:
+        room = min(room, engine.kv_cache_tokens)
     return max(1, room - num_prompt_tokens)
 
 
@@ -156,7 +158,7 @@ async def prepare(engine, job: ChatJob, defaults: RequestDefaults, client: str |
     """The job's prompt(s) and parameters, its constraint compiled (for `client`'s compile slots):
     a 400 (InvalidRequest or ApiError) for anything wrong, the parameters checked before any tokenizing."""
     asked = job.max_tokens or defaults.max_new_tokens
-    reasoning = getattr(engine, "think_tags", None) is not None
+    reasoning = engine.think_tags is not None
     params = sampling_params(job, asked, defaults, reasoning, job.constraint)  # every field checked first
     prompts, fmt, dropped, max_tokens = await encode(engine, job, asked)
     if job.max_tokens is None and job.open_ended:

@@ -1,6 +1,5 @@
 """The one set of sampling defaults: the model's generation config where it has one (as vLLM does
-for the fields a request leaves unset), the model card's settings for the embedded SmolLM2-135M-Instruct
-(whose GGUF carries no generation config), then rill's own (`RILL_SAMPLING`).
+for the fields a request leaves unset), then rill's own (`RILL_SAMPLING`: greedy).
 
 `model_sampling_defaults(engine)` is read once at start-up; frontend/request.py fills every unset
 field from it, whichever way the request came in (the page's sliders start at the same values).
@@ -15,13 +14,10 @@ from pathlib import Path
 
 log = logging.getLogger("rill")
 
-# What a model card recommends, for models whose files say nothing (matched by the model's name).
-# SmolLM2's card: "temperature=0.2, top_p=0.9" (huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct).
-MODEL_CARD_DEFAULTS = {"SmolLM2-135M-Instruct": {"temperature": 0.2, "top_p": 0.9}}
-
-# rill's own, for what the model leaves unset: chosen so that the README's example lines give the
-# embedded model's good first answer (docs/benchmarks-history.md, session 35).
-RILL_SAMPLING = {"temperature": 0.7, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+# rill's own, for what the model leaves unset (the embedded GGUF carries no generation config): greedy,
+# as Hugging Face's `generate` by default. Sampling (its model card's 0.2 / 0.9 included) made the
+# embedded model's first answer wrong about half the time (docs/benchmarks-history.md, session 35).
+RILL_SAMPLING = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,15 +72,12 @@ def _from_file(folder: str | None) -> dict:
 
 
 def model_sampling_defaults(engine) -> SamplingDefaults:
-    """The engine's model's defaults: its loaded generation config (local engines) or the
-    `generation_config.json` beside its tokenizer, then the model card's table for what is still unset."""
+    """The engine's model's defaults: its loaded generation config (local engines), else the
+    `generation_config.json` beside its tokenizer."""
     config = engine.generation_config
     found = _usable(lambda name: getattr(config, name, None)) if config is not None else {}
     if not found:
         found = _from_file(getattr(engine.tokenizer, "name_or_path", None))
-    card = MODEL_CARD_DEFAULTS.get(engine.model_name or "", {})
-    values = {**card, **found}
-    defaults = SamplingDefaults(**values)
-    if values:
-        log.info("sampling defaults from the model: %s", ", ".join(f"{k}={v}" for k, v in values.items()))
-    return defaults
+    if found:
+        log.info("sampling defaults from the model: %s", ", ".join(f"{k}={v}" for k, v in found.items()))
+    return SamplingDefaults(**found)

@@ -36,7 +36,7 @@ BODY_FIELDS["/v1/messages/count_tokens"] = list(CountTokensRequest.model_fields)
 def _job(body: CountTokensRequest, sampling: Sampling | None = None, max_tokens: int | None = None) -> ChatJob:
     return ChatJob(body.chat_messages(), sampling=sampling or Sampling(), max_tokens=max_tokens,
                    tools=body.tool_request(), constraint=body.constraint(), template_kwargs=body.template_kwargs(),
-                   format_param="output_config.format")
+                   format_param="output_config.format", stop_param="stop_sequences")
 
 
 def matched_stop(tokenizer, token_ids: list[int], stops: list[str]) -> str | None:

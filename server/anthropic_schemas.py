@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from engine.request import MAX_CACHE_SALT_CHARS, Constraint
 from frontend.tools import ToolRequest
 from frontend.request import Sampling
-from server.schemas import (CACHE_SALT_DOC, MAX_TOOLS, _stop_list, check_depth,
+from server.schemas import (CACHE_SALT_DOC, MAX_TOOLS, check_depth,
                             check_tool_choice)
 
 MAX_MESSAGES = 2048
@@ -213,8 +213,8 @@ class MessagesRequest(CountTokensRequest):
     stop_sequences: list[str] | None = None
     stream: bool = False
     temperature: float | None = Field(None, ge=0, le=1)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)
+    top_p: float | None = None
+    top_k: int | None = None
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS, description=CACHE_SALT_DOC)
     metadata: dict[str, Any] | None = None
     # accepted and ignored (the SDK's fields about Anthropic's own service)
@@ -225,12 +225,6 @@ class MessagesRequest(CountTokensRequest):
     speed: Literal["standard", "fast"] | None = None
     user_profile_id: str | None = None
     workspace_id: str | None = None
-
-    @field_validator("stop_sequences")
-    @classmethod
-    def _check_stop(cls, value):
-        _stop_list(value)
-        return value
 
     def sampling(self) -> Sampling:
         budget = self.thinking.budget_tokens if self.thinking and self.thinking.type == "enabled" else None

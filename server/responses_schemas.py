@@ -141,7 +141,7 @@ class ResponsesRequest(BaseModel):
     reasoning: ReasoningConfig | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
+    top_p: float | None = None
     previous_response_id: str | None = Field(None, max_length=128)
     store: bool = True
     stream: bool = False

@@ -1,7 +1,9 @@
 """Request bodies at the HTTP edge (pydantic): `/chat` and the OpenAI-compatible `/v1` routes.
 
-Range checks live here so a 400 names the field as the client spelled it; `SamplingParams`
-checks again inside the engine.
+A field is checked once: here where the API's own rule differs from the engine's (OpenAI's
+temperature up to 2, `top_k` -1 for off, /chat's seed from 0) or where the edge needs it first (`n`
+for the answer budget); the sampling ranges and stop strings by `SamplingParams` (a 400 naming the
+field, in the API's own name: frontend/request.py).
 """
 
 from __future__ import annotations
@@ -13,13 +15,12 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.chat_template import TAKEN_TEMPLATE_NAMES, taken_names_message
-from engine.request import (MAX_CACHE_SALT_CHARS, MAX_N, MAX_STOP_LENGTH, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
+from engine.request import (MAX_CACHE_SALT_CHARS, MAX_N, MAX_STOP_TOKEN_IDS,
                             Constraint, InvalidRequest, stop_token_ids_message)
 from frontend.errors import ApiError
 from frontend.tools import ToolRequest
 
 Role = Literal["system", "user", "assistant"]
-MAX_STOP = MAX_STOP_STRINGS
 MAX_PROMPTS = 64  # prompts in one `/v1/completions` list
 MAX_TOOLS = 128  # functions in one request's `tools`
 MAX_TEMPLATE_KWARGS = 16  # entries of `chat_template_kwargs`
@@ -174,19 +175,11 @@ class ChatMessage(BaseModel):
     content: str
 
 
-def _stop_list(value: str | list[str] | None) -> list[str]:
+def stop_list(value: str | list[str] | None) -> list[str]:
+    """A body's `stop` as a list (its count and lengths are checked once, by `SamplingParams`)."""
     if value is None:
         return []
-    stops = [value] if isinstance(value, str) else list(value)
-    if len(stops) > MAX_STOP:
-        raise ValueError(f"at most {MAX_STOP} stop strings are allowed, {len(stops)} given")
-    if any(s == "" for s in stops):
-        raise ValueError("stop strings must not be empty")
-    for i, s in enumerate(stops):
-        if len(s) > MAX_STOP_LENGTH:
-            raise ValueError(f"each stop string must be at most {MAX_STOP_LENGTH} characters long; "
-                             f"stop string {i} is {len(s)} characters")
-    return stops
+    return [value] if isinstance(value, str) else list(value)
 
 
 class ChatBody(_ConstraintFields):
@@ -200,22 +193,16 @@ class ChatBody(_ConstraintFields):
     stream: bool = True
     max_new_tokens: int | None = Field(None, ge=1, description="new tokens at most (default 512)")
     # unset: the model's generation config (or model card), else 0.7, 1.0, 0 and 1.0
-    temperature: float | None = Field(None, ge=0, le=100, description="0 = greedy; unset: the model's default")
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0, description="0 = off")
-    repetition_penalty: float | None = Field(None, gt=0, le=100)
+    temperature: float | None = Field(None, description="0 = greedy; unset: the model's default")
+    top_p: float | None = None
+    top_k: int | None = Field(None, description="0 = off")
+    repetition_penalty: float | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     ignore_eos: bool = Field(False, description="go on past the end-of-sequence token, up to max_new_tokens")
     regex: str | None = Field(None, description="the reply must match this regular expression (Rust regex syntax)")
     grammar: str | None = Field(None, description="the reply must match this Lark grammar (llguidance's dialect)")
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS, description=CACHE_SALT_DOC)
-
-    @field_validator("stop")
-    @classmethod
-    def _check_stop(cls, value):
-        _stop_list(value)
-        return value
 
     def constraint(self) -> Constraint | None:
         if self.regex is not None:
@@ -244,7 +231,7 @@ class ChatBody(_ConstraintFields):
         return self
 
     def stop_list(self) -> list[str]:
-        return _stop_list(self.stop)
+        return stop_list(self.stop)
 
 
 # --------------------------------------------------------------------------- OpenAI
@@ -336,29 +323,23 @@ class SamplingFields(_ConstraintFields):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
     model: str | None = None
     temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    n: int = Field(1, ge=1, le=MAX_N)
+    top_p: float | None = None
+    n: int = Field(1, ge=1, le=MAX_N)  # here too: the answer budget counts it before the engine sees it
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
-    presence_penalty: float = Field(0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # extensions (vLLM, TGI)
     top_k: int | None = Field(None, ge=-1)
-    min_p: float = Field(0.0, ge=0, le=1)
-    repetition_penalty: float | None = Field(None, gt=0, le=100)  # unset: the model's, else 1.0
-    min_tokens: int = Field(0, ge=0)
+    min_p: float | None = None  # unset: the model's, else rill's
+    repetition_penalty: float | None = None  # unset: the model's, else rill's
+    min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS, description=CACHE_SALT_DOC)
-
-    @field_validator("stop")
-    @classmethod
-    def _check_stop(cls, value):
-        _stop_list(value)
-        return value
 
     @field_validator("stop_token_ids", mode="before")
     @classmethod
@@ -368,7 +349,7 @@ class SamplingFields(_ConstraintFields):
         return value
 
     def stop_list(self) -> list[str]:
-        return _stop_list(self.stop)
+        return stop_list(self.stop)
 
 
 def check_tool_choice(names: list[str], choice, named: str | None, format_given: bool, *, required: str = "required",

@@ -1,13 +1,11 @@
 """A lean Server-Sent-Events response for `/chat` and `/v1`: one `send` per batch of events.
 
-sse-starlette (the seed's choice) wraps every send in an anyio cancel scope and runs four tasks
-per response. `python -m bench.sse_cost` (16 streams of 400 openai-sized events, the server's CPU
-time per event, side by side): 37.4 us with sse-starlette against 17.1 us here (2.2x), time taken
-from the engine's two cores. This response
-sends the events its iterator yields with nothing around the ASGI `send`, joins the events
-that are ready together into one body chunk, pings while idle, and stops the iterator (whose
-cleanup aborts the request) when the client disconnects. It does not cut streams on SIGTERM:
-uvicorn's graceful shutdown lets them finish (--shutdown-timeout).
+It sends the events its iterator yields with nothing around the ASGI `send` (sse-starlette's
+cancel scope and four tasks per response cost the engine's cores twice the CPU time per event:
+`python -m bench.sse_cost`, docs/benchmarks-history.md), joins the events that are ready into one
+body chunk, pings while idle, and stops the iterator (whose cleanup aborts the request) when the
+client disconnects. It does not cut streams on SIGTERM: uvicorn's graceful shutdown lets them
+finish (--shutdown-timeout).
 
 An event is a dict with `data` and optionally `event` and `id`, as sse-starlette takes them;
 the iterator may also yield a list of such dicts (sent as one chunk).

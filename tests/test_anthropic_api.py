@@ -15,7 +15,7 @@ import pytest
 
 from tests.servers import parse_sse
 
-KEY = "anthropic-test-key"
+KEY = "edge-test-key-5b1e9c"  # tests/test_access.py's flags (--api-key KEY): one server for every module
 WEATHER = {"name": "get_weather", "description": "Weather of a city",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}},
                             "required": ["city"], "additionalProperties": False}}
@@ -177,7 +177,7 @@ HI = [{"role": "user", "content": "Hi"}]
     ({"max_tokens": 5, "messages": HI, "tool_choice": {"type": "any"}}, '`tool_choice` "any" needs `tools`'),
     ({"max_tokens": 5, "messages": HI, "tools": [WEATHER], "tool_choice": {"type": "tool", "name": "nope"}},
      "names the function `nope`, which is not in `tools`"),
-    ({"max_tokens": 5, "messages": HI, "stop_sequences": [""]}, "stop strings must not be empty"),
+    ({"max_tokens": 5, "messages": HI, "stop_sequences": [""]}, "`stop_sequences` must be at most 16 non-empty strings"),
     ({"max_tokens": 5, "messages": HI, "thinking": {"type": "enabled"}}, "needs `budget_tokens`"),
     ({"max_tokens": 5, "messages": HI, "tools": [{"name": "f", "input_schema": {
         "type": "object", "properties": {"a": {"type": 7}}}}], "tool_choice": {"type": "any"}},

@@ -1,6 +1,6 @@
 """One set of sampling defaults for every entrance: the model's generation config where it has one
-(as vLLM does for unset fields), the model card's settings for the embedded SmolLM2-135M-Instruct,
-and rill's own (`RILL_SAMPLING`) only where the model says nothing."""
+(as vLLM does for unset fields), and rill's own (`RILL_SAMPLING`, greedy) only where the model says
+nothing (the embedded SmolLM2-135M-Instruct GGUF)."""
 
 from __future__ import annotations
 
@@ -34,11 +34,11 @@ def test_a_remote_backend_reads_generation_config_json_beside_its_tokenizer(tmp_
     assert model_sampling_defaults(engine) == SamplingDefaults(temperature=0.6, top_p=0.95, top_k=0)
 
 
-def test_the_embedded_model_gets_its_model_cards_settings():
-    defaults = model_sampling_defaults(_engine("SmolLM2-135M-Instruct", GenerationConfig()))
-    assert (defaults.temperature, defaults.top_p) == (0.2, 0.9)
+def test_a_model_without_sampling_settings_gets_rills_on_every_entrance_and_the_page():
+    defaults = model_sampling_defaults(_engine("SmolLM2-135M-Instruct", GenerationConfig()))  # the embedded GGUF
+    assert defaults == SamplingDefaults()
     page = RequestDefaults(defaults).resolved()  # what the page's sliders show, and what an unset field takes
-    assert (page["temperature"], page["top_p"], page["top_k"]) == (0.2, 0.9, RILL_SAMPLING["top_k"])
+    assert page == RILL_SAMPLING
 
 
 def test_every_entrance_fills_unset_fields_from_the_model_then_rill_and_keeps_what_a_request_sets():

@@ -118,8 +118,8 @@ class PageHandlers:
         self.request_timeout = request_timeout
         self.session_salt = session_salts() if salt_sessions else (lambda request: None)
         self.visitors = VisitorStreams()
-        self.thinks = getattr(engine, "think_tags", None) is not None  # a thinking model: its thought in its own box
-        tokenizer = getattr(engine, "tokenizer", None)
+        self.thinks = engine.think_tags is not None  # a thinking model: its thought in its own box
+        tokenizer = engine.tokenizer
         self.calls_format = tool_format(tokenizer).name if tokenizer is not None else None  # calls as tool messages
 
     def admission(self, request, route: str = ROUTE) -> dict:

@@ -162,7 +162,7 @@ def build_demo(engine, settings=None, metrics: RequestMetrics | None = None,
     default_max_new = int(getattr(settings, "default_max_new_tokens", 512) or 512)
     context = int(engine.max_model_len)
     default_max_new = max(1, min(default_max_new, context // 2))
-    model_name = getattr(engine, "model_name", None) or getattr(settings, "model_id", None) or "model"
+    model_name = engine.model_name or getattr(settings, "model_id", None) or "model"
     if defaults is None:
         defaults = RequestDefaults(model_sampling_defaults(engine))
     defaults = replace(defaults, max_new_tokens=default_max_new)  # the page's answers fit half the context

@@ -12,14 +12,10 @@ PROGRESS_POLL_S = 1.0  # for progress updates, which this page does not send (Gr
 def patient_queue(queue_class):
     """Gradio's queue, polling for new events every IDLE_QUEUE_POLL_S while the page is unused.
 
-    The queue looks for events in a loop that sleeps `sleep_when_free` (1 ms on Linux) while it is
-    free. Each wake-up of the event loop that feeds every SSE stream takes a core from one of the
-    engine's two OpenMP threads, and a parallel region waits for its slowest thread: at 10 ms (100
-    wake-ups a second) one `/v1` stream ran 55.6 tok/s against 61.9 with polling off (ITL 16.6
-    against 15.3 ms; 3 interleaved rounds, AMD EPYC, 2 cores). So the queue polls at 10 ms only
-    while the page is used (an event queued or running, or one pushed within PAGE_ACTIVE_S), and
-    every 100 ms otherwise: a visitor's first message after a quiet spell starts at most 0.1 s
-    later, the next ones as before."""
+    Each wake-up of the event loop takes a core from the engine's OpenMP threads (the cost is in
+    docs/benchmarks-history.md), so the queue polls at QUEUE_POLL_S only while the page is used (an
+    event queued or running, or one pushed within PAGE_ACTIVE_S): a visitor's first message after a
+    quiet spell starts at most IDLE_QUEUE_POLL_S later, the next ones as before."""
 
     class PatientQueue(queue_class):
         _last_push = float("-inf")
