@@ -88,8 +88,6 @@ class AsyncEngine:
         self.on_fatal = None  # called with the exception, from the engine thread, when it stays dead
         self.num_restarts = 0  # core rebuilds after a death
         self._deaths: list[float] = []  # time.monotonic() of recent deaths (see RESTART_WINDOW_S)
-        self.step_time_total = 0.0  # seconds in core.step()
-        self.dispatch_time_total = 0.0  # seconds handing outputs to consumers
         self._busy_since: float | None = None  # time.monotonic() when the current step or command began
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -326,12 +324,7 @@ class AsyncEngine:
                 self._wakeup.wait(0.5)
                 self._wakeup.clear()
                 continue
-            t0 = time.perf_counter()
-            outputs = self.core.step()
-            t1 = time.perf_counter()
-            self._dispatch(outputs)
-            self.step_time_total += t1 - t0
-            self.dispatch_time_total += time.perf_counter() - t1
+            self._dispatch(self.core.step())
 
     def _run(self) -> None:
         while True:

@@ -1,9 +1,9 @@
-"""The synchronous engine step: schedule -> run -> sample -> update. No threads, no asyncio.
+"""The synchronous engine step: schedule -> run -> postprocess. No threads, no asyncio.
 
-    plan = self.scheduler.schedule()
-    step = self.runner.run(plan)  # a StepOutput: the sampling rows' logits (and argmax)
-    tokens = self.sampler.sample(step, sampling_seqs)
-    outputs = [self.output.on_token(seq, token) ...]  # stop, reasoning, grammar, detokenize (engine/output.py)
+    plan = self._schedule()  # the scheduler's chunks (with speculation, drafts proposed first)
+    step, plan = self._run(plan, outputs)  # the runner's StepOutput: the sampling rows' logits (and argmax)
+    self._postprocess(plan, step, outputs)  # tokens recorded; sampled (or drafts verified); then stop,
+                                            # reasoning, grammar, detokenize (engine/output.py)
 """
 
 from __future__ import annotations
@@ -209,24 +209,52 @@ class EngineCore:
         or in failing a request) leaves the engine's state unknown: the caller rebuilds it. So does
         a forward that fails for every sequence in MAX_FAILED_STEPS steps in a row (`ModelBroken`):
         then the model or its device is broken, not one request."""
+        plan = self._schedule()
+        if not plan:
+            return []
+        outputs: list[RequestOutput] = []  # this step's deltas, the failed requests' ends among them
+        step, plan = self._run(plan, outputs)
+        self._postprocess(plan, step, outputs)
+        return outputs
+
+    def _schedule(self) -> list[ScheduledChunk]:
+        """The step's chunks; with speculation, drafts proposed before the schedule and a draft
+        model's prompts computed after it."""
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self.max_model_len)
         plan = self.scheduler.schedule()
-        if not plan:
-            return []
-        if self.speculator is not None:
-            self.speculator.scheduled(plan)  # a draft model computes the prompts beside the target
-        self.num_steps += 1
-        outputs: list[RequestOutput] = []
-        step, plan = self._forward(plan, outputs)
         if plan:
-            self.num_failed_steps = 0
-        else:
-            self.num_failed_steps += 1
-            if self.num_failed_steps >= MAX_FAILED_STEPS:
-                raise ModelBroken(f"The model's forward failed for every sequence in {self.num_failed_steps} "
-                                  "steps in a row; the model or its device is broken.")
-        sampling: list[ScheduledChunk] = []
+            if self.speculator is not None:
+                self.speculator.scheduled(plan)
+            self.num_steps += 1
+        return plan
+
+    num_failed_steps = 0  # consecutive steps whose forward failed for every sequence
+
+    def _run(self, plan: list[ScheduledChunk], outputs: list[RequestOutput]):
+        """(StepOutput, the chunks whose forward ran): `_forward`, and `ModelBroken` once it failed
+        for every sequence in MAX_FAILED_STEPS steps in a row."""
+        step, plan = self._forward(plan, outputs)
+        self.num_failed_steps = 0 if plan else self.num_failed_steps + 1
+        if self.num_failed_steps >= MAX_FAILED_STEPS:
+            raise ModelBroken(f"The model's forward failed for every sequence in {self.num_failed_steps} "
+                              "steps in a row; the model or its device is broken.")
+        return step, plan
+
+    def _postprocess(self, plan: list[ScheduledChunk], step: StepOutput | None,
+                     outputs: list[RequestOutput]) -> None:
+        """Each chunk's computed tokens recorded; each sampling chunk's next token sampled, or its
+        draft verified (speculative decoding), through the output state machine."""
+        sampling = self._advance_all(plan, outputs)
+        if not sampling:
+            return
+        now, first_row = time.monotonic(), _first_rows(plan)  # the step's rows of each sampling chunk start there
+        self._append_sampled(step, [c for c in sampling if not c.draft], first_row, now, outputs)
+        self._verify_drafts(step, [c for c in sampling if c.draft], first_row, now, outputs)
+
+    def _advance_all(self, plan: list[ScheduledChunk], outputs: list[RequestOutput]) -> list[ScheduledChunk]:
+        """`_advance` for every chunk (one that fails fails its request); returns the sampling ones."""
+        sampling = []
         for chunk in plan:
             try:
                 self._advance(chunk)
@@ -235,21 +263,23 @@ class EngineCore:
                 continue
             if chunk.samples:
                 sampling.append(chunk)
-        if sampling:
-            now = time.monotonic()
-            first_row = _first_rows(plan)  # the step's rows of each sampling chunk start there
-            plain = [c for c in sampling if not c.draft]
-            for seq, token_id, logprob in self._sample(step, [first_row[id(c)] for c in plain], plain, outputs):
-                try:
-                    outputs.append(self._append_token(seq, token_id, logprob, now))
-                except Exception as exc:  # e.g. a tokenizer error: this request fails alone
-                    outputs.append(self._fail(seq, "detokenizing the output of", exc))
-            for chunk in (c for c in sampling if c.draft):
-                row = first_row[id(chunk)]
-                outputs.append(self._verify(chunk, step.rows(slice(row, row + 1 + len(chunk.draft))), now))
-        return outputs
+        return sampling
 
-    num_failed_steps = 0  # consecutive steps whose forward failed for every sequence
+    def _append_sampled(self, step: StepOutput, plain: list[ScheduledChunk], first_row: dict[int, int], now: float,
+                        outputs: list[RequestOutput]) -> None:
+        """The next token of each chunk without a draft, sampled from its row and appended."""
+        for seq, token_id, logprob in self._sample(step, [first_row[id(c)] for c in plain], plain, outputs):
+            try:
+                outputs.append(self._append_token(seq, token_id, logprob, now))
+            except Exception as exc:  # e.g. a tokenizer error: this request fails alone
+                outputs.append(self._fail(seq, "detokenizing the output of", exc))
+
+    def _verify_drafts(self, step: StepOutput, drafted: list[ScheduledChunk], first_row: dict[int, int], now: float,
+                       outputs: list[RequestOutput]) -> None:
+        """Each drafted chunk's draft checked against its rows (one more than the draft's tokens)."""
+        for chunk in drafted:
+            row = first_row[id(chunk)]
+            outputs.append(self._verify(chunk, step.rows(slice(row, row + 1 + len(chunk.draft))), now))
 
     def _fail(self, seq: Sequence, stage: str, exc: BaseException) -> RequestOutput:
         """Finish `seq` with an error naming the stage that failed; the traceback goes to the log."""

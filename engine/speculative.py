@@ -6,8 +6,8 @@ for little more than nothing. The guesses come from one of two proposers:
 
 - `ngram` (prompt lookup, as llama.cpp's lookup decoding and vLLM's n-gram proposer): the longest
   recent suffix n-gram that occurred earlier in prompt + output proposes the tokens that followed
-  it there (`NgramIndex`); a match of only 2 tokens proposes one (open-ended chat: 0.91x -> 0.97x
-  the speed without drafts, BENCHMARKS.md session 26).
+  it there (`NgramIndex`); a match of only 2 tokens proposes one token (longer guesses from
+  such short matches slowed open-ended chat).
 - `draft`: a second, small model with the same tokenizer, run by the same engine on its own KV
   blocks (engine/draft.py), guesses k tokens one forward at a time.
 
@@ -55,7 +55,7 @@ from engine.request import RequestOutput, Sequence
 from engine.runner.step_output import StepOutput
 from engine.sampler import _draw, distribution, pick
 
-NGRAM_MAX = 6  # the longest suffix looked up (4 -> 6: the input-grounded prompts 1.00-1.17x, BENCHMARKS.md session 29)
+NGRAM_MAX = 6  # the longest suffix looked up (longer ones help input-grounded prompts)
 NGRAM_MIN = 2  # the shortest: one token matches too often to be worth a guess
 MAX_COOLDOWN = 16  # steps a sequence whose guesses keep failing waits before guessing again
 

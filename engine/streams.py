@@ -44,7 +44,6 @@ class RequestStream(OutputSink):
                                "(a thread reads a text streamer).") from None
         self.engine = engine
         self.request_id = request_id
-        self.n = n  # samples; the iterators count finishes against this
         self.unfinished = set(range(n))  # samples still running (the engine thread removes them)
         self._items: deque[RequestOutput] = deque()  # event-loop side
         self._waiter: asyncio.Future | None = None

@@ -406,10 +406,9 @@ def _load_model(model_id, *, dtype, device, trust_remote_code, cache_dir, attn_i
 
 
 def _return_freed_memory() -> None:
-    """Hand the memory the load freed back to the system. Its temporaries (rows read, repacked,
-    de-quantized) were freed into glibc's heap, which keeps them: a 1.7B Q4_K_M GGUF left 0.68 GiB
-    of the 2.40 GiB resident after the load there (1.73 GiB after the trim), counted in the
-    server's RSS for good. Not glibc (musl, macOS): nothing to do."""
+    """Hand the memory the load freed back to the system: its temporaries (rows read, repacked,
+    de-quantized) were freed into glibc's heap, which keeps them in the server's RSS for good.
+    Not glibc (musl, macOS): nothing to do."""
     try:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):

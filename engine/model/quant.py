@@ -132,8 +132,7 @@ def fuse_projections(model: nn.Module) -> int:
     """Group the `QuantLinear` projections that read one input (by their names in the Llama family:
     q/k/v in attention, gate/up in the MLP) into `FusedProjections`; returns the groups made.
     Only whole panels are fused (each part but the last a multiple of 16 outputs); each group's parts
-    are freed as it is made (kept alive to the end, as a list of every module did, they made an 8B
-    Q4_K_M's load peak at 7.0 GiB of RSS for the 4.7 it holds after)."""
+    are freed as it is made (held to the end, they raised the load's peak memory by half)."""
     groups = 0
     # the modules that own projections (a list of every module would keep the replaced parts alive)
     owners = [module for module in model.modules() if any(hasattr(module, names[0]) for names in FUSABLE)]

@@ -6,8 +6,8 @@ prompt of `EngineConfig.native_prefill_tokens` tokens would (many short prompts,
 RoPE variant it has) in torch, then one C call for the whole rest of the step: every decoder layer
 (a prompt token attends as a decode would, to the positions up to its own), the final norm and the
 output head of the rows that sample. One call, not one per layer: the engine thread leaves and
-re-takes the interpreter lock once a step, so the event loop never holds it up between layers
-(engine alone, one sequence: 11.09 -> 10.35 ms a step). Longer prompt chunks, and every model it
+re-takes the interpreter lock once a step, so the event loop never holds it up between layers.
+Longer prompt chunks, and every model it
 does not take, keep transformers' modules. It takes a model only when each piece is what the C
 layer computes: `LlamaForCausalLM` (Llama, SmolLM), `MistralForCausalLM` (its sliding window),
 `Qwen2ForCausalLM` (q/k/v biases, a window per layer type) and `Qwen3ForCausalLM` (q/k norms),
@@ -118,8 +118,7 @@ def _head(model):
 
 # sampling rows from which a Q8_0 head is screened (one row: the whole head is faster), and past the
 # rows the block kernel widens the weights for in registers (AVX2: up to 6, csrc/qlinear.c's
-# rows_panel), where the whole head is faster too (SmolLM2-135M's verification steps, 2 / 3 / 5
-# rows: 0.95x / 0.98x / 0.95x the step's time, bench.verify_cost's oracle alternated in one process)
+# rows_panel), where the whole head is faster too (bench.verify_cost)
 SCREEN_ROWS = 2
 
 

@@ -188,12 +188,6 @@ class RemoteEngine:
             self.abort(stream.request_id)
             raise
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None):
-        stream = self.add_request(prompt_token_ids, params, request_id)
-        await self.wait_admitted(stream)
-        async for out in stream.until_done():
-            yield out
-
     def abort(self, request_id: str) -> bool:
         """Stop relaying and stop the remote request (its KV blocks are freed there); the consumer
         gets its ABORT end. False if the request is unknown or already done."""
