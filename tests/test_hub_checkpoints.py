@@ -277,3 +277,29 @@ def test_more_families_in_bfloat16_equal_generate(tiny_model, tmp_path, arch):
     got = [r.outputs[0].token_ids for r in LLM(loaded).generate(
         prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))]
     assert got == _generate_refs(tmp_path, prompts)
+
+
+def test_panels_are_asked_of_huge_pages():
+    """A large panel tensor sits in a mapping of its own, 2 MiB aligned, zero-filled, and (where the
+    system has transparent huge pages on `madvise` or `always`) backed by huge pages once written."""
+    import re
+    from pathlib import Path
+
+    from engine.kernels.pages import HUGE_PAGE, empty_huge
+
+    panels = empty_huge((64, 8192, 16), torch.bfloat16)  # 16 MiB
+    assert panels.shape == (64, 8192, 16) and panels.dtype == torch.bfloat16
+    assert panels.data_ptr() % HUGE_PAGE == 0 and not panels.any()
+    panels.fill_(1.5)
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not mode.is_file() or "[never]" in mode.read_text():
+        pytest.skip("transparent huge pages are off on this system")
+    huge_kb, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        span = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
+        if span:
+            inside = int(span[1], 16) <= panels.data_ptr() < int(span[2], 16)
+        elif inside and line.startswith("AnonHugePages:"):
+            huge_kb = int(line.split()[1])
+    assert huge_kb >= 8 * 1024, f"{huge_kb} kB of the 16 MiB panels on huge pages"
+    assert float(panels[63, 8191, 15]) == 1.5

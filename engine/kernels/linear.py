@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.build import checked_kernel
+from engine.kernels.pages import empty_huge
 
 
 PANEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the panels may hold: 16-bit weights kept as they are
@@ -85,7 +86,7 @@ class LinearKernel:
         if weight.stride(0) != weight.shape[1]:
             weight = weight.contiguous()
         out_features = weight.shape[0] if order is None else len(order)
-        panels = torch.empty((out_features + 15) // 16, weight.shape[1], 16, dtype=weight.dtype)
+        panels = empty_huge(((out_features + 15) // 16, weight.shape[1], 16), weight.dtype)
         order = None if order is None else order.to(torch.int64).contiguous()
         self._pack16(weight.data_ptr(), out_features, weight.shape[1], None if order is None else order.data_ptr(),
                      panels.data_ptr(), self.threads)

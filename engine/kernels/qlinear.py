@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from engine.kernels.linear import call_panel_kernel
+from engine.kernels.pages import empty_huge
 
 KINDS = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q5_1": 3, "q6_k": 4, "q4_k": 5, "q6_ks": 6}  # the kernels' `kind` argument
 SUPER_KINDS = {"q4_k": "q4_1", "q6_ks": "q6_k"}  # the super-block kinds, and the kind of their products
@@ -86,7 +87,7 @@ class QuantKernel:
             if order.ndim != 1 or len(order) == 0 or order.min() < 0 or order.max() >= raw.shape[0]:
                 raise ValueError(f"order must list rows of the tensor (0 to {raw.shape[0] - 1}); given {order!r}")
         out = raw.shape[0] if order is None else len(order)
-        panels = torch.empty(-(-out // 16), in_features // 32 * BLOCK_BYTES[kind], dtype=torch.uint8)
+        panels = empty_huge((-(-out // 16), in_features // 32 * BLOCK_BYTES[kind]), torch.uint8)
         status = self._repack(raw.ctypes.data, raw.shape[1], None if order is None else order.ctypes.data, out,
                               in_features, GGML_TYPE_NUMBERS[ggml_type], int(int8), panels.data_ptr(), self.threads)
         if status != 0:
