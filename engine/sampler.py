@@ -201,7 +201,7 @@ class Sampler:
             iparams.append((mode, 0 if history is None else history.ctypes.data, 0 if history is None else len(history),
                             s.num_prompt_tokens, 0 if banned is None else banned.data_ptr(),
                             0 if banned is None else banned.numel(), p.top_k))
-        a = logits.numpy()
+        a = np.ascontiguousarray(logits.numpy())  # rows of contiguous float32 (a view's rows may not be)
         tokens, status = self.kernel(a, np.array(fparams, dtype=np.float64), np.array(iparams, dtype=np.int64))
         token_ids = tokens.tolist()
         for i in range(rows):
@@ -211,9 +211,10 @@ class Sampler:
         self.resolved += rows - len(unresolved)
         self.unresolved += len(unresolved)
         for i in unresolved:  # the reference, with the same draw
-            row = self._apply_penalties(logits[i:i + 1], [seqs[i]])
+            given = logits[i:i + 1]
+            row = self._apply_penalties(given, [seqs[i]])
             if keep[i][1] is not None and keep[i][1].numel():
-                row = row.clone() if row is logits[i:i + 1] else row
+                row = row.clone() if row is given else row  # the step's logits stay as they came
                 row[0, keep[i][1]] = float("-inf")
             token_ids[i] = _draw(row[0].numpy(), params[i], u[i])
         return token_ids

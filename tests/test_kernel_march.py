@@ -27,6 +27,7 @@ def test_an_avx2_build_is_its_own_library_and_runs_no_avx512(tmp_path, monkeypat
     march, isa = cpu.build.built_for(library)
     assert march == "x86-64-v3"
     assert "AVX2" in isa and "FMA" in isa and not any(name.startswith(("AVX-512", "AMX")) for name in isa), isa
+    assert "AES" not in isa  # outside x86-64-v3, in any AVX2 CPU's -march=native: the flag was what compiled it
     assert found[1].isa == "AVX2"  # the block kernels report (and run) 256-bit vectors, whatever this CPU has
 
 

@@ -104,7 +104,8 @@ def compiled_library(cache_dir: Path) -> tuple[ctypes.CDLL, Path]:
     return found
 
 
-ISA_BITS = {"AVX2": 1, "FMA": 2, "AVX-512": 4, "AVX-512 VNNI": 8, "AVX-512 BF16": 16, "AMX": 32, "AVX-VNNI": 64}
+ISA_BITS = {"AVX2": 1, "FMA": 2, "AVX-512": 4, "AVX-512 VNNI": 8, "AVX-512 BF16": 16, "AMX": 32, "AVX-VNNI": 64,
+            "AES": 128}
 
 
 def built_for(library: ctypes.CDLL) -> tuple[str, list[str]]:

@@ -31,5 +31,8 @@ int rill_build_isa(void) {
 #ifdef __AVXVNNI__
     bits |= 64;
 #endif
+#ifdef __AES__  // beyond x86-64-v3, in every AVX2 CPU's native build: which of the two a build is
+    bits |= 128;
+#endif
     return bits;
 }

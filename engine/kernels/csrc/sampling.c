@@ -112,7 +112,8 @@ static int64_t argmax(const float *x, int64_t n) {
     return 0;
 }
 
-static inline int near(double a, double b) {  // equal within what the two exps may differ by
+// equal within what the two exps may differ by (callers except a weight of exactly 1: exp(0) in both)
+static inline int near(double a, double b) {
     double hi = a > b ? a : b;
     return hi > kTiny && fabs(a - b) <= kRel * hi;
 }
@@ -187,7 +188,7 @@ static int64_t draw_in_order(const float *w, int64_t n, const double *block, flo
             int64_t end = (b + 1) * kBlock < n ? (b + 1) * kBlock : n;
             double sum = 0;
             for (int64_t i = b * kBlock; i < end; i++) {
-                if (check && near(w[i], floor)) return -1;  // min-p's threshold: kept or not depends on the last bit
+                if (check && w[i] != 1.0f && near(w[i], floor)) return -1;  // min-p's threshold: kept or not depends on the last bit
                 sum += w[i] >= floor ? w[i] : 0.0f;
             }
             masses[b] = sum;
@@ -229,7 +230,7 @@ static int64_t draw_prefix(const uint64_t *keys, int64_t kept, int64_t m, int ed
     double sum = 0;
     for (int64_t i = 0; i < kept; i++) {
         float wi = weight_of(keys[i]);
-        if (min_p > 0 && near(wi, thr)) return -1;
+        if (min_p > 0 && wi != 1.0f && near(wi, thr)) return -1;
         if (wi >= thr) sum += wi;
     }
     double target = u * sum, before = 0, margin = kRel * sum;
