@@ -58,10 +58,23 @@ def test_the_taken_names_cover_the_installed_tokenizers_arguments():
     assert names - TAKEN_TEMPLATE_NAMES == set()
 
 
-def test_a_plain_template_variable_still_reaches_the_template(url):
-    response = httpx.post(f"{url}/v1/chat/completions", timeout=30, json={
-        "messages": HI, "max_tokens": 2, "chat_template_kwargs": {"enable_thinking": False, "custom_flag": [1, 2]}})
+@pytest.mark.parametrize("thinking", [True, False])
+def test_a_plain_template_variable_still_reaches_the_template(server_with, tiny_model, thinking):
+    """The tiny Qwen3's template reads `enable_thinking` (off: an empty thought after the generation
+    prompt): the prompt the server counts is the one the template renders with the body's variables,
+    beside a name no template reads."""
+    from transformers import AutoTokenizer
+
+    path = tiny_model("qwen3")  # its server is shared with the other modules that use this model
+    kwargs = {"enable_thinking": thinking, "custom_flag": [1, 2]}
+    response = httpx.post(f"{server_with(model=path).url}/v1/chat/completions", timeout=30, json={
+        "messages": HI, "max_tokens": 2, "chat_template_kwargs": kwargs})
     assert response.status_code == 200, response.text
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    rendered = {on: tokenizer.apply_chat_template(HI, add_generation_prompt=True, tokenize=True,
+                                                  enable_thinking=on)["input_ids"] for on in (True, False)}
+    assert len(rendered[True]) != len(rendered[False])  # the variable changes what the model reads
+    assert response.json()["usage"]["prompt_tokens"] == len(rendered[thinking])
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
