@@ -16,7 +16,7 @@ pytest.importorskip("mcp")
 from mcp import ClientSession  # noqa: E402
 from mcp.client.streamable_http import streamable_http_client  # noqa: E402
 
-KEY = "mcp-test-key-2f7c1a"
+KEY = "edge-test-key-5b1e9c"  # tests/test_access.py's flags (--api-key KEY): one server for every module
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 12},
     "age": {"type": "integer", "minimum": 0, "maximum": 120},
@@ -34,6 +34,13 @@ async def _session_run(url: str, work, headers: dict | None = None):
 def run_mcp(url: str, work, headers: dict | None = None):
     """`work(session)` in an initialized MCP client session on the server at `url`; its result."""
     return asyncio.run(asyncio.wait_for(_session_run(url, work, headers), timeout=300))
+
+
+def _leaves(error: BaseException) -> list[BaseException]:
+    """The exceptions an exception group holds, however nested (anyio's task groups nest them)."""
+    if isinstance(error, BaseExceptionGroup):
+        return [leaf for inner in error.exceptions for leaf in _leaves(inner)]
+    return [error]
 
 
 def _text(result) -> str:
@@ -83,8 +90,12 @@ def test_mcp_needs_the_api_key(server_with):
                                      headers={**accept, **headers}, timeout=30)
             assert response.status_code == 401, (path, headers, response.text)
             assert "API key" in response.json()["error"]
-    with pytest.raises(BaseException):  # the client itself is refused (an HTTP 401 inside its task group)
+    with pytest.raises(ExceptionGroup) as refused:  # the client itself is refused: its task group ends in the 401
         run_mcp(server.url, lambda session: session.list_tools())
+    errors = _leaves(refused.value)
+    assert [type(error) for error in errors] == [httpx.HTTPStatusError], errors
+    assert errors[0].response.status_code == 401 and errors[0].request.url.path == "/gradio_api/mcp/"
+    assert "401 Unauthorized" in str(errors[0])
     tools, chat, person = run_mcp(server.url, _list_and_call, headers={"Authorization": f"Bearer {KEY}"})
     assert {"chat", "generate_json"} <= set(tools)
     assert _text(chat)
