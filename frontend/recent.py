@@ -1,5 +1,5 @@
 """The status panel's view of the last minutes: tokens per second bins, first-token times and
-finishes, kept for a bounded window (thread-safe: the page's workers and the event loop record)."""
+finishes, kept for a bounded window (thread-safe; the event loop records)."""
 
 from __future__ import annotations
 

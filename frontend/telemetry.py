@@ -241,7 +241,7 @@ class RequestTracker:
 class RequestMetrics:
     """The metrics of one app: its own registry, the per-request recorders, the recent window.
 
-    Thread-safe: the page's chat generator runs in Gradio's worker threads, routes in the event loop.
+    Thread-safe, though the routes, the page and MCP all record on the event loop.
     """
 
     def __init__(self, engine=None, *, registry: CollectorRegistry | None = None, log_format: str = "text",

@@ -1,11 +1,10 @@
 """A newcomer's first answer (issue 49): the README's example lines, which set no sampling field,
-answer the embedded model's question right, through /chat, the OpenAI route and the page's API
-alike (one set of defaults: the model's, then rill's)."""
+answer the embedded model's question right through /chat and the OpenAI route alike (one set of
+defaults: the model's, then rill's; the page's API: tests/test_gradio_client.py)."""
 
 from __future__ import annotations
 
 import httpx
-from gradio_client import Client
 
 from tests.servers import SSEReader, chat_text
 
@@ -22,4 +21,3 @@ def test_the_readme_lines_answer_the_question_at_the_defaults(embedded_server):
     chat = httpx.post(f"{url}/v1/chat/completions", timeout=120,
                       json={"messages": [{"role": "user", "content": QUESTION}]}).json()
     assert chat["choices"][0]["message"]["content"] == ANSWER
-    assert Client(url + "/", verbose=False).predict(QUESTION, api_name="/chat") == ANSWER

@@ -31,10 +31,10 @@ def test_the_pages_answer_ends_at_the_request_timeout_with_a_clear_error(guarded
     url = guarded.url
     client = Client(url + "/", auth=("visitor", KEY), verbose=False)
     finished_before = _metric(url, "rill_requests_finished_total")
-    # 50 ms a step: the answer (up to the tiny model's context) outlives the 2 s timeout on any machine
+    # 50 ms a step: 120 tokens take 6 s or more, past the 2 s timeout on any machine (without it they end)
     with slow_steps(url, 0.05, headers=AUTH):
         with pytest.raises(AppError) as failure:
-            client.predict("Talk.", [], "", 0.0, 1.0, 0, 1000, 1.0, api_name="/chat")
+            client.predict("Talk.", [], "", 0.0, 1.0, 0, 120, 1.0, api_name="/chat")
     message = str(failure.value)
     assert "request timeout of 2 s" in message and "stopped" in message, message
     wait_idle(url, headers=AUTH)  # the engine request was ended, not left running

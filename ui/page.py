@@ -200,6 +200,5 @@ def build_demo(engine, settings=None, metrics: RequestMetrics | None = None,
 
         demo.unload(session_ended)
 
-    demo.max_threads = max(40, concurrency + 16)  # each streaming answer holds a worker thread
     demo.queue(max_size=concurrency + max_queue, default_concurrency_limit=concurrency)
     return demo
