@@ -14,7 +14,7 @@ from gradio_client import Client
 
 from tests.servers import slow_steps, wait_idle
 
-KEY = "gradio-guard-key-91c2"
+KEY = "edge-test-key-5b1e9c"  # tests/test_access.py's flags (--api-key KEY): one server for every module
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 

@@ -160,7 +160,7 @@ def test_page_sessions_share_no_prefix_cache_with_cache_salt_per_session(server_
 
 
 def test_with_a_key_health_and_metrics_show_no_counters_to_a_caller_without_it(server_with):
-    key = "hardening-key-7f3a"
+    key = "edge-test-key-5b1e9c"  # tests/test_access.py's flags: its server
     server = server_with("--api-key", key)
     health = httpx.get(f"{server.url}/health", timeout=10)
     assert health.status_code == 200 and health.json()["status"] == "ok"

@@ -14,7 +14,7 @@ from tests.test_security_identity import AUTH, GOOD_ORIGIN, KEY, SECURITY_FLAGS
 
 EVIL = "https://evil.example"
 PUBLIC_HOST = "rill-test.hf.space"  # Gradio reflects only when the Host is not localhost
-GUARD_KEY = "gradio-guard-key-91c2"  # tests/test_gradio_guard.py's server (--api-key only: no --cors-origins)
+GUARD_KEY = "edge-test-key-5b1e9c"  # tests/test_access.py's server (--api-key only: no --cors-origins)
 
 
 def _logged_in(url: str, key: str) -> httpx.Client:
