@@ -36,7 +36,9 @@ enum { W_F32 = 0, W_BF16 = 1, W_F16 = 2 };
 
 /* 16-bit weights ahead of the one- and two-row loops that are asked for, a cache line per two
  * inputs (docs/benchmarks-history.md, session 34) */
+#ifndef PREFETCH_AHEAD
 #define PREFETCH_AHEAD 1024
+#endif
 
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
