@@ -27,9 +27,9 @@ QUESTIONS = [f"Question {i}: what do you know about the number {i * 7}?" for i i
 
 
 @pytest.fixture(scope="module")
-def local(tiny_llama_path):
-    with run_server("--model", str(tiny_llama_path), "--resume-window", "5") as server:
-        yield server
+def local(tiny_server):
+    """The local backend: the shared tiny server (the same model and flags, --resume-window 5)."""
+    return tiny_server
 
 
 @pytest.fixture(scope="module")
