@@ -128,7 +128,10 @@ def test_sampler(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["bench.sampler", "--repeat", "1"])
     sampler.main()
     doc = json.loads(capsys.readouterr().out)
-    assert len(doc["ms_per_step"]) == 3 * len(sampler.SETTINGS) and all(ms > 0 for ms in doc["ms_per_step"].values())
+    cells = {f"{name} x{rows}" for name in sampler.SETTINGS for rows in sampler.ROWS}
+    assert set(doc["ms_per_step"]) == {"C kernel", "numpy reference"}
+    assert all(set(by_setting) == cells and all(ms > 0 for ms in by_setting.values())
+               for by_setting in doc["ms_per_step"].values())
 
 
 def test_divergence_of_the_kv_cache_dtypes(tiny_llama_path, capsys):
