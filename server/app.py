@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 
 from server import anthropic_api, chat, openai_api, responses_api
 from server.errors import ApiError, install_error_handlers
+from server.metrics import install_metrics
 from server.middleware import ApiGuard, CorsGuard, has_key
 from server.resume import ResumeRegistry
 from frontend.request import RequestDefaults
@@ -93,7 +94,7 @@ def create_app(engine, settings: Settings) -> FastAPI:
         body.update({"engine": _engine_stats(engine), "resumable_streams": len(state.resume),
                      "resumable_bytes": state.resume.nbytes})
         body.update(_backend_health(engine))
-        if not alive and hasattr(engine, "unavailable_reason"):
+        if not alive:
             body["reason"] = engine.unavailable_reason()
         return JSONResponse(body, status_code=200 if alive else 503)
 
@@ -110,16 +111,7 @@ def create_app(engine, settings: Settings) -> FastAPI:
 
         install_test_routes(app, engine)
 
-    try:  # another module owns the metrics; the app works without it
-        from server.metrics import install_metrics
-    except ImportError:
-        install_metrics = None
-    state.metrics = None
-    if install_metrics is not None:
-        try:
-            state.metrics = install_metrics(app, engine, log_format=settings.log_format)
-        except Exception:
-            log.exception("metrics could not be installed; serving without /metrics")
+    state.metrics = install_metrics(app, engine, log_format=settings.log_format)  # every entrance records there
 
     app.add_middleware(ApiGuard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
                        test_hooks=settings.test_hooks, page_closed=settings.ui_auth is not None)

@@ -57,5 +57,5 @@ def admission(request, route: str) -> dict:
 
         on_admit = fault_hook(request)
     return dict(timeout=state.settings.request_timeout, on_admit=on_admit,
-                metrics=getattr(state, "metrics", None), route=route, session=(session := session_from(request)),
+                metrics=state.metrics, route=route, session=(session := session_from(request)),
                 client=client_of(request, session))
