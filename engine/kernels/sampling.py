@@ -10,12 +10,13 @@ with the reference.
 from __future__ import annotations
 
 import ctypes
+import os
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from engine.kernels.build import checked_kernel
+from engine.kernels.build import checked_kernel, compiled_library
 
 SKIP, ARGMAX, DRAW = 0, 1, 2  # a row's mode: the caller has its token / the argmax / a draw
 DRAWN, AMBIGUOUS, TOO_FLAT = 0, 1, 2  # a row's status: resolved / the reference decides (two reasons)
@@ -84,7 +85,16 @@ def _kernel_agrees(kernel: SamplingKernel) -> bool:
     return int((status == DRAWN).sum()) >= len(params) - 2
 
 
+_AGREED: dict[tuple[Path, str], bool] = {}  # (cache folder, $RILL_KERNEL_MARCH) -> the library's kernel agreed
+
+
 def sampling_kernel(cache_dir: Path) -> SamplingKernel | None:
-    """The compiled sampling kernel, or None (with the reason logged) when it cannot be used here."""
-    return checked_kernel(SamplingKernel, _kernel_agrees, cache_dir, "sampling", "engine/sampler.py's reference",
-                          "the numpy sampler")
+    """A sampling kernel of its own (its scratch is the caller's alone), or None (with the reason logged)
+    when it cannot be used here; the library is checked against the reference once per process."""
+    key = (cache_dir, os.environ.get("RILL_KERNEL_MARCH", ""))
+    if key not in _AGREED:
+        kernel = checked_kernel(SamplingKernel, _kernel_agrees, cache_dir, "sampling",
+                                "engine/sampler.py's reference", "the numpy sampler")
+        _AGREED[key] = kernel is not None
+        return kernel
+    return SamplingKernel(*compiled_library(cache_dir)) if _AGREED[key] else None
