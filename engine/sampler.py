@@ -61,7 +61,7 @@ class Sampler:
 
     def __init__(self, eos_token_ids: list[int], seed: int = 0, grammars=None, use_kernel: bool = True):
         self.eos_token_ids = eos_token_ids
-        self.kernel = native.sampling_kernel(rill_cache_dir()) if use_kernel else None
+        self.kernel = native.sampling_kernel(rill_cache_dir(), _draw) if use_kernel else None
         self.grammars = grammars  # engine.grammar.GrammarCompiler: fills the constrained rows' bitmasks
         self.generator = torch.Generator().manual_seed(seed)  # shared by unseeded rows
         self.seq_generators: dict[str, torch.Generator] = {}  # seq_id -> its own generator

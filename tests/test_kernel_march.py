@@ -14,11 +14,12 @@ pytestmark = pytest.mark.skipif(
 def test_an_avx2_build_is_its_own_library_and_runs_no_avx512(tmp_path, monkeypatch, caplog):
     import engine.kernels as cpu
     from engine.kernels.sampling import sampling_kernel
+    from engine.sampler import _draw
     from engine.model.quant_probe import quant_kernel
 
     monkeypatch.setenv("RILL_KERNEL_MARCH", "x86-64-v3")
     with caplog.at_level("WARNING", logger="rill.engine"):
-        found = (cpu.decode_attention_kernel(tmp_path), quant_kernel(tmp_path), sampling_kernel(tmp_path))
+        found = (cpu.decode_attention_kernel(tmp_path), quant_kernel(tmp_path), sampling_kernel(tmp_path, _draw))
     assert all(k is not None for k in found), caplog.text  # each agrees with its reference in that build
     library, path = cpu.compiled_library(tmp_path)
     assert path.name.startswith("rill_kernels-x86-64-v3-")

@@ -95,7 +95,7 @@ class LinearKernel:
     def quantize(self, weight: torch.Tensor, kind: str) -> np.ndarray:
         """A float32/bfloat16/float16 weight [out, in] (in a multiple of 32; e.g. a view of a mapped
         file) -> ggml's blocks of `kind` (QUANTIZE_KINDS) as a GGUF file holds them, uint8 [out, row
-        bytes], rounded as quant.py's `quantize_blocks` rounds; row by row, no float32 copy."""
+        bytes], rounded as quantize.py's `quantize_blocks` rounds; row by row, no float32 copy."""
         if kind not in QUANTIZE_KINDS or weight.dim() != 2 or weight.shape[1] % 32 \
                 or weight.dtype not in PANEL_DTYPES:
             raise ValueError(f"quantize takes a 2-d float32/bfloat16/float16 weight of a width that is a multiple "

@@ -54,11 +54,10 @@ class SamplingKernel:
         return tokens, status
 
 
-def _kernel_agrees(kernel: SamplingKernel) -> bool:
-    """The kernel's tokens against engine/sampler.py's reference on random rows: each setting, with
-    penalties and a ban, at draws spread over [0, 1); rows it leaves to the reference don't count."""
+def _kernel_agrees(kernel: SamplingKernel, draw) -> bool:
+    """The kernel's tokens against the reference `draw` (engine/sampler.py's) on random rows: each setting,
+    with penalties and a ban, at draws spread over [0, 1); rows it leaves to the reference don't count."""
     from engine.request import SamplingParams
-    from engine.sampler import _draw
 
     gen = np.random.default_rng(0)
     vocab = 6000
@@ -80,7 +79,7 @@ def _kernel_agrees(kernel: SamplingKernel) -> bool:
             row[t] = row[t] / np.float32(1.3) if row[t] > 0 else row[t] * np.float32(1.3)
         for t in (9, 17):
             row[t] = (row[t] - np.float32(0.5)) - np.float32(0.25)
-        if status[i] == DRAWN and tokens[i] != _draw(row, p, u):
+        if status[i] == DRAWN and tokens[i] != draw(row, p, u):
             return False
     return int((status == DRAWN).sum()) >= len(params) - 2
 
@@ -88,12 +87,13 @@ def _kernel_agrees(kernel: SamplingKernel) -> bool:
 _AGREED: dict[tuple[Path, str], bool] = {}  # (cache folder, $RILL_KERNEL_MARCH) -> the library's kernel agreed
 
 
-def sampling_kernel(cache_dir: Path) -> SamplingKernel | None:
+def sampling_kernel(cache_dir: Path, draw) -> SamplingKernel | None:
     """A sampling kernel of its own (its scratch is the caller's alone), or None (with the reason logged)
-    when it cannot be used here; the library is checked against the reference once per process."""
+    when it cannot be used here; the library is checked against the reference `draw(row, params, u)`
+    (engine/sampler.py's) once per process."""
     key = (cache_dir, os.environ.get("RILL_KERNEL_MARCH", ""))
     if key not in _AGREED:
-        kernel = checked_kernel(SamplingKernel, _kernel_agrees, cache_dir, "sampling",
+        kernel = checked_kernel(SamplingKernel, lambda made: _kernel_agrees(made, draw), cache_dir, "sampling",
                                 "engine/sampler.py's reference", "the numpy sampler")
         _AGREED[key] = kernel is not None
         return kernel

@@ -225,7 +225,7 @@ def _linear_make(tensor: torch.Tensor, bias: torch.Tensor | None, kernel, quant_
 def load_safetensors(folder: Path, *, kernel, quant_kernel=None, quantize: str | None = None, int8: bool = False,
                      trust_remote_code: bool = False, attn_implementation: str | None = None):
     """The model of a safetensors folder on the CPU, lean: returns (model, tokenizer, SafetensorsLoad).
-    `kernel`: the C linear (engine/kernels/linear.py); `quantize` (one of quant.py's LOAD_KINDS) with
+    `kernel`: the C linear (engine/kernels/linear.py); `quantize` (one of quantize.py's LOAD_KINDS) with
     `quant_kernel`: the linears quantized at load instead. Raises LeanLoadUnsupported when the
     checkpoint's tensors do not map onto the model one to one."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer

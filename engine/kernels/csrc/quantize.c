@@ -1,6 +1,6 @@
 /* Quantizing at load (`--quantize q8_0|q4_0|q4_1` on a safetensors checkpoint): rows of a float32,
  * bfloat16 or float16 weight straight into ggml's blocks of 32, as a GGUF file holds them, with no
- * float32 copy of the tensor. The rounding is quant.py's `quantize_blocks` (numpy, float32) step for
+ * float32 copy of the tensor. The rounding is quantize.py's `quantize_blocks` (numpy, float32) step for
  * step, so both give the same bytes:
  *   Q8_0  d = max|w| / 127,            q = round-half-even(w / d) in [-127, 127]
  *   Q4_0  d = (the w of largest |w|) / -8, q = floor(w / d + 8.5) in [0, 15]
