@@ -196,6 +196,8 @@ def test_the_edges_of_every_range_are_accepted():
 class WordEngine:
     """encode_chat: one token per word plus one per message; counts its renders."""
 
+    think_tags = None  # EngineClient's member: no reasoning model
+
     def __init__(self, max_model_len: int):
         self.max_model_len = max_model_len
         self.renders = 0
