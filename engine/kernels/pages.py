@@ -16,7 +16,7 @@ HUGE_PAGE = 2 << 20
 def empty_huge(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """`torch.empty(shape, dtype=dtype)` (zero-filled) on huge pages where the system gives them;
     a small tensor, or a system without `madvise`, takes plain `torch.empty`."""
-    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < 2 * HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(shape, dtype=dtype)
     area = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
