@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.model.meta import parameters_on_meta as _parameters_on_meta, set_tensor as _set_tensor
+from engine.model.meta import parameters_on_meta, set_tensor
 
 log = logging.getLogger("rill.loading")
 
@@ -239,7 +239,7 @@ def load_safetensors(folder: Path, *, kernel, quant_kernel=None, quantize: str |
     kwargs = {"dtype": torch.float32, "trust_remote_code": trust_remote_code}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
-    with _parameters_on_meta():
+    with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, **kwargs)
     params = dict(model.named_parameters(remove_duplicate=False))
     linears = {name + ".weight": module for name, module in model.named_modules() if type(module) is nn.Linear}
@@ -272,7 +272,7 @@ def load_safetensors(folder: Path, *, kernel, quant_kernel=None, quantize: str |
                     HalfEmbedding(tensor.values.clone(), torch.float32, padding, _embed_scale(scaled)))
         else:
             values = tensor.values.float()  # a 16-bit tensor: already a copy; a float32 one: the mapping
-            _set_tensor(model, name, values.clone() if values.data_ptr() == tensor.values.data_ptr() else values)
+            set_tensor(model, name, values.clone() if values.data_ptr() == tensor.values.data_ptr() else values)
         tensor.file.release(tensor)
     for name, module in linears.items():
         tensor = tensors.get(name)
