@@ -1,12 +1,11 @@
 """A small HTTP/1.1 client for the load generator: asyncio streams, keep-alive, chunked bodies.
 
-The load client shares the machine's cores with the server it measures. Through httpx it
-spent 0.78-0.87 ms of CPU per streamed token at one client and 0.53-0.56 ms at eight (h11's
-parser, httpcore's pool and anyio under each SSE line; this client: 0.37 and 0.12 ms, see
-BENCHMARKS.md), CPU taken from the server, the most from the fastest one. This client reads the
-same bytes with less Python: a line parser over `StreamReader` and a pool of idle connections
-per host. It speaks plain HTTP and HTTPS (TLS from `ssl`),
-one request per connection at a time, which is all `bench/run.py` needs.
+The load client shares the machine's cores with the server it measures, so every millisecond of
+its CPU per streamed token is taken from the server, the most from the fastest one; through
+httpx (h11's parser, httpcore's pool and anyio under each SSE line) it spent two to four times
+this client's (docs/benchmarks-history.md). This client reads the same bytes with less Python: a
+line parser over `StreamReader` and a pool of idle connections per host. It speaks plain HTTP and
+HTTPS (TLS from `ssl`), one request per connection at a time, which is all `bench/run.py` needs.
 
     async with LeanClient(timeout=60) as client:
         async with client.stream("POST", url, json=body) as response:

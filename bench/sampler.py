@@ -6,8 +6,7 @@ the embedded model's vocabulary (49,152), random logits of a chat model's spread
 
 Greedy is the engine's case: the step hands over each row's argmax with the logits. `--step` also
 times the embedded model's decode step (greedy, the engine alone, 1 and 32 sequences) and prints
-each sampled setting's cost as a share of that step. BENCHMARKS.md and docs/benchmarks-history.md
-keep the figures.
+each sampled setting's cost as a share of that step (figures: docs/benchmarks-history.md).
 """
 
 from __future__ import annotations

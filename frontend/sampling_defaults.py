@@ -16,7 +16,7 @@ log = logging.getLogger("rill")
 
 # rill's own, for what the model leaves unset (the embedded GGUF carries no generation config): greedy,
 # as Hugging Face's `generate` by default. Sampling (its model card's 0.2 / 0.9 included) made the
-# embedded model's first answer wrong about half the time (docs/benchmarks-history.md, session 35).
+# embedded model's first answer wrong about half the time (docs/benchmarks-history.md).
 RILL_SAMPLING = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
 
 

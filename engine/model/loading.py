@@ -317,7 +317,7 @@ def load_model(model_id: str | os.PathLike | None, *, dtype: str | torch.dtype =
     safetensors checkpoint tensor by tensor from its mapped file). `activations`: what
     the quantized linears multiply their blocks with: "float32" (the de-quantized model's products)
     or "int8" (each block of 32 inputs rounded to int8, as llama.cpp does: faster, lossy; its
-    divergence is in BENCHMARKS.md). Raises ModelLoadError.
+    divergence from float32: `python -m bench.divergence`). Raises ModelLoadError.
 
     The work runs in a thread that ends with it, so that the caller's thread (a server's main
     thread, which lives on beside the engine's) owns no OpenMP pool (engine/host.py,
