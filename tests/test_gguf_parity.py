@@ -120,3 +120,19 @@ def test_a_tied_q4_k_m_file_reads_its_token_table_as_blocks(tmp_path):
     llm = LLM(loaded, EngineConfig(max_num_batched_tokens=64))
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     assert [r.token_ids for r in llm.generate(PROMPTS[:3], params)] == expected
+
+
+@pytest.mark.embedded
+@pytest.mark.parametrize("kind", ["bf16", "f16"])
+def test_a_16bit_gguf_keeps_its_values_and_equals_generate(tmp_path, kind):
+    """A bf16 / f16 file's linears on the C linear's 16-bit panels (bf16 interleaved, q/k rows in
+    transformers' order), greedy in a batch equal to `generate` on transformers' reading of it."""
+    model = tiny_llama(hidden=256, ffn=512, tied=False)
+    path = write_llama_gguf(model, None, tmp_path / f"{kind}.gguf", types=kind)
+    reference = transformers_model(path)
+    loaded = load_model(str(path))
+    assert loaded.weights.startswith(f"{kind} kept from the GGUF (14 linears, C kernel)"), loaded.weights
+    llm = LLM(loaded, EngineConfig(max_num_batched_tokens=64))
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for prompt, got in zip(PROMPTS, llm.generate(PROMPTS, params)):
+        assert got.token_ids == greedy(reference, prompt), f"prompt of {len(prompt)} tokens diverged ({loaded.weights})"

@@ -23,16 +23,25 @@ PANEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the panels
 QUANTIZE_KINDS = {"q8_0": (0, 34), "q4_0": (1, 18), "q4_1": (2, 20)}  # rill_quantize_rows: kind -> (its number, block bytes)
 
 
+def panel_slots(dtype: torch.dtype) -> torch.Tensor:
+    """Where output j of a panel sits among each input's 16 values: in order, or for bfloat16
+    interleaved 0, 8, 1, 9, ... (csrc/linear.c widens a pair of outputs from one 32-bit lane)."""
+    j = torch.arange(16)
+    return j % 8 * 2 + j // 8 if dtype == torch.bfloat16 else j
+
+
 def panels_of(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """[out, in] -> [ceil(out / 16), in, 16] in `dtype`: panel p holds the weights of outputs
-    16p..16p+15 (a 16-bit weight of the same dtype is copied bit for bit)."""
+    16p..16p+15, at `panel_slots(dtype)` (a 16-bit weight of the same dtype is copied bit for bit)."""
     out_features, in_features = weight.shape
     full, rest = divmod(out_features, 16)
     panels = torch.zeros(full + (rest > 0), in_features, 16, dtype=dtype)
     panels[:full] = weight[:full * 16].view(full, 16, in_features).transpose(1, 2)
     if rest:
         panels[full, :, :rest] = weight[full * 16:].t()
-    return panels
+    slotted = torch.empty_like(panels)
+    slotted[..., panel_slots(dtype)] = panels
+    return slotted
 
 
 def padded_bias(bias: torch.Tensor | None, num_panels: int, out_features: int) -> torch.Tensor | None:
@@ -70,7 +79,7 @@ class LinearKernel:
         self._fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
         self._fn16.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int, ctypes.c_int]
         self._pack16 = library.rill_pack16
-        self._pack16.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_int]
+        self._pack16.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_int, ctypes.c_int]
         self._fn.restype = self._fn16.restype = self._pack16.restype = None
         self._quantize = library.rill_quantize_rows
         self._quantize.argtypes = [ptr, i64, i64, ctypes.c_int, ctypes.c_int, ptr, ctypes.c_int]
@@ -89,7 +98,7 @@ class LinearKernel:
         panels = empty_huge(((out_features + 15) // 16, weight.shape[1], 16), weight.dtype)
         order = None if order is None else order.to(torch.int64).contiguous()
         self._pack16(weight.data_ptr(), out_features, weight.shape[1], None if order is None else order.data_ptr(),
-                     panels.data_ptr(), self.threads)
+                     panels.data_ptr(), self.threads, int(weight.dtype == torch.bfloat16))
         return panels
 
     def quantize(self, weight: torch.Tensor, kind: str) -> np.ndarray:

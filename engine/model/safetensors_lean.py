@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from engine.kernels.linear import panel_slots
 from engine.model.meta import parameters_on_meta, set_tensor
 
 log = logging.getLogger("rill.loading")
@@ -87,7 +88,8 @@ class HalfEmbedding(nn.Module):
             rows = self.table[input_ids].to(self.dtype)
         else:
             ids = input_ids.reshape(-1)
-            rows = self.panels[ids // 16, :, ids % 16]  # token t: output t % 16 of panel t // 16
+            slots = panel_slots(self.panels.dtype)  # token t: output t % 16 of panel t // 16
+            rows = self.panels[ids // 16, :, slots[ids % 16]]
             rows = rows.to(self.dtype).view(*input_ids.shape, self.embedding_dim)
         return rows if self.scale is None else rows * self.scale.to(self.dtype)
 

@@ -16,7 +16,9 @@
  * 50 us beside it): static 13.7 / 40.8 ms a step at 1 / 8 sequences, guided 11.2 / 35.8,
  * dynamic,1 15.7 / 42.9; over HTTP one client 46.7 -> 58.6 tok/s, eight 126.9 -> 142.5.
  *
- * rill_linear16 takes the same panels in bfloat16 or float16 (a checkpoint's own weights, kept).
+ * rill_linear16 takes the same panels in bfloat16 or float16 (a checkpoint's own weights, kept). A
+ * bfloat16 panel holds each input's 16 weights interleaved, output j beside output 8 + j in one
+ * 32-bit lane, so one load and a shift and a mask widen all 16 (rill_pack16 lays them out so).
  *
  * x [rows, in] (row stride x_row, each row contiguous); panels [ceil(out / 16), in, 16];
  * bias [ceil(out / 16) * 16] (zero-padded) or NULL; y [rows, out] contiguous.
@@ -40,21 +42,12 @@ enum { W_F32 = 0, W_BF16 = 1, W_F16 = 2 };
 #define PREFETCH_AHEAD 1024
 #endif
 
-typedef uint16_t u16x8 __attribute__((vector_size(16)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
 
-/* eight weights of a panel at element offset `at`, as floats */
+/* eight weights of a float32 or float16 panel at element offset `at`, as floats */
 static inline __attribute__((always_inline)) v8 weights8(const void *panel, int64_t at, const int wt) {
     if (wt == W_F32) return load8((const float *)panel + at);
     const uint16_t *h = (const uint16_t *)panel + at;
-    if (wt == W_BF16) {  /* the 16 bits into the high half of a float32 */
-        u16x8 b;
-        memcpy(&b, h, sizeof b);
-        const u32x8 w = __builtin_convertvector(b, u32x8) << 16;
-        v8 f;
-        memcpy(&f, &w, sizeof f);
-        return f;
-    }
 #if defined(__F16C__)
     v8 f;
     const __m256 c = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
@@ -71,6 +64,23 @@ static inline __attribute__((always_inline)) v8 weights8(const void *panel, int6
 #endif
 }
 
+/* one input's 16 weights at element offset `at`: outputs 0-7 into lo, 8-15 into hi. A bfloat16
+ * lane holds output j in its low half and 8 + j in its high half: the low half shifted up and the
+ * high half masked are each exactly a float32. */
+static inline __attribute__((always_inline)) void weights16(const void *panel, int64_t at, const int wt,
+                                                            v8 *lo, v8 *hi) {
+    if (wt != W_BF16) {
+        *lo = weights8(panel, at, wt);
+        *hi = weights8(panel, at + 8, wt);
+        return;
+    }
+    u32x8 v;
+    memcpy(&v, (const uint16_t *)panel + at, sizeof v);
+    const u32x8 a = v << 16, b = v & 0xFFFF0000u;
+    memcpy(lo, &a, sizeof a);
+    memcpy(hi, &b, sizeof b);
+}
+
 /* MR rows of x (a constant once inlined) times one panel; `cols` of its 16 outputs are real. One or
  * two rows run two inputs at a time into two sets of sums (one set alone waits on each multiply-add
  * before the next), their 16-bit panel's lines asked for ahead. */
@@ -84,8 +94,9 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t x
     if (MR <= 2) {
         for (; k + 2 <= in; k += 2) {
             if (wt != W_F32) __builtin_prefetch((const uint16_t *)panel + k * 16 + PREFETCH_AHEAD, 0, 3);
-            const v8 w0 = weights8(panel, k * 16, wt), w1 = weights8(panel, k * 16 + 8, wt);
-            const v8 u0 = weights8(panel, k * 16 + 16, wt), u1 = weights8(panel, k * 16 + 24, wt);
+            v8 w0, w1, u0, u1;
+            weights16(panel, k * 16, wt, &w0, &w1);
+            weights16(panel, k * 16 + 16, wt, &u0, &u1);
             for (int i = 0; i < MR; i++) {
                 const float xi = x[i * x_row + k], xj = x[i * x_row + k + 1];
                 const v8 xv = {xi, xi, xi, xi, xi, xi, xi, xi}, xw = {xj, xj, xj, xj, xj, xj, xj, xj};
@@ -101,7 +112,8 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t x
         }
     }
     for (; k < in; k++) {
-        const v8 w0 = weights8(panel, k * 16, wt), w1 = weights8(panel, k * 16 + 8, wt);
+        v8 w0, w1;
+        weights16(panel, k * 16, wt, &w0, &w1);
         for (int i = 0; i < MR; i++) {
             const float xi = x[i * x_row + k];
             const v8 xv = {xi, xi, xi, xi, xi, xi, xi, xi};
@@ -164,8 +176,9 @@ void rill_linear16(const float *x, int64_t x_row, const uint16_t *panels, const 
 }
 
 /* w [out, in] of 16-bit values (rows in `order`, or NULL: as they are) -> the panels rill_linear16
- * reads, [ceil(out / 16), in, 16], the last panel's missing outputs zero. A full panel goes 8
- * inputs at a time: its 16 rows' 8 values each, two 8 x 8 transposes (SSE2), 16 values per input. */
+ * reads, [ceil(out / 16), in, 16], the last panel's missing outputs zero; with `interleave` (bfloat16)
+ * each input's 16 values in the order 0, 8, 1, 9, ..., 7, 15. A full panel goes 8 inputs at a time:
+ * its 16 rows' 8 values each, two 8 x 8 transposes (SSE2), 16 values per input. */
 #if defined(__SSE2__)
 #include <emmintrin.h>
 /* 8 rows of 8 values -> r[k]: value k of each row (pairs, then pairs of pairs, then halves interleaved) */
@@ -188,7 +201,8 @@ static inline void transpose8x8(__m128i r[8]) {
 }
 #endif
 
-void rill_pack16(const uint16_t *w, int64_t out, int64_t in, const int64_t *order, uint16_t *panels, int threads) {
+void rill_pack16(const uint16_t *w, int64_t out, int64_t in, const int64_t *order, uint16_t *panels, int threads,
+                 int interleave) {
     const int64_t num_panels = (out + 15) / 16;
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t p = 0; p < num_panels; p++) {
@@ -212,12 +226,14 @@ void rill_pack16(const uint16_t *w, int64_t out, int64_t in, const int64_t *orde
                 transpose8x8(lo);
                 transpose8x8(hi);
                 for (int i = 0; i < 8; i++) {
-                    _mm_storeu_si128((__m128i *)(dst + (k + i) * 16), lo[i]);
-                    _mm_storeu_si128((__m128i *)(dst + (k + i) * 16 + 8), hi[i]);
+                    const __m128i a = interleave ? _mm_unpacklo_epi16(lo[i], hi[i]) : lo[i];
+                    const __m128i b = interleave ? _mm_unpackhi_epi16(lo[i], hi[i]) : hi[i];
+                    _mm_storeu_si128((__m128i *)(dst + (k + i) * 16), a);
+                    _mm_storeu_si128((__m128i *)(dst + (k + i) * 16 + 8), b);
                 }
             }
 #endif
         for (; k < in; k++)
-            for (int j = 0; j < 16; j++) dst[k * 16 + j] = src[j] ? src[j][k] : 0;
+            for (int j = 0; j < 16; j++) dst[k * 16 + (interleave ? j % 8 * 2 + j / 8 : j)] = src[j] ? src[j][k] : 0;
     }
 }

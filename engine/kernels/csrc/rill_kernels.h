@@ -14,7 +14,8 @@ void rill_linear(const float *x, int64_t x_row, const float *panels, const float
 void rill_linear16(const float *x, int64_t x_row, const uint16_t *panels, const float *bias, float *y,
                    int64_t rows, int64_t out, int64_t in, int threads, int half);
 /* 16-bit weights [out, in] (rows in `order`, or NULL) into those panels */
-void rill_pack16(const uint16_t *w, int64_t out, int64_t in, const int64_t *order, uint16_t *panels, int threads);
+void rill_pack16(const uint16_t *w, int64_t out, int64_t in, const int64_t *order, uint16_t *panels, int threads,
+                 int interleave);
 int rill_quantize_rows(const void *w, int64_t rows, int64_t in, int dtype, int kind, uint8_t *out, int threads);
 
 /* csrc/qlinear.c (float32 activations) and csrc/qlinear_i8.c (int8 activations): the same over
