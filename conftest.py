@@ -15,10 +15,18 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 pytest_plugins = ["tests.tiny_models", "tests.servers"]
 
 
+@pytest.fixture(scope="session")
+def portable_cache(tmp_path_factory) -> Path:
+    """A cache folder of the session's own for the portable build (`portable_kernels`): the kernels are
+    compiled for -march=x86-64 once per run (over a minute on 2 cores), into a folder no earlier run filled,
+    and every test of the portable paths loads that library."""
+    return tmp_path_factory.mktemp("rill-portable-cache")
+
+
 @pytest.fixture
 def portable_kernels(monkeypatch):
     """engine.kernels, its C kernels built from then on as for a CPU without AVX2 (`-march=x86-64`: GCC's
-    generic vectors) instead of for this one; a new cache folder gets the portable build."""
+    generic vectors) instead of for this one; `portable_cache` gets (or has) the portable build."""
     import engine.kernels as cpu
 
     monkeypatch.setenv("RILL_KERNEL_MARCH", "x86-64")

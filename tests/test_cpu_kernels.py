@@ -12,13 +12,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import PagedKVCache, StepMetadata, paged_attention
+from engine.config import rill_cache_dir
 from engine.kernels import decode_attention_kernel, linear_kernel
 from engine.model.linears import PackedLinear, PanelLinear, pack_linears
 
 
 @pytest.fixture(scope="module")
-def kernel(tmp_path_factory):
-    built = decode_attention_kernel(tmp_path_factory.mktemp("rill-cache"))
+def kernel():
+    """The build the engine uses (this machine's, in $RILL_CACHE: one compile per run of the sources at most)."""
+    built = decode_attention_kernel(rill_cache_dir())
     assert built is not None, "the kernel did not build (a C compiler with OpenMP is needed)"
     assert built.path.exists()
     return built
@@ -140,7 +142,7 @@ def test_a_speculative_verification_of_one_sequence_equals_the_torch_path(kernel
         kernel.threads = threads
 
 
-def test_build_is_cached(kernel, tmp_path_factory):
+def test_build_is_cached(kernel):
     again = decode_attention_kernel(kernel.path.parent.parent)
     assert again is not None and again.path == kernel.path
 
@@ -257,14 +259,16 @@ def test_loading_and_building_an_engine_leave_the_callers_thread_without_an_open
     assert team == 2 and started == team - 1, out.stdout
 
 
-def test_the_kernels_build_and_agree_without_avx2(tmp_path, portable_kernels, caplog):
+def test_the_kernels_build_and_agree_without_avx2(portable_cache, portable_kernels, caplog):
     """A CPU without AVX2 gets the kernels' portable paths (GCC's generic vectors), built from the
     same sources: they compile and pass the start-up checks that every build passes."""
     from engine.model.quant_probe import quant_kernel
 
     cpu = portable_kernels
     with caplog.at_level("WARNING", logger="rill.engine"):
-        found = (cpu.linear_kernel(tmp_path), cpu.decode_attention_kernel(tmp_path), quant_kernel(tmp_path))
+        found = (cpu.linear_kernel(portable_cache), cpu.decode_attention_kernel(portable_cache),
+                 quant_kernel(portable_cache))
     assert all(k is not None for k in found), caplog.text
-    library, _ = cpu.compiled_library(tmp_path)
+    library, path = cpu.compiled_library(portable_cache)
+    assert path.parent == portable_cache / "kernels" and path.name.startswith("rill_kernels-x86-64-")
     assert library.rill_qlinear_vector_bits() == 0

@@ -95,18 +95,18 @@ def test_native_decode_steps_equal_generate(tiny_model, native, limit):
     assert engine_outputs(llm, prompts[-1:]) == refs[-1:]
 
 
-def test_the_kernels_portable_paths_equal_generate(tiny_model, tmp_path, monkeypatch, portable_kernels):
+def test_the_kernels_portable_paths_equal_generate(tiny_model, portable_cache, monkeypatch, portable_kernels):
     """A CPU without AVX2 builds the same sources to GCC's generic vectors (`-march=x86-64`): the
     native steps, the linears and decode attention on those paths give `generate`'s tokens too."""
     cpu = portable_kernels
-    monkeypatch.setenv("RILL_CACHE", str(tmp_path))
+    monkeypatch.setenv("RILL_CACHE", str(portable_cache))
     path, prompts, refs = prompts_and_refs(tiny_model, "llama")
     llm = LLM(load_model(str(path)), EngineConfig(max_num_batched_tokens=128))
     assert llm.core.linears == "C kernel" and llm.core.runner.native is not None
     assert llm.core.runner.decode_kernel is not None
     kernel = llm.core.runner.decode_kernel
-    assert tmp_path in kernel.path.parents  # built here with those flags, not found in the usual cache
-    assert cpu.compiled_library(tmp_path)[0].rill_qlinear_vector_bits() == 0  # generic vectors, not this CPU's
+    assert portable_cache in kernel.path.parents  # the session's portable build, not found in the usual cache
+    assert cpu.compiled_library(portable_cache)[0].rill_qlinear_vector_bits() == 0  # generic vectors, not this CPU's
     assert engine_outputs(llm, prompts) == refs
 
 
