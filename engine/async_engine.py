@@ -1,9 +1,9 @@
 """The engine thread behind the server.
 
 One thread owns the model and runs `EngineCore.step()` in a loop. Other threads (the event
-loop of the HTTP routes, Gradio's workers) only enqueue commands (add, abort) and read their
-request's outputs from a queue the engine thread fills: an `asyncio.Queue` through
-`loop.call_soon_threadsafe` for asynchronous consumers, a `queue.Queue` for threads.
+loop of the HTTP routes and the page) only enqueue commands (add, abort) and read their
+request's outputs from a `RequestStream` the engine thread fills through its event loop
+(`loop.call_soon_threadsafe`, one hand-over per step and loop).
 
 Faults. `EngineCore.step()` fails only the requests a fault concerns. A fault that escapes it
 (or output dispatch) leaves the core's state unknown, so the engine "dies": every consumer gets
@@ -40,8 +40,7 @@ from engine.request import (
     SamplingParams,
     new_request_id,
 )
-from engine.streamers import RequestTextStreamer, check_one_sample
-from engine.streams import OutputSink, RequestStream, deliver_batch
+from engine.streams import RequestStream, deliver_batch
 
 log = logging.getLogger("rill.engine")
 
@@ -56,8 +55,7 @@ class EngineNotRunning(RuntimeError):
 class AsyncEngine:
     """The engine behind the server: a thread that steps `EngineCore` while there is work.
 
-    Thread-safe entry points: `add_request` (from an event loop), `text_streamer` (from a thread),
-    `abort`, `inject_fault`, `stats`.
+    Thread-safe entry points: `add_request` (from an event loop), `abort`, `inject_fault`, `stats`.
     Every admitted request ends exactly once for its consumer (its last output has
     `finished=True`), also when the engine dies; see the module docstring.
     """
@@ -79,7 +77,7 @@ class AsyncEngine:
         self._commands: deque = deque()  # callables run by the engine thread before its next step
         self._wakeup = threading.Event()
         self._lock = threading.Lock()
-        self._sinks: dict[str, OutputSink] = {}  # request_id -> where its outputs go
+        self._sinks: dict[str, RequestStream] = {}  # request_id -> where its outputs go
         self._compiling: set[str] = set()  # admitted, added to the core once their constraint compiled
         self._shares = AdmissionShares()  # sequences added and not finished (running + waiting + pending), per client
         self._thread: threading.Thread | None = None
@@ -234,12 +232,6 @@ class AsyncEngine:
         async for out in stream.until_done():
             yield out
 
-    def text_streamer(self, prompt_token_ids: list[int], params: SamplingParams,
-                      request_id: str | None = None, timeout: float | None = None, client=None) -> RequestTextStreamer:
-        check_one_sample(params)
-        return self._admit(prompt_token_ids, params, request_id, lambda rid: RequestTextStreamer(self, rid, self.tokenizer, timeout),
-                           client=client)
-
     def abort(self, request_id: str) -> bool:
         """End a request; its KV blocks are freed before the next step. False if unknown or done."""
         with self._lock:
@@ -274,25 +266,12 @@ class AsyncEngine:
     # ---- the engine thread ----------------------------------------------------------------
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}  # async RequestStreams: one hand-over per loop
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}  # one hand-over per consumers' event loop
         for out in outputs:
             sink = self._sinks.get(out.request_id)
             if sink is None:
                 continue
-            loop = sink._loop if isinstance(sink, RequestStream) else None
-            try:
-                if loop is not None:
-                    by_loop.setdefault(loop, []).append((sink, out))
-                else:
-                    sink._on_output(out)
-            except Exception as exc:  # this consumer cannot take it: stop its request, tell it if it can
-                log.error("handing an output of %s to its consumer failed", out.request_id, exc_info=exc)
-                if not out.finished:
-                    self._dispatch(self.core.abort(
-                        out.request_id, FinishReason.ERROR,
-                        "The engine failed while handing this request's output over; "
-                        "the server log has the details."))
-                    continue
+            by_loop.setdefault(sink._loop, []).append((sink, out))
             if out.finished:
                 sink.unfinished.discard(out.index)
                 with self._lock:

@@ -1,8 +1,7 @@
-"""What an asynchronous consumer reads: one request's deltas, in order.
+"""What a consumer reads: one request's deltas, in order.
 
 Outputs reach a stream from the engine thread (`engine.async_engine`) through the event loop the
-stream was made in (`loop.call_soon_threadsafe`, one hand-over per step and loop). A thread reads
-a text streamer instead (engine/streamers.py).
+stream was made in (`loop.call_soon_threadsafe`, one hand-over per step and loop).
 """
 
 from __future__ import annotations
@@ -20,16 +19,7 @@ class Aborts(Protocol):
     def abort(self, request_id: str) -> bool: ...
 
 
-class OutputSink:
-    """Where the engine thread puts one request's outputs."""
-
-    unfinished: set[int]  # indices of the samples still running (the engine thread removes them)
-
-    def _on_output(self, out: RequestOutput) -> None:  # engine thread
-        raise NotImplementedError
-
-
-class RequestStream(OutputSink):
+class RequestStream:
     """The deltas of one request (all `n` samples), in order; iterate with `async for`.
 
     Made inside an event loop (RuntimeError outside one), it is fed on that loop: the engine thread
@@ -40,8 +30,7 @@ class RequestStream(OutputSink):
         try:
             self._loop = asyncio.get_running_loop()
         except RuntimeError:
-            raise RuntimeError("A request stream is read in an event loop: add the request from one "
-                               "(a thread reads a text streamer).") from None
+            raise RuntimeError("A request stream is read in an event loop: add the request from one.") from None
         self.engine = engine
         self.request_id = request_id
         self.unfinished = set(range(n))  # samples still running (the engine thread removes them)

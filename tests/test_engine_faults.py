@@ -6,6 +6,7 @@ dead; the KV pool is sized by the container's memory limit."""
 import asyncio
 import threading
 import time
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -37,13 +38,41 @@ def poison_id(engine, alone) -> int:
     return next(t for t in range(999, 100, -1) if t not in used)
 
 
-def batched(engine: AsyncEngine, prompts_ids: list[list[int]], params=PARAMS) -> list:
+@dataclass
+class Answer:
+    """One request as its reader saw it: the answer's text and how it ended."""
+
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+
+
+async def read(stream) -> Answer:
+    """A request's `RequestStream` read to its end, as the routes read theirs."""
+    answer = Answer()
+    async for out in stream:
+        answer.text += out.text
+        if out.finished:
+            answer.finish_reason, answer.error = out.finish_reason, out.error
+    return answer
+
+
+def answer_to(engine: AsyncEngine, prompt_ids: list[int], params=PARAMS) -> Answer:
+    """One request, added and read to its end in an event loop of its own."""
+    async def run():
+        return await read(engine.add_request(prompt_ids, params))
+
+    return asyncio.run(asyncio.wait_for(run(), 60))
+
+
+def batched(engine: AsyncEngine, prompts_ids: list[list[int]], params=PARAMS) -> list[Answer]:
     """Admits every request before the engine thread starts, so that they share their steps."""
-    streamers = [engine.text_streamer(ids, params) for ids in prompts_ids]
-    engine.start()
-    for s in streamers:
-        s.text = "".join(s)
-    return streamers
+    async def run():
+        streams = [engine.add_request(ids, params) for ids in prompts_ids]
+        engine.start()
+        return await asyncio.gather(*map(read, streams))
+
+    return asyncio.run(asyncio.wait_for(run(), 120))
 
 
 def token_ids_of(engine: AsyncEngine, prompt: str) -> list[int]:
@@ -86,14 +115,14 @@ def test_a_layer_raising_for_one_sequence_fails_only_that_request(tiny_model, ar
 
     engine.loaded.model.get_input_embeddings().register_forward_pre_hook(raise_on_poison)
     try:
-        streamers = batched(engine, [engine.encode(p) for p in PROMPTS[:2]] + [[5, bad, 6, 7]]
-                            + [engine.encode(p) for p in PROMPTS[2:]])
-        faulty = streamers.pop(2)
+        results = batched(engine, [engine.encode(p) for p in PROMPTS[:2]] + [[5, bad, 6, 7]]
+                           + [engine.encode(p) for p in PROMPTS[2:]])
+        faulty = results.pop(2)
         assert faulty.text == "" and faulty.finish_reason is FinishReason.ERROR
         assert "running the model" in faulty.error and "refused" not in faulty.error  # the log has the cause
         assert f"embedding refused token {bad}" in caplog.text
-        assert [s.text for s in streamers] == texts_alone(engine, answers)
-        assert all(s.finish_reason is FinishReason.LENGTH for s in streamers)
+        assert [s.text for s in results] == texts_alone(engine, answers)
+        assert all(s.finish_reason is FinishReason.LENGTH for s in results)
         assert engine.alive and engine.num_restarts == 0
         assert token_ids_of(engine, PROMPTS[0]) == answers[PROMPTS[0]]
         assert nothing_admitted(engine) and engine.stats().num_free_kv_blocks == engine.stats().num_kv_blocks
@@ -107,10 +136,10 @@ def test_nan_weights_in_one_embedding_row_fail_only_the_request_that_reads_it(ll
     with torch.no_grad():
         engine.loaded.model.model.embed_tokens.weight[bad] = float("nan")
     try:
-        streamers = batched(engine, [[5, bad, 6, 7]] + [engine.encode(p) for p in PROMPTS])
-        faulty = streamers.pop(0)
+        results = batched(engine, [[5, bad, 6, 7]] + [engine.encode(p) for p in PROMPTS])
+        faulty = results.pop(0)
         assert faulty.text == "" and faulty.finish_reason is FinishReason.ERROR and "NaN" in faulty.error
-        assert [s.text for s in streamers] == texts_alone(engine, alone)
+        assert [s.text for s in results] == texts_alone(engine, alone)
         assert engine.alive
     finally:
         engine.shutdown()
@@ -151,34 +180,34 @@ def test_a_fault_in_one_sequences_step_fails_only_it(llama, alone, stage, breaks
     assert all(engine.encode(p)[0] != bad_first_token for p in PROMPTS)
     breaks(engine, bad_first_token)
     try:
-        streamers = batched(engine, [[bad_first_token, 9, 10, 11]] + [engine.encode(p) for p in PROMPTS])
-        faulty = streamers.pop(0)
+        results = batched(engine, [[bad_first_token, 9, 10, 11]] + [engine.encode(p) for p in PROMPTS])
+        faulty = results.pop(0)
         assert faulty.finish_reason is FinishReason.ERROR and expected in faulty.error, stage
-        assert [s.text for s in streamers] == texts_alone(engine, alone), stage
+        assert [s.text for s in results] == texts_alone(engine, alone), stage
         assert engine.alive and engine.num_restarts == 0
         assert nothing_admitted(engine)
     finally:
         engine.shutdown()
 
 
-def test_a_consumer_that_cannot_take_its_output_fails_alone(llama, alone):
+def test_a_request_whose_readers_event_loop_closed_is_aborted_alone(llama, alone):
+    """Its reader is gone with its loop: the request stops (its KV blocks free), the others go on."""
     engine = AsyncEngine(load_model(str(llama)))
+    long = SamplingParams(max_tokens=900, temperature=0, ignore_eos=True)
     try:
-        streamers = [engine.text_streamer(engine.encode(p), PARAMS) for p in PROMPTS]
-        broken = streamers[1]
-        put = broken.on_finalized_text
+        gone = asyncio.new_event_loop()
 
-        def refuse_text(text, stream_end=False):
-            if text:
-                raise OSError("the consumer's pipe is closed")
-            put(text, stream_end)
+        async def add():
+            return engine.add_request(engine.encode("nobody reads this"), long)
 
-        broken.on_finalized_text = refuse_text
-        engine.start()
-        texts = ["".join(s) for s in streamers]
-        assert broken.finish_reason is FinishReason.ERROR and "handing this request's output" in broken.error
-        assert texts[:1] + texts[2:] == [t for i, t in enumerate(texts_alone(engine, alone)) if i != 1]
-        assert engine.alive and nothing_admitted(engine)
+        gone.run_until_complete(add())
+        gone.close()
+        answers = batched(engine, [engine.encode(p) for p in PROMPTS])
+        assert [a.text for a in answers] == texts_alone(engine, alone)
+        assert wait_until(lambda: nothing_admitted(engine), 1.0)
+        stats = engine.stats()
+        assert stats.finished_total.get("abort") == 1 and stats.num_free_kv_blocks == stats.num_kv_blocks
+        assert engine.alive and engine.num_restarts == 0
     finally:
         engine.shutdown()
 
@@ -199,13 +228,13 @@ def test_a_failed_add_gives_its_capacity_back(llama):
             raise MemoryError("no room for the detokenizer")
 
         engine.core.add_request = out_of_memory
-        refused = engine.text_streamer(engine.encode("hi"), SamplingParams(max_tokens=4), timeout=30)
-        assert "".join(refused) == ""
+        refused = answer_to(engine, engine.encode("hi"), SamplingParams(max_tokens=4))
         engine.core.add_request = add_request
-        assert refused.finish_reason is FinishReason.ERROR and "adding this request" in refused.error
+        assert refused.text == "" and refused.finish_reason is FinishReason.ERROR
+        assert "adding this request" in refused.error
         assert nothing_admitted(engine)
-        answer = engine.text_streamer(engine.encode("hi"), PARAMS)  # the one slot is free
-        assert "".join(answer) and answer.finish_reason is FinishReason.LENGTH
+        answer = answer_to(engine, engine.encode("hi"))  # the one slot is free
+        assert answer.text and answer.finish_reason is FinishReason.LENGTH
     finally:
         engine.shutdown()
 
@@ -230,33 +259,39 @@ def _kill(engine) -> None:
     engine.core.step = die
 
 
-def test_engine_death_ends_async_and_thread_consumers_then_the_engine_rebuilds(llama, alone):
+def test_engine_death_ends_the_readers_of_every_event_loop_then_the_engine_rebuilds(llama, alone):
     engine = AsyncEngine(load_model(str(llama))).start()
     long = SamplingParams(max_tokens=900, temperature=0, ignore_eos=True)
     ended = {}
     started = threading.Event()
 
-    async def async_consumer():
+    async def other_loop():  # a reader on another thread's event loop
         outs = []
-        async for out in engine.add_request(engine.encode("async one"), long):
+        async for out in engine.add_request(engine.encode("other loop"), long):
             outs.append(out)
             started.set()
-        ended["async"] = outs[-1]
+        ended["other loop"] = outs[-1]
 
-    thread = threading.Thread(target=lambda: asyncio.run(async_consumer()))
+    async def readers():
+        streams = [engine.add_request(engine.encode(f"reader {i}"), long) for i in range(2)]
+        first = await streams[0].next()  # generating
+        _kill(engine)
+        answers = await asyncio.gather(*map(read, streams))  # they end: no hang
+        answers[0].text = first.text + answers[0].text
+        return answers
+
+    thread = threading.Thread(target=lambda: asyncio.run(other_loop()))
     try:
         thread.start()
         assert started.wait(60)
-        streamers = [engine.text_streamer(engine.encode(f"thread {i}"), long, timeout=60) for i in range(2)]
-        next(iter(streamers[0]))
-        _kill(engine)
-        texts = ["".join(s) for s in streamers]  # ends: no hang
+        answers = asyncio.run(asyncio.wait_for(readers(), 60))
         thread.join(60)
         assert not thread.is_alive()
-        assert ended["async"].finish_reason is FinishReason.ERROR and "engine stopped" in ended["async"].error
-        for s, text in zip(streamers, texts):
-            assert s.finish_reason is FinishReason.ERROR and "engine stopped" in s.error
-            assert len(engine.tokenizer.encode(text)) < 900
+        assert ended["other loop"].finish_reason is FinishReason.ERROR
+        assert "engine stopped" in ended["other loop"].error
+        for answer in answers:
+            assert answer.finish_reason is FinishReason.ERROR and "engine stopped" in answer.error
+            assert len(engine.tokenizer.encode(answer.text)) < 900
         assert wait_until(lambda: engine.alive), "the engine did not come back"
         assert token_ids_of(engine, PROMPTS[0]) == alone[PROMPTS[0]]  # rebuilt, and right
         assert engine.alive and engine.num_restarts == 1 and nothing_admitted(engine)
@@ -271,15 +306,17 @@ def test_past_max_restarts_the_engine_stays_dead_and_calls_on_fatal(llama):
     engine.on_fatal = lambda exc: (fatal.append(exc), done.set())
     try:
         engine.start()
-        streamer = engine.text_streamer(engine.encode("hi"), SamplingParams(max_tokens=900, ignore_eos=True))
-        next(iter(streamer))
-        _kill(engine)
-        list(streamer)
-        assert streamer.finish_reason is FinishReason.ERROR
+        async def killed() -> Answer:
+            stream = engine.add_request(engine.encode("hi"), SamplingParams(max_tokens=900, ignore_eos=True))
+            await stream.next()  # generating
+            _kill(engine)
+            return await read(stream)
+
+        assert asyncio.run(asyncio.wait_for(killed(), 60)).finish_reason is FinishReason.ERROR
         assert done.wait(30) and "killed by the test" in str(fatal[0])
         assert not engine.alive
         with pytest.raises(EngineNotRunning, match="stopped after an internal error"):
-            engine.text_streamer(engine.encode("hi"), PARAMS)
+            answer_to(engine, engine.encode("hi"))
         assert engine._shares.total == 0  # the refusal counted nothing (a dead core's own stats stay as they were)
     finally:
         engine.shutdown()
@@ -303,9 +340,9 @@ def test_a_forward_failing_for_everyone_three_steps_in_a_row_kills_the_engine(ll
         engine.start()
         errors = []
         for i in range(MAX_FAILED_STEPS):  # one request at a time: each step fails for all it runs
-            streamer = engine.text_streamer(engine.encode(f"request {i}"), PARAMS, timeout=60)
-            assert "".join(streamer) == "" and streamer.finish_reason is FinishReason.ERROR
-            errors.append(streamer.error)
+            failed = answer_to(engine, engine.encode(f"request {i}"))
+            assert failed.text == "" and failed.finish_reason is FinishReason.ERROR
+            errors.append(failed.error)
         assert all("running the model" in e for e in errors[:-1])
         assert "engine stopped" in errors[-1]  # the last one ends with the engine
         assert done.wait(30) and isinstance(fatal[0], ModelBroken)
@@ -331,8 +368,8 @@ def test_a_forward_failing_now_and_then_does_not_count_as_broken(llama, alone):
         engine.start()
         for _ in range(MAX_FAILED_STEPS):  # a failing step, then a good one: the count starts again
             failing["on"] = True
-            streamer = engine.text_streamer(engine.encode("fails"), PARAMS, timeout=60)
-            assert "".join(streamer) == "" and streamer.finish_reason is FinishReason.ERROR
+            failed = answer_to(engine, engine.encode("fails"))
+            assert failed.text == "" and failed.finish_reason is FinishReason.ERROR
             failing["on"] = False
             assert token_ids_of(engine, PROMPTS[0]) == alone[PROMPTS[0]]
         assert engine.alive and engine.num_restarts == 0

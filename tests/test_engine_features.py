@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from engine import LLM, AsyncEngine, EngineConfig, FinishReason, SamplingParams
+from engine import LLM, AsyncEngine, EngineConfig, FinishReason, RequestOutput, SamplingParams
 from engine.attention import PagedKVCache
 from engine.detokenizer import IncrementalDetokenizer, replacement_is_final
 from engine.model.loading import load_model
@@ -211,17 +211,29 @@ def wait_until(pred, timeout=10.0):
 
 
 def test_abort_frees_blocks_and_ends_the_stream(engine):
-    streamer = engine.text_streamer(engine.encode("Tell me a long story"),
+    async def abort_after_five():
+        stream = engine.add_request(engine.encode("Tell me a long story"),
                                     SamplingParams(max_tokens=5000 if engine.max_model_len > 5100 else 900,
                                                    temperature=0, ignore_eos=True))
-    pieces = []
-    for piece in streamer:
-        pieces.append(piece)
-        if len(pieces) == 5:
-            assert engine.stats().num_running == 1 and engine.stats().kv_usage > 0
-            assert streamer.abort()
-    assert streamer.finish_reason is FinishReason.ABORT
+        outs = []
+        async for out in stream:
+            outs.append(out)
+            if len(outs) == 5:
+                assert engine.stats().num_running == 1 and engine.stats().kv_usage > 0
+                assert stream.abort()
+        return outs
+
+    outs = asyncio.run(asyncio.wait_for(abort_after_five(), 60))
+    assert outs[-1].finished and outs[-1].finish_reason is FinishReason.ABORT
     assert wait_until(lambda: engine.stats().num_running == 0 and engine.stats().kv_usage == 0.0, 1.0)
+
+
+async def read_to_end(stream) -> tuple[str, RequestOutput]:
+    """A stream's answer text and its last output (how it ended)."""
+    text = ""
+    async for out in stream:
+        text += out.text
+    return text, out
 
 
 def test_async_generate_aborts_when_the_consumer_leaves(engine):
@@ -242,12 +254,16 @@ def test_fault_in_one_request_leaves_the_others_intact(engine, llm):
     prompts = [f"Request {i}: say something" for i in range(4)]
     params = SamplingParams(max_tokens=16, temperature=0)
     expected = [r.text for r in llm.generate(prompts, params)]
-    streamers = [engine.text_streamer(engine.encode(p), params) for p in prompts]
-    engine.inject_fault(streamers[1].request_id)
-    texts = ["".join(s) for s in streamers]
-    assert streamers[1].finish_reason is FinishReason.ERROR and "failed" in streamers[1].error
+
+    async def run():
+        streams = [engine.add_request(engine.encode(p), params) for p in prompts]
+        engine.inject_fault(streams[1].request_id)
+        return await asyncio.gather(*map(read_to_end, streams))
+
+    answers = asyncio.run(asyncio.wait_for(run(), 60))
+    assert answers[1][1].finish_reason is FinishReason.ERROR and "failed" in answers[1][1].error
     for i in (0, 2, 3):
-        assert texts[i] == expected[i] and streamers[i].finish_reason is FinishReason.LENGTH
+        assert answers[i][0] == expected[i] and answers[i][1].finish_reason is FinishReason.LENGTH
     assert engine.alive
 
 
@@ -264,10 +280,14 @@ def test_nan_logits_fail_only_that_request(engine, llm):
         return logits
 
     engine.core.runner.run = poisoned
-    bad = engine.text_streamer(engine.encode("bad one"), params, request_id="poison")
-    good = engine.text_streamer(engine.encode("good one"), params)
-    assert list(bad) == [] and bad.finish_reason is FinishReason.ERROR and "NaN" in bad.error
-    assert "".join(good) == expected
+
+    async def bad_and_good():
+        return await asyncio.gather(read_to_end(engine.add_request(engine.encode("bad one"), params, "poison")),
+                                    read_to_end(engine.add_request(engine.encode("good one"), params)))
+
+    (bad_text, bad_end), (good_text, _) = asyncio.run(asyncio.wait_for(bad_and_good(), 60))
+    assert bad_text == "" and bad_end.finish_reason is FinishReason.ERROR
+    assert "NaN" in bad_end.error and good_text == expected
 
 
 def test_non_finite_logits_from_the_native_step_fail_the_request(llama):
@@ -287,10 +307,14 @@ def test_queue_full_and_invalid_prompt(llama):
 
     eng = AsyncEngine(load_model(str(llama)), EngineConfig(max_num_seqs=1, max_queue=1))  # not started
     p = SamplingParams(max_tokens=4)
-    eng.text_streamer([5, 6], p)
-    eng.text_streamer([5, 6], p)
-    with pytest.raises(QueueFull, match="capacity"):
-        eng.text_streamer([5, 6], p)
+
+    async def add_three():
+        eng.add_request([5, 6], p)
+        eng.add_request([5, 6], p)
+        with pytest.raises(QueueFull, match="capacity"):
+            eng.add_request([5, 6], p)
+
+    asyncio.run(add_three())
     with pytest.raises(InvalidRequest, match=r"beyond this model's context of 1024 tokens"):
         eng.check_prompt([5] * 1000, SamplingParams(max_tokens=100))
     with pytest.raises(InvalidRequest, match="empty"):

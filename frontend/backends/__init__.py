@@ -20,7 +20,6 @@ if TYPE_CHECKING:  # no import at run time: the local backend must not pay for (
     from engine.grammar import GrammarCompiler
     from engine.request import SamplingParams
     from engine.streams import RequestStream
-    from engine.streamers import RequestTextStreamer
 
 BACKENDS = ("local", "ray", "openai")
 
@@ -73,10 +72,6 @@ class EngineClient(Protocol):
                     client: str | None = None) -> "RequestStream": ...
 
     async def wait_admitted(self, stream: "RequestStream", timeout: float | None = None) -> None: ...
-
-    def text_streamer(self, prompt_token_ids: list[int], params: "SamplingParams", request_id: str | None = None,
-                      timeout: float | None = None, session: str | None = None,
-                      client: str | None = None) -> "RequestTextStreamer": ...
 
     def abort(self, request_id: str) -> bool: ...
 

@@ -62,10 +62,6 @@ class LocalEngine(AsyncEngine):
         """`session` is for backends with several replicas; one engine has one prefix cache."""
         return super().add_request(prompt_token_ids, params, request_id, prior_output_ids, client)
 
-    def text_streamer(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                      timeout: float | None = None, session: str | None = None, client: str | None = None):
-        return super().text_streamer(prompt_token_ids, params, request_id, timeout, client)
-
     async def wait_admitted(self, stream, timeout: float | None = None) -> None:
         return None  # add_request already admitted it or raised
 

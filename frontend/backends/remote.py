@@ -3,9 +3,8 @@
 The front keeps the tokenizer and everything else a route needs; a request's outputs come from
 another process. One thread runs an event loop of its own (`rill-<backend>`): a pump task per
 request reads the remote stream there and hands each batch of `RequestOutput`s to the request's
-consumer exactly as the local engine thread does (`RequestStream` through its event loop, the
-page's `RequestTextStreamer` through its queue), so the routes and the page read the same
-objects whichever backend runs.
+consumer exactly as the local engine thread does (its `RequestStream`, through its event loop),
+so the routes and the page read the same objects whichever backend runs.
 
 A subclass gives `_open(...)`: an async generator that yields `Admitted` once the engine took
 the request (or raises `Refused`), then lists of `RequestOutput`, and stops the remote request
@@ -29,11 +28,8 @@ from engine.chat_template import encode_chat
 from engine.core import EngineStats
 from engine.request import FinishReason, InvalidRequest, QueueFull, RequestOutput, SamplingParams, new_request_id
 from engine.streams import RequestStream, deliver_batch
-from engine.streamers import RequestTextStreamer, check_one_sample
 
 log = logging.getLogger("rill.backend")
-
-ADMIT_TIMEOUT_S = 60.0  # the page's thread waits this long at most for the remote to take a request
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +59,7 @@ class _Relay:
     """One request being relayed: its consumer and where it stands."""
 
     request_id: str
-    sink: object  # RequestStream or RequestTextStreamer (the consumer's side)
+    sink: RequestStream  # the consumer's side
     n: int
     num_prompt_tokens: int
     arrival_time: float  # time.monotonic() here, when add_request was called
@@ -163,22 +159,6 @@ class RemoteEngine:
         (this front is one of them), so the local engine's fair shares do not reach through."""
         return self._admit(prompt_token_ids, params, request_id, lambda rid: RequestStream(self, rid, params.n),
                            prior_output_ids, session)
-
-    def text_streamer(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                      timeout: float | None = None, session: str | None = None,
-                      client: str | None = None) -> RequestTextStreamer:
-        """For a thread (the page's generator): returns once the remote took the request, or raises
-        its refusal (InvalidRequest, QueueFull, RuntimeError) like the local engine does."""
-        check_one_sample(params)
-        streamer = self._admit(prompt_token_ids, params, request_id,
-                               lambda rid: RequestTextStreamer(self, rid, self.tokenizer, timeout), (), session)
-        try:
-            streamer._admission.result(timeout=ADMIT_TIMEOUT_S)
-        except concurrent.futures.TimeoutError:
-            self.abort(streamer.request_id)
-            raise EngineNotRunning(f"The engine did not take the request within {ADMIT_TIMEOUT_S:g} s. "
-                                   "Try again in a moment.") from None
-        return streamer
 
     async def wait_admitted(self, stream, timeout: float | None = None) -> None:
         """Raises the remote's refusal; TimeoutError after `timeout` s (the request is aborted)."""
@@ -302,13 +282,8 @@ class RemoteEngine:
     @staticmethod
     def _hand_over(relay: _Relay, outputs: list[RequestOutput]) -> None:
         sink = relay.sink
-        loop = sink._loop if isinstance(sink, RequestStream) else None
         try:
-            if loop is not None:
-                loop.call_soon_threadsafe(deliver_batch, [(sink, out) for out in outputs])
-            else:
-                for out in outputs:
-                    sink._on_output(out)
+            sink._loop.call_soon_threadsafe(deliver_batch, [(sink, out) for out in outputs])
         except RuntimeError:  # the consumer's event loop is closed: nobody reads this request
             if relay.task is not None:
                 relay.task.cancel()
