@@ -79,6 +79,18 @@ def serve(app, settings: Settings, engine=None) -> int:
         original(sig, frame)
 
     server.handle_exit = handle_exit
+    begin_shutdown = server.shutdown
+
+    async def shutdown(sockets=None):
+        # Gradio's session heartbeats (a stream per open page or gradio_client) end only on its app's
+        # stop_event: set as shutdown begins, else an open page holds the exit for --shutdown-timeout.
+        for route in app.routes:
+            stop_event = getattr(getattr(route, "app", None), "stop_event", None)
+            if stop_event is not None:
+                stop_event.set()
+        await begin_shutdown(sockets)
+
+    server.shutdown = shutdown
     engine_failed = threading.Event()
 
     def on_fatal(exc):  # the engine thread

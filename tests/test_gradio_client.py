@@ -4,6 +4,8 @@ an API key, closed to a client without it and open to one that logs in with it."
 
 from __future__ import annotations
 
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -147,10 +149,10 @@ def _wakeups(pid: int) -> int:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_an_idle_page_does_not_wake_the_event_loop_a_hundred_times_a_second(tiny_llama_path):
+def test_an_idle_page_does_not_wake_the_event_loop_a_hundred_times_a_second_nor_hold_the_exit(tiny_llama_path):
     # Gradio's queue polls for new events every 1 ms (10 ms in earlier rill), and each wake-up of
     # the loop takes a core from the engine's threads; unused, the page polls every 100 ms.
-    with run_server("--model", str(tiny_llama_path)) as server:
+    with run_server("--model", str(tiny_llama_path), "--shutdown-timeout", "120") as server:
         pid = server.process.pid
         time.sleep(2)
         before, start = _wakeups(pid), time.monotonic()
@@ -160,3 +162,11 @@ def test_an_idle_page_does_not_wake_the_event_loop_a_hundred_times_a_second(tiny
         client = Client(server.url + "/", verbose=False)  # and a visitor is still answered
         answer = client.predict(message="Tell me a joke.", history=[], **GREEDY, max_new_tokens=8, api_name="/chat")
         assert answer == chat_greedy(server.url, [{"role": "user", "content": "Tell me a joke."}], 8)
+        # the visitor's session heartbeat (an open stream) ends as shutdown begins: it does not hold the
+        # exit for the --shutdown-timeout that running answers get
+        server.process.send_signal(signal.SIGTERM)
+        try:
+            assert server.process.wait(60) == 0
+        except subprocess.TimeoutExpired:
+            raise AssertionError("an open page held the SIGTERM'd server past 60 s") from None
+        client.close()
