@@ -332,6 +332,32 @@ def test_greedy_with_a_draft_model_equals_generate(few, near, other_draft, arch,
     assert drafter.allocator.num_free == drafter.num_kv_blocks and not drafter.shadows
 
 
+def as_bfloat16(src: Path, dst: Path) -> Path:
+    """`src` saved with bfloat16 weights, as a Hub checkpoint is published."""
+    if not (dst / "config.json").exists():
+        AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).to(torch.bfloat16).save_pretrained(dst)
+        AutoTokenizer.from_pretrained(src).save_pretrained(dst)
+    return dst
+
+
+def test_a_bfloat16_checkpoint_drafts_for_one_with_its_weights_kept(few, near, tmp_path):
+    """Target and draft both bfloat16 folders: both loaded lean onto the 16-bit panels, the
+    tokens of `generate` on the target (its bfloat16 weights widened, exactly), guesses accepted and
+    rolled back."""
+    target, draft = as_bfloat16(few(), tmp_path / "target"), as_bfloat16(near(), tmp_path / "draft")
+    prompts = prompts_of((5, 30, 100, 200))
+    refs = generate_reference(target, prompts, 40)
+    got, llm = run(target, prompts, SamplingParams(max_tokens=40, temperature=0), speculative="draft",
+                   draft_model=str(draft), speculative_max_seqs=8, max_num_batched_tokens=64)
+    assert got == refs
+    drafter = llm.core.speculator.drafter
+    for model in (llm.core.model, drafter.runner.model):
+        panels = [m.panels for m in model.modules() if getattr(m, "panels", None) is not None]
+        assert panels and all(p.dtype == torch.bfloat16 for p in panels)
+    stats = llm.core.stats()
+    assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
+
+
 def test_the_draft_model_computes_each_prompt_once_beside_the_target(few):
     """A prompt's tokens go through the draft in the steps the target computes them (chunks of the
     step's budget), never again: after that each step's first draft forward takes only the tokens
