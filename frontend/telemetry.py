@@ -40,6 +40,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import (CollectorRegistry, Counter, Histogram, disable_created_metrics,
                                generate_latest)
@@ -47,7 +48,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from frontend.recent import RecentActivity, RecentWindow
 
-disable_created_metrics()  # no `*_created` series: a scrape shows only what the README lists
+if TYPE_CHECKING:
+    from engine.request import RequestOutput
+
+disable_created_metrics()  # no `*_created` series: a scrape shows only what docs/operations.md lists
 
 request_logger = logging.getLogger("rill.request")
 
@@ -56,7 +60,7 @@ INTER_TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
 REQUEST_LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
 TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 4000, 8000, 16000, 32000)
 
-# (name, type, help) of every series /metrics exposes; the README's table is made from this list.
+# (name, type, help) of every series /metrics exposes (exactly these: tests/test_metrics.py), as docs/operations.md lists them.
 METRICS_DOC: tuple[tuple[str, str, str], ...] = (
     ("rill_requests_running", "gauge", "requests the engine is running now (in the batch)"),
     ("rill_requests_waiting", "gauge", "requests waiting for a batch slot or KV blocks"),
@@ -136,8 +140,8 @@ class _EngineCollector:
         yield _family("rill_engine_steps_total", stats.num_steps)
         yield _family("rill_prefix_cache_queried_tokens_total", stats.prefix_cache_queried_tokens)
         yield _family("rill_prefix_cache_hit_tokens_total", stats.prefix_cache_hit_tokens)
-        yield _family("rill_spec_draft_tokens_total", getattr(stats, "spec_draft_tokens", 0))
-        yield _family("rill_spec_accepted_tokens_total", getattr(stats, "spec_accepted_tokens", 0))
+        yield _family("rill_spec_draft_tokens_total", stats.spec_draft_tokens)
+        yield _family("rill_spec_accepted_tokens_total", stats.spec_accepted_tokens)
 
 
 _DOC = {name: (kind, text) for name, kind, text in METRICS_DOC}
@@ -337,15 +341,11 @@ class RequestMetrics:
         return generate_latest(self.registry)
 
 
-def queue_time_of(source) -> float | None:
-    """Seconds a request waited before it was first scheduled, from an engine output or streamer:
-    its `queue_time`, or `scheduled_time - arrival_time` (monotonic); None when it does not say."""
-    queue_time = getattr(source, "queue_time", None)
-    if queue_time is not None:
-        return max(0.0, float(queue_time))
-    scheduled, arrival = getattr(source, "scheduled_time", None), getattr(source, "arrival_time", None)
-    if scheduled is not None and arrival:
-        return max(0.0, scheduled - arrival)
+def queue_time_of(out: RequestOutput) -> float | None:
+    """Seconds a request waited before it was first scheduled (`scheduled_time - arrival_time`,
+    monotonic); None while its outputs do not say."""
+    if out.scheduled_time is not None and out.arrival_time:
+        return max(0.0, out.scheduled_time - out.arrival_time)
     return None
 
 
@@ -365,7 +365,7 @@ class _DeltaState:
         if tracker.queue_time is None:
             tracker.queue_time = queue_time_of(out)
         if out.token_ids:
-            tracker.tokens(len(out.token_ids), first_token_time=getattr(out, "first_token_time", None))
+            tracker.tokens(len(out.token_ids), first_token_time=out.first_token_time)
         if out.finished:
             self.reasons[out.index] = _reason_name(out.finish_reason)
             if out.error:

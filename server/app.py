@@ -41,7 +41,7 @@ def _engine_stats(engine) -> dict:
         "spec_accepted_tokens": stats.spec_accepted_tokens,
         "prompt_tokens_total": stats.prompt_tokens_total,
         "generation_tokens_total": stats.generation_tokens_total,
-        "finished_total": {getattr(k, "value", str(k)): v for k, v in dict(stats.finished_total).items()},
+        "finished_total": dict(stats.finished_total),
     }
 
 

@@ -29,6 +29,8 @@ class _Stats:
     finished_total: dict = field(default_factory=dict)
     prefix_cache_queried_tokens: int = 50
     prefix_cache_hit_tokens: int = 32
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 class _Engine:

@@ -40,6 +40,8 @@ class FakeStats:
     finished_total: dict = field(default_factory=dict)
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 class FakeRequest:

@@ -139,7 +139,7 @@ class AnswerStats:
             self.reasoning_s = now - self.thought_start
             self.thinking = not (out.text or out.finished)
         if out.finished:
-            self.finish_reason = str(getattr(out.finish_reason, "value", out.finish_reason))
+            self.finish_reason = out.finish_reason.value
 
 
 async def stream_answer(engine, defaults: RequestDefaults, history: list[dict], message, settings: ChatSettings, *,

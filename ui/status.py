@@ -47,7 +47,7 @@ def status_markdown(engine, recent) -> str:
         ("Prompt tokens served from the prefix cache (since start)",
          f"{stats.prefix_cache_hit_tokens} of {stats.prefix_cache_queried_tokens}"),
         ("Guessed tokens the model accepted (speculative decoding, since start)",
-         f"{getattr(stats, 'spec_accepted_tokens', 0)} of {getattr(stats, 'spec_draft_tokens', 0)}"),
+         f"{stats.spec_accepted_tokens} of {stats.spec_draft_tokens}"),
     ]
     lines = ["| | now |", "|---|---|"] + [f"| {name} | {value} |" for name, value in rows]
     return "\n".join(lines)
