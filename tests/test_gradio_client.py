@@ -90,7 +90,7 @@ def test_embedded_model_answers_right_at_the_defaults(embedded_server):
     """No settings at all: the page's defaults, the API's (the embedded GGUF has no generation config:
     rill's greedy), shown on the sliders and as /chat's parameter defaults. The embedded model's first
     word to CAPITAL is a near tie ("The" 0.152, "L" 0.140): sampled, about half the answers were
-    "L'Étoile, ..." (docs/benchmarks-history.md, session 35); greedy says Paris every time."""
+    "L'Étoile, ..." (docs/benchmarks-history.md); greedy says Paris every time."""
     client = Client(embedded_server.url + "/", verbose=False)
     parameters = client.view_api(return_format="dict", print_info=False)["named_endpoints"]["/chat"]["parameters"]
     defaults = {p["parameter_name"]: p.get("parameter_default") for p in parameters}
