@@ -6,6 +6,7 @@ yields a `ServerProcess` (base `url`, the process, its log). Session fixtures sh
 - `tiny_server`: a tiny random Llama (tests/tiny_models.py), test hooks on.
 - `embedded_server`: the embedded SmolLM2-135M-Instruct (tests using it are marked `embedded`).
 - `server_with(*flags)`: a tiny-Llama server with extra flags, started once per distinct flag set.
+- `feedback_server`: a tiny-Llama server keeping the page's likes in a folder of the session's.
 
 Also the wire helpers the tests share: an SSE parser that keeps the raw bytes, and `health()`.
 """
@@ -201,6 +202,18 @@ def tiny_server(server_with) -> ServerProcess:
     return server_with(*TINY_SERVER_FLAGS)
 
 
+# a resume window of a minute (a reader away that long), records within 200,000 bytes (tests/test_security_limits.py)
+LONG_RESUME_FLAGS = ("--resume-max-bytes", "200000", "--resume-window", "60")
+
+
+@pytest.fixture(scope="session")
+def feedback_server(server_with, tmp_path_factory) -> tuple[ServerProcess, Path]:
+    """A tiny-Llama server that keeps the page's likes in a folder of the session's (`--feedback-dir`),
+    answers of 12 tokens at most; and that folder. Shared by the modules that read what the page writes."""
+    folder = tmp_path_factory.mktemp("feedback")
+    return server_with("--feedback-dir", str(folder), "--max-new-tokens", "12"), folder
+
+
 @pytest.fixture(scope="session")
 def embedded_server(_server_pool) -> ServerProcess:
     """The embedded SmolLM2-135M-Instruct, default settings."""
@@ -216,7 +229,7 @@ def pytest_collection_modifyitems(config, items):
         names = getattr(item, "fixturenames", ())
         if "embedded_server" in names:
             item.add_marker(pytest.mark.embedded)
-        if any(n in names for n in ("embedded_server", "tiny_server", "server_with")):
+        if any(n in names for n in ("embedded_server", "tiny_server", "server_with", "feedback_server")):
             item.add_marker(pytest.mark.server)
 
 

@@ -313,11 +313,6 @@ def test_status_tab_shows_the_load(visitor, embedded_server, shots):
     assert visitor.dialogs == [] and visitor.foreign_requests == []
 
 
-@pytest.fixture(scope="module")
-def feedback_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("feedback")
-
-
 class Conversations:
     """The conversation bar of a `Page`: Gradio 6's Dropdown renders its options (`li[role=option]`,
     the title in `aria-label`, a "✓" before the selected one's text) only while open, and an open
@@ -359,11 +354,13 @@ def finished_answers(url: str) -> float:
                for reason in ("stop", "length"))
 
 
-def test_conversations_edit_like_and_export(browser, server_with, feedback_dir):
+def test_conversations_edit_like_and_export(browser, feedback_server):
     """Conversations kept in the browser across a reload (new, switch, rename, delete), a sent message
     edited and answered again, a like written to the feedback folder, a conversation exported as JSON.
     The tiny Llama, 12-token answers: these are the page's behaviours, not the model's."""
-    server = server_with("--feedback-dir", str(feedback_dir), "--max-new-tokens", "12")
+    server, feedback_dir = feedback_server
+    feedback = feedback_dir / "feedback.jsonl"
+    liked_before = len(feedback.read_text().splitlines()) if feedback.is_file() else 0  # the folder is shared
     wait_idle(server.url, timeout=WAIT_S)
     visitor = Page(browser, server.url)
     page, bar = visitor.page, Conversations(visitor.page)
@@ -415,10 +412,10 @@ def test_conversations_edit_like_and_export(browser, server_with, feedback_dir):
 
         bots.last.hover()
         page.click("#rill-chatbot button[aria-label='Like']")
-        feedback = feedback_dir / "feedback.jsonl"
-        lines = until(lambda: feedback.is_file() and feedback.read_text().splitlines(), message="a feedback line")
+        lines = until(lambda: feedback.is_file() and feedback.read_text().splitlines()[liked_before:],
+                      message="a feedback line")
         time.sleep(0.5)
-        assert len(feedback.read_text().splitlines()) == 1, "one like, one line"
+        assert len(feedback.read_text().splitlines()) == liked_before + 1, "one like, one line"
         record = json.loads(lines[0])
         assert record["rating"] == "like" and record["model"] == server.health()["model"]
         assert record["conversation"] == [{"role": "user", "content": "edited message"}]

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.servers import SSEReader, chat_text, parse_sse, slow_steps, usage_of, wait_idle
+from tests.servers import LONG_RESUME_FLAGS, SSEReader, chat_text, parse_sse, slow_steps, usage_of, wait_idle
 
 STALLED_READERS = 3
 SMALL_RCVBUF = 4096  # bytes: the client's window stays tiny, so the server's sends block at once
@@ -177,7 +177,7 @@ def test_with_a_key_health_and_metrics_show_no_counters_to_a_caller_without_it(s
 def test_a_resume_whose_grammar_the_cache_dropped_never_stalls_another_stream(server_with):
     """The resumed request's grammar compiles again (held here until the other stream ended): it
     must not hold the engine thread, so the other stream produces every token meanwhile."""
-    url = server_with("--resume-window", "60").url
+    url = server_with(*LONG_RESUME_FLAGS).url  # a window of 60 s (its record is far below the bytes it allows)
     with slow_steps(url, 0.05):
         with httpx.stream("POST", f"{url}/chat", timeout=60, json={
                 "prompt": "Count", "regex": "(yes|no)( (yes|no)){0,60}", "max_new_tokens": 40,

@@ -27,13 +27,13 @@ TIMEOUT_S = 60
 
 
 @pytest.fixture(scope="module")
-def feedback_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("security-feedback")
+def feedback_dir(feedback_server) -> Path:
+    return feedback_server[1]
 
 
 @pytest.fixture(scope="module")
-def server(server_with, feedback_dir):
-    return server_with("--feedback-dir", str(feedback_dir), "--max-new-tokens", "12")
+def server(feedback_server):
+    return feedback_server[0]
 
 
 class PageSession:

@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from server.schemas import MAX_ANSWER_ENTRIES, MAX_SCHEMA_DEPTH, check_answer_budget
+from tests.servers import LONG_RESUME_FLAGS
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -73,7 +74,7 @@ def test_one_choice_of_the_whole_context_is_never_refused(context):
 
 # --------------------------------------------------------------------------- item 8: resume records
 
-RESUME_MAX_BYTES = 200_000
+RESUME_MAX_BYTES = int(LONG_RESUME_FLAGS[LONG_RESUME_FLAGS.index("--resume-max-bytes") + 1])  # 200,000
 
 
 def _chat_stream(server, constraint_chars: int, label: str) -> httpx.Response:
@@ -87,7 +88,7 @@ def _chat_stream(server, constraint_chars: int, label: str) -> httpx.Response:
 
 
 def test_resume_records_count_their_constraint_within_resume_max_bytes(server_with):
-    server = server_with("--resume-max-bytes", str(RESUME_MAX_BYTES), "--resume-window", "60")
+    server = server_with(*LONG_RESUME_FLAGS)
     small = _chat_stream(server, 120_000, "resume-47-a")
     assert small.headers.get("x-resume-token")
     held = httpx.get(f"{server.url}/health", timeout=30).json()["resumable_bytes"]
