@@ -111,8 +111,9 @@ class PageHandlers:
     admitted as the routes admit theirs (--request-timeout, fair share, metrics)."""
 
     def __init__(self, engine, metrics: RequestMetrics, defaults: RequestDefaults, request_timeout: float = 0.0,
-                 salt_sessions: bool = False, served=None):
+                 salt_sessions: bool = False, served=None, models=None):
         self.engine, self.metrics = engine, metrics
+        self.models = models  # frontend/models.py ModelRegistry: the default model is held while it answers
         self.served = served  # ui/feedback.py ServedAnswers: what each session was streamed (kept for ratings)
         self.defaults = defaults  # what unset fields take; the sliders and the `/chat` API start there
         self.request_timeout = request_timeout
@@ -129,12 +130,20 @@ class PageHandlers:
     async def answer(self, messages: list[dict], message: str, settings: ChatSettings, request, *,
                      route: str = ROUTE, warn=None, watch=None):
         """(text so far, stats) of the answer; every refusal or failure raised as `page_error` has it."""
+        held = None
         try:
-            async for update in stream_answer(self.engine, self.defaults, messages, message, settings,
+            engine = self.engine
+            if self.models is not None:  # the default model, loaded again if it was unloaded meanwhile
+                held = await self.models.acquire(None)
+                engine = held.engine
+            async for update in stream_answer(engine, self.defaults, messages, message, settings,
                                               admission=self.admission(request, route), warn=warn, watch=watch):
                 yield update
         except Exception as exc:
             raise page_error(exc, self.metrics, route) from None
+        finally:
+            if held is not None:
+                self.models.release(held)
 
     async def respond(self, history, system_prompt, temperature, top_p, top_k, max_new_tokens, repetition_penalty,
                       output_format, json_schema, thinking_budget, request: gr.Request):

@@ -143,7 +143,7 @@ def _wire_status(chat_tab, status_tab, ui: SimpleNamespace, handlers: PageHandle
 
 
 def build_demo(engine, settings=None, metrics: RequestMetrics | None = None,
-               defaults: RequestDefaults | None = None) -> gr.Blocks:
+               defaults: RequestDefaults | None = None, models=None) -> gr.Blocks:
     """The page for `engine`; queue already enabled (this function calls `demo.queue(...)`).
 
     `settings` is app.py's settings object (read with getattr: `max_num_seqs`, `max_queue`,
@@ -151,6 +151,7 @@ def build_demo(engine, settings=None, metrics: RequestMetrics | None = None,
     (server/app.py's `request_defaults`; the model's over rill's if not given). `metrics` is what `server.metrics.install_metrics`
     returned: the page's requests are recorded under route "gradio" and the status tab reads its
     recent window; without it the page keeps a private recorder (status then shows page traffic only).
+    `models`: frontend/models.py's registry: each answer holds the default model (loaded again if it was unloaded).
 
     Mount with `gr.mount_gradio_app(app, demo, path="/", **ui.MOUNT_KWARGS)` after the other routes (the
     page CSS travels in MOUNT_KWARGS: Gradio 6 takes CSS at mount time); do not call
@@ -170,7 +171,7 @@ def build_demo(engine, settings=None, metrics: RequestMetrics | None = None,
     feedback = FeedbackLog(folder, model_name) if folder is not None else None
     handlers = PageHandlers(engine, metrics, defaults, float(getattr(settings, "request_timeout", 0.0) or 0.0),
                             salt_sessions=bool(getattr(settings, "cache_salt_per_session", False)),
-                            served=feedback.served if feedback is not None else None)
+                            served=feedback.served if feedback is not None else None, models=models)
 
     # delete_cache: files in Gradio's cache (uploads) older than an hour are deleted every hour
     with gr.Blocks(title=f"rill · {model_name}", fill_height=False, delete_cache=(3600, 3600)) as demo:
