@@ -336,7 +336,8 @@ class ModelRegistry:
         """POST /models/unload: a 409 while it runs requests or is pinned (nothing is cut)."""
         entry = self.resolve(name)
         if entry.pinned:
-            raise ApiError(409, f"The model `{entry.name}` is pinned (--pin): it stays loaded.", param="model",
+            why = "pinned (--pin)" if self.several else "the only model this server serves"
+            raise ApiError(409, f"The model `{entry.name}` is {why}: it stays loaded.", param="model",
                            code="model_pinned")
         if entry.state == "loading":
             raise ApiError(409, f"The model `{entry.name}` is loading; unload it once it is loaded.", param="model",
@@ -351,8 +352,14 @@ class ModelRegistry:
     # ---- the idle timer -------------------------------------------------------------------
 
     def _start_sweeper(self) -> None:
-        if self.ttl > 0 and self._sweeper is None:
-            self._sweeper = asyncio.ensure_future(self._sweep())
+        """On the server's event loop (the first request or /health starts it; never at build time)."""
+        if self.ttl <= 0 or self._sweeper is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop runs (the page being built): the next call starts it
+            return
+        self._sweeper = loop.create_task(self._sweep())
 
     async def _sweep(self) -> None:
         """Every loaded, unpinned model idle for --model-ttl seconds is unloaded."""
@@ -440,6 +447,23 @@ class ModelView:
     def alive(self) -> bool:  # an unloaded model can serve: a request loads it
         engine = self._entry.engine
         return True if engine is None else engine.alive
+
+    def stats(self):
+        """The engine's; an unloaded model runs nothing (its KV cache is gone with it)."""
+        if self._entry.engine is None:
+            from engine.core import EngineStats
+
+            return EngineStats(0, 0, 0.0, 0, 0, 0, 0, 0, 0)
+        return self._entry.engine.stats()
+
+    def health_info(self) -> dict:
+        engine = self._entry.engine
+        return {"backend": "local", "loaded": False} if engine is None else engine.health_info()
+
+    backend = "local"  # several models run on the local backend only (frontend/options.py)
+
+    def replica_stats(self) -> list[dict]:
+        return []
 
     def _engine(self):
         engine = self._entry.engine

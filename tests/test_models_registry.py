@@ -90,3 +90,34 @@ def test_flags_naming_no_served_model_are_refused():
         ModelRegistry([ModelEntry("a", "a")], Settings(), build=FakeEngine, default="z")
     with pytest.raises(ValueError, match="--models-max allows 1"):
         registry(models_max=1, pin=("a", "b"))
+
+
+def test_the_default_models_view_follows_its_engine_through_an_unload_and_a_reload():
+    async def run():
+        reg = registry(models_max=1)
+        view = reg.start()  # the default (a) loaded now; several models: a view of it
+        first = reg.entries[0].engine
+        view.on_fatal = "app's hook"
+        reg.release(await reg.acquire("b"))  # a unloaded to make room
+        unloaded = (view.alive, view.stats().num_running, view.model_name, view.max_model_len, first.stopped)
+        with pytest.raises(RuntimeError, match="`a` is not loaded"):
+            view.add_request([1], None)
+        reg.release(await reg.acquire(None))
+        return unloaded, reg.entries[0].engine, first
+
+    (alive, running, name, context, stopped), second, first = asyncio.run(run())
+    assert (alive, running, name, context, stopped) == (True, 0, "a", 64, True)
+    assert second is not first and second.on_fatal == "app's hook"  # a reload gets app.py's hook too
+
+
+def test_the_idle_timer_unloads_even_when_the_list_was_read_before_the_server_ran():
+    reg = registry(models_max=2, model_ttl=0.2)
+    reg.snapshot()  # the page reads the models' states while it is built, before any event loop runs
+
+    async def run():
+        reg.release(await reg.acquire("b"))
+        loaded = reg.entries[1].state
+        await asyncio.sleep(1.5)
+        return loaded, reg.entries[1].state
+
+    assert asyncio.run(run()) == ("loaded", "unloaded")

@@ -216,3 +216,23 @@ def test_an_idle_model_is_unloaded_after_the_ttl(client):
         assert time.monotonic() < deadline, "--model-ttl did not unload the idle model"
         time.sleep(0.5)
     assert states(client)["qwen2"] == "unloaded"
+
+
+def test_gradio_client_picks_the_model_by_its_model_argument(server, client):
+    from gradio_client import Client
+
+    page = Client(server.url + "/", auth=("any-user-name", KEY), verbose=False)
+    parameters = page.view_api(return_format="dict", print_info=False)["named_endpoints"]["/chat"]["parameters"]
+    model = parameters[-1]
+    assert model["parameter_name"] == "model" and model["parameter_default"] == "llama"
+    complete(client, "llama")  # qwen2 unloaded: the page's message loads it
+    greedy = dict(system_prompt="", temperature=0.0, top_p=1.0, top_k=0, repetition_penalty=1.0)
+    answer = page.predict(message="Tell me a joke.", history=[], **greedy, max_new_tokens=6, model="qwen2",
+                          api_name="/chat")
+    chat = client.post("/chat", json={"model": "qwen2", "prompt": "Tell me a joke.", "temperature": 0,
+                                      "max_new_tokens": 6, "stream": False}).json()["response"]
+    default = client.post("/chat", json={"prompt": "Tell me a joke.", "temperature": 0, "max_new_tokens": 6,
+                                         "stream": False}).json()["response"]
+    assert answer == chat and answer != default
+    assert page.predict(message="Tell me a joke.", history=[], **greedy, max_new_tokens=6,
+                        api_name="/chat") == default  # no model: the default

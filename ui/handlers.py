@@ -128,13 +128,13 @@ class PageHandlers:
         return dict(timeout=self.request_timeout, metrics=self.metrics, route=route, client=page_client(request))
 
     async def answer(self, messages: list[dict], message: str, settings: ChatSettings, request, *,
-                     route: str = ROUTE, warn=None, watch=None):
+                     route: str = ROUTE, warn=None, watch=None, model: str | None = None):
         """(text so far, stats) of the answer; every refusal or failure raised as `page_error` has it."""
         held = None
         try:
             engine = self.engine
-            if self.models is not None:  # the default model, loaded again if it was unloaded meanwhile
-                held = await self.models.acquire(None)
+            if self.models is not None:  # the model picked (None: the default), loaded if it is not
+                held = await self.models.acquire(model)
                 engine = held.engine
             async for update in stream_answer(engine, self.defaults, messages, message, settings,
                                               admission=self.admission(request, route), warn=warn, watch=watch):
@@ -146,7 +146,7 @@ class PageHandlers:
                 self.models.release(held)
 
     async def respond(self, history, system_prompt, temperature, top_p, top_k, max_new_tokens, repetition_penalty,
-                      output_format, json_schema, thinking_budget, request: gr.Request):
+                      output_format, json_schema, thinking_budget, model, request: gr.Request):
         """The page's generator: answers the last user message of `history`, streaming."""
         history = list(history or [])
         if not history or not isinstance(history[-1], dict) or history[-1].get("role") != "user":
@@ -165,7 +165,7 @@ class PageHandlers:
         shown: list[dict] = []
         try:
             async for text, stats in self.answer(messages, message, chat_settings, request, warn=gr.Warning,
-                                                 watch=self.visitors.watcher(request)):
+                                                 watch=self.visitors.watcher(request), model=model or None):
                 shown = answer_messages(text, stats, fmt)
                 yield history + shown, stats.markdown()
         finally:  # also when Stop closed it: what was streamed so far is what the visitor may rate
@@ -174,9 +174,22 @@ class PageHandlers:
                                 messages + [{"role": "user", "content": message}])
 
     def api_chat(self):
-        """The `/chat` API function (its signature and docstring are what gradio_client shows)."""
+        """The `/chat` API function (its signature and docstring are what gradio_client shows); with
+        several models it takes `model` last (a name of GET /v1/models; empty: the default)."""
         defaults, session_salt, answer = self.defaults.resolved(), self.session_salt, self.answer
         metrics, max_new = self.metrics, self.defaults.max_new_tokens
+
+        async def run(message, history, system_prompt, temperature, top_p, top_k, max_new_tokens, repetition_penalty,
+                      request, model=None):
+            chat_settings = ChatSettings(system_prompt or "", temperature, top_p, top_k, max_new_tokens,
+                                         repetition_penalty, cache_salt=session_salt(request))
+            try:
+                messages = to_engine_messages(history, escaped=False)
+            except ChatError as exc:
+                raise page_error(exc, metrics) from None
+            async for text, _stats in answer(messages, message, chat_settings, request, warn=gr.Warning,
+                                             model=model or None):
+                yield text
 
         async def chat(message: str, history: list[dict] | None = None, system_prompt: str = "",
                        temperature: float = defaults["temperature"], top_p: float = defaults["top_p"],
@@ -188,16 +201,32 @@ class PageHandlers:
             system_prompt: empty = the model's default. temperature: 0 = greedy. top_k: 0 = off.
             Conversations longer than the context lose their oldest turns (a warning says so).
             """
-            chat_settings = ChatSettings(system_prompt or "", temperature, top_p, top_k, max_new_tokens,
-                                         repetition_penalty, cache_salt=session_salt(request))
-            try:
-                messages = to_engine_messages(history, escaped=False)
-            except ChatError as exc:
-                raise page_error(exc, metrics) from None
-            async for text, _stats in answer(messages, message, chat_settings, request, warn=gr.Warning):
+            async for text in run(message, history, system_prompt, temperature, top_p, top_k, max_new_tokens,
+                                  repetition_penalty, request):
                 yield text
 
-        return chat
+        if self.models is None:
+            return chat
+        default_model = self.models.default.name
+
+        async def chat_with_model(message: str, history: list[dict] | None = None, system_prompt: str = "",
+                                  temperature: float = defaults["temperature"], top_p: float = defaults["top_p"],
+                                  top_k: int = defaults["top_k"], max_new_tokens: int = max_new,
+                                  repetition_penalty: float = defaults["repetition_penalty"],
+                                  model: str = default_model, request: gr.Request = None) -> str:
+            """Streams the assistant's answer to `message` from `model` (the text so far on each update).
+
+            history: earlier messages, [{"role": "user" | "assistant", "content": "..."}] (oldest first).
+            system_prompt: empty = the model's default. temperature: 0 = greedy. top_k: 0 = off.
+            model: a model this server serves (GET /v1/models); it loads on its first message.
+            Conversations longer than the context lose their oldest turns (a warning says so).
+            """
+            async for text in run(message, history, system_prompt, temperature, top_p, top_k, max_new_tokens,
+                                  repetition_penalty, request, model):
+                yield text
+
+        chat_with_model.__name__ = "chat"
+        return chat_with_model
 
     @staticmethod
     def add_user_message(message, history):

@@ -37,9 +37,15 @@ def _header(engine, model_name: str) -> str:
 
 
 def _chat_tab(model_name: str, context: int, default_max_new: int, thinks: bool,
-              defaults: dict, feedback: bool) -> SimpleNamespace:
-    """The chat tab's components (inside an open `gr.Tab`); thumbs on answers when `feedback` is kept."""
+              defaults: dict, feedback: bool, models=None) -> SimpleNamespace:
+    """The chat tab's components (inside an open `gr.Tab`); thumbs on answers when `feedback` is kept;
+    a model picker when `models` (frontend/models.py's registry) serves several."""
     ui = SimpleNamespace(conversations=conversation_bar())
+    if models is not None:  # each model with its state; the conversation goes to the one picked
+        ui.model = gr.Dropdown(model_choices(models), value=models.default.name, label="Model", elem_id="rill-model",
+                               info="loaded on its first message; the least recently used may be unloaded")
+    else:
+        ui.model = gr.State(None)  # the one model
     ui.chatbot = gr.Chatbot(
         label=model_name, elem_id="rill-chatbot", height=520, layout="bubble", editable="user",
         buttons=["copy", "copy_all"], feedback_options=("Like", "Dislike") if feedback else None,
@@ -91,7 +97,12 @@ def _settings(ui: SimpleNamespace, context: int, default_max_new: int, thinks: b
     ui.output_format.change(lambda choice: gr.update(visible=choice == "JSON schema"), ui.output_format,
                             ui.json_schema, api_visibility="private", queue=False)
     ui.settings_inputs = [ui.system_prompt, ui.temperature, ui.top_p, ui.top_k, ui.max_new_tokens,
-                          ui.repetition_penalty, ui.output_format, ui.json_schema, ui.thinking_budget]
+                          ui.repetition_penalty, ui.output_format, ui.json_schema, ui.thinking_budget, ui.model]
+
+
+def model_choices(models) -> list[tuple[str, str]]:
+    """(label, name) of each model: "qwen2 · loaded"."""
+    return [(f"{m['id']} · {m['status']['value']}", m["id"]) for m in models.snapshot()]
 
 
 def _status_tab() -> SimpleNamespace:
@@ -179,11 +190,14 @@ def build_demo(engine, settings=None, metrics: RequestMetrics | None = None,
         with gr.Tabs():
             with gr.Tab("Chat", id="chat") as chat_tab:
                 chat_ui = _chat_tab(model_name, context, default_max_new, handlers.thinks, defaults.resolved(),
-                                    feedback is not None)
+                                    feedback is not None, models)
             with gr.Tab("Status", id="status") as status_tab:
                 status_ui = _status_tab()
         save = wire_conversations(demo, chat_ui.conversations, chat_ui.chatbot, chat_ui.answer_stats)
         _wire_chat(chat_ui, handlers, concurrency, save)
+        if models is not None:  # the states as they are now whenever the list is opened
+            chat_ui.model.focus(lambda: gr.Dropdown(choices=model_choices(models)), None, [chat_ui.model],
+                                api_visibility="private", queue=False)
         if feedback is not None:
             # no history posted: the record is what the server streamed (ui/feedback.py ServedAnswers);
             # queued, so a refused rating's warning reaches the visitor
