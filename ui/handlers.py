@@ -146,7 +146,7 @@ class PageHandlers:
                 self.models.release(held)
 
     async def respond(self, history, system_prompt, temperature, top_p, top_k, max_new_tokens, repetition_penalty,
-                      output_format, json_schema, thinking_budget, model, request: gr.Request):
+                      output_format, json_schema, thinking_budget, request: gr.Request, model: str | None = None):
         """The page's generator: answers the last user message of `history`, streaming."""
         history = list(history or [])
         if not history or not isinstance(history[-1], dict) or history[-1].get("role") != "user":

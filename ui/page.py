@@ -41,11 +41,10 @@ def _chat_tab(model_name: str, context: int, default_max_new: int, thinks: bool,
     """The chat tab's components (inside an open `gr.Tab`); thumbs on answers when `feedback` is kept;
     a model picker when `models` (frontend/models.py's registry) serves several."""
     ui = SimpleNamespace(conversations=conversation_bar())
+    ui.model = None  # one model: no picker, and the page's events take the inputs they always took
     if models is not None:  # each model with its state; the conversation goes to the one picked
         ui.model = gr.Dropdown(model_choices(models), value=models.default.name, label="Model", elem_id="rill-model",
                                info="loaded on its first message; the least recently used may be unloaded")
-    else:
-        ui.model = gr.State(None)  # the one model
     ui.chatbot = gr.Chatbot(
         label=model_name, elem_id="rill-chatbot", height=520, layout="bubble", editable="user",
         buttons=["copy", "copy_all"], feedback_options=("Like", "Dislike") if feedback else None,
@@ -97,7 +96,9 @@ def _settings(ui: SimpleNamespace, context: int, default_max_new: int, thinks: b
     ui.output_format.change(lambda choice: gr.update(visible=choice == "JSON schema"), ui.output_format,
                             ui.json_schema, api_visibility="private", queue=False)
     ui.settings_inputs = [ui.system_prompt, ui.temperature, ui.top_p, ui.top_k, ui.max_new_tokens,
-                          ui.repetition_penalty, ui.output_format, ui.json_schema, ui.thinking_budget, ui.model]
+                          ui.repetition_penalty, ui.output_format, ui.json_schema, ui.thinking_budget]
+    if ui.model is not None:  # `PageHandlers.respond` takes it after the request (Gradio puts that by position)
+        ui.settings_inputs.append(ui.model)
 
 
 def model_choices(models) -> list[tuple[str, str]]:
