@@ -31,7 +31,7 @@ log = logging.getLogger("rill")
 _LOGIN_MESSAGE = "This server needs its API key: any user name, the key as password."
 
 
-def build_app(engine, settings: Settings):
+def build_app(engine, settings: Settings, models=None):
     """FastAPI app with the API routes first, then the Gradio page at "/" (so /chat, /v1, /health win)."""
     import gradio as gr
 
@@ -39,9 +39,10 @@ def build_app(engine, settings: Settings):
     from server import create_app
     from server.middleware import guard_gradio, page_login
 
-    app = create_app(engine, settings)
+    app = create_app(engine, settings, models)
     # the page admits as the routes do: the same defaults, metrics and --request-timeout (queue set up there)
-    demo = ui.build_demo(engine, settings, metrics=app.state.metrics, defaults=app.state.request_defaults)
+    demo = ui.build_demo(engine, settings, metrics=app.state.metrics, defaults=app.state.request_defaults,
+                         models=app.state.models if app.state.models.several else None)
     # With an API key the page is closed too: its Gradio API reaches the same model as /chat.
     app = gr.mount_gradio_app(app, demo, path="/", auth=page_login(settings.api_key, settings.ui_auth),
                               auth_message=_LOGIN_MESSAGE if settings.api_key else None, server_name=settings.host,
@@ -116,11 +117,13 @@ def main(argv: list[str] | None = None) -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 <pid>: every thread's stack on stderr
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from engine.model.loading import ModelLoadError
-    from frontend.backends import BackendError, create_engine
+    from frontend.backends import BackendError
+    from frontend.models import ModelRegistry
 
     try:
         engine_config(settings)  # a bad engine setting stops here, before any model or Ray starts
-        engine = create_engine(settings)
+        models = ModelRegistry.from_settings(settings)  # every model named; the default (and pinned) loaded now
+        engine = models.start()
     except (ValueError, ModelLoadError, BackendError) as exc:
         fail(str(exc))
     except ModuleNotFoundError as exc:
@@ -128,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         fail("--backend ray needs Ray Serve: pip install -r requirements-ray.txt")
     try:
-        app = build_app(engine, settings)
+        app = build_app(engine, settings, models)
         # Everything built so far lives as long as the process: frozen out of the collector's sight,
         # a full collection walks only what requests create (pauses: docs/benchmarks-history.md).
         gc.collect()
@@ -137,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                  settings.port, settings.backend, engine.attention_path)
         status = serve(app, settings, engine)
     finally:
-        engine.shutdown()
+        models.shutdown()
     return status
 
 

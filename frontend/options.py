@@ -28,11 +28,13 @@ class Option:
     hidden: bool = False
 
 
-MODEL_OPTIONS = ("model_id", "dtype", "device", "quantize", "activations", "trust_remote_code")  # --help's groups
+MODEL_OPTIONS = ("model_id", "dtype", "device", "quantize", "activations", "trust_remote_code", "models_dir",
+                 "default_model", "models_autoload", "models_max", "model_ttl", "pin")  # --help's groups
 OPTIONS: tuple[Option, ...] = (
     # model
-    Option("--model", ("MODEL_ID",), "model_id", str, None,
-           "hub id, local folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)", "M"),
+    Option("--model", ("MODEL_ID",), "model_id", "append", None,
+           "hub id, local folder or .gguf file (default: the embedded SmolLM2-135M-Instruct); give it again "
+           "for several models, the first answering requests that name none", "M"),
     Option("--dtype", ("DTYPE",), "dtype", str, "auto", "auto | float32 | bfloat16 | float16", "D"),
     Option("--device", ("DEVICE",), "device", str, "auto", "auto | cpu | cuda | cuda:N", "D"),
     Option("--quantize", ("QUANTIZE",), "quantize", str, "auto",
@@ -43,6 +45,20 @@ OPTIONS: tuple[Option, ...] = (
            "products) | int8 (rounded per 32 inputs as llama.cpp does: faster, lossy)", "A"),
     Option("--trust-remote-code", ("TRUST_REMOTE_CODE",), "trust_remote_code", "bool", False,
            "run Python code shipped with a hub model (off unless asked)"),
+    Option("--models-dir", ("MODELS_DIR",), "models_dir", str, None,
+           "a folder whose .gguf files and model folders are served too, each by its file or folder name "
+           "(loaded when a request names it)", "DIR"),
+    Option("--default-model", ("DEFAULT_MODEL",), "default_model", str, None,
+           "the model that answers requests naming none (default: the first --model, else the first in "
+           "--models-dir)", "NAME"),
+    Option("--models-autoload", ("MODELS_AUTOLOAD",), "models_autoload", "bool", True,
+           "a request naming an unloaded model loads it; off: it gets a 400 until POST /models/load"),
+    Option("--models-max", ("MODELS_MAX",), "models_max", int, 4,
+           "models loaded at once at most: the least recently used idle one is unloaded to make room", "N"),
+    Option("--model-ttl", ("MODEL_TTL",), "model_ttl", float, 0.0,
+           "seconds a model may stay idle before it is unloaded (0 = never)", "S"),
+    Option("--pin", ("PIN",), "pin", "list", (),
+           "comma-separated models kept loaded (never unloaded by --model-ttl or to make room)", "NAME"),
     # server
     Option("--host", ("GRADIO_SERVER_NAME", "HOST"), "host", str, "127.0.0.1",
            "address to bind (a Space sets GRADIO_SERVER_NAME=0.0.0.0)", "H"),
@@ -221,7 +237,7 @@ def _parse_float(text: str) -> float:
 def _converter(kind):
     parse = {"size": parse_size, "bytes": parse_bytes, "auth": parse_auth, "bool": parse_bool, int: _parse_int,
              float: _parse_float, "list": lambda t: tuple(s.strip() for s in t.split(",") if s.strip()),
-             "ips": parse_ips}.get(kind)
+             "ips": parse_ips, "append": str}.get(kind)
     if parse is None:
         return kind
 
@@ -253,7 +269,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "backend" if opt.flag in _BACKEND_FLAGS else "server"]
         help_text = argparse.SUPPRESS if opt.hidden else (
             f"{opt.help} [{' or '.join(opt.env)}]" + (f" (default: {opt.default})" if opt.default not in (None, (), False) else ""))
-        if opt.kind == "bool":
+        if opt.kind == "append":  # --model: given again for each model
+            group.add_argument(opt.flag, dest=opt.dest, action="append", default=None, metavar=opt.metavar,
+                               help=help_text)
+        elif opt.kind == "bool":
             group.add_argument(opt.flag, dest=opt.dest, action=argparse.BooleanOptionalAction, default=None,
                                help=help_text)
         else:
@@ -279,6 +298,9 @@ def parse_settings(argv: list[str] | None = None, environ: dict[str, str] | None
                     except (ValueError, argparse.ArgumentTypeError) as exc:
                         parser.error(f"environment variable {name}: {exc}")
                     break
+        if opt.kind == "append" and value is not None:  # every --model (or MODEL_ID) in order; the first leads
+            values["models"] = tuple(value) if isinstance(value, list) else (value,)
+            value = values["models"][0]
         values[opt.dest] = opt.default if value is None else value
     _check_api_key(parser, args.api_key, environ.get("API_KEY"))
     try:
@@ -288,7 +310,8 @@ def parse_settings(argv: list[str] | None = None, environ: dict[str, str] | None
     for name, low in (("port", 0), ("max_num_seqs", 1), ("max_queue", 0), ("max_body_bytes", 1),
                       ("default_max_new_tokens", 1), ("block_size", 1), ("max_num_batched_tokens", 1),
                       ("resume_max_streams", 1), ("resume_max_bytes", 1),
-                      ("max_engine_restarts", 0), ("num_speculative_tokens", 1), ("speculative_max_seqs", 1)):
+                      ("max_engine_restarts", 0), ("num_speculative_tokens", 1), ("speculative_max_seqs", 1),
+                      ("models_max", 1)):
         if getattr(settings, name) < low:
             parser.error(f"--{name.replace('_', '-')} must be >= {low}. Given: {getattr(settings, name)}")
     from engine.config import KV_CACHE_DTYPES
@@ -300,12 +323,15 @@ def parse_settings(argv: list[str] | None = None, environ: dict[str, str] | None
         parser.error(f"--log-format must be text or json. Given: {settings.log_format!r}")
     if settings.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
         parser.error(f"--log-level must be debug, info, warning or error. Given: {settings.log_level!r}")
-    for name in ("request_timeout", "resume_window", "shutdown_timeout"):
+    for name in ("request_timeout", "resume_window", "shutdown_timeout", "model_ttl"):
         if getattr(settings, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be >= 0 seconds. Given: {getattr(settings, name)}")
     if not 0 < settings.port < 65536:
         parser.error(f"--port must be between 1 and 65535. Given: {settings.port}")
     _check_backend(parser, settings)
+    if (len(settings.models) > 1 or settings.models_dir) and settings.backend != "local":
+        parser.error(f"several models (--model given again, --models-dir) run on --backend local only. "
+                     f"Given: --backend {settings.backend}")
     return settings
 
 

@@ -16,6 +16,14 @@ class Settings:
     activations: str = "float32"  # of the quantized linears: float32 | int8
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     trust_remote_code: bool = False  # run code shipped with a hub model only when asked
+    # several models (frontend/models.py)
+    models: tuple[str, ...] = ()  # every --model given, in order (model_id is the first)
+    models_dir: str | None = None  # each .gguf file and model folder in it is a model, named by its name
+    default_model: str | None = None  # the model of requests that name none; None = the first
+    models_autoload: bool = True  # a request naming an unloaded model loads it
+    models_max: int = 4  # models loaded at once at most (the least recently used idle one makes room)
+    model_ttl: float = 0.0  # seconds idle before a model is unloaded; 0 = never
+    pin: tuple[str, ...] = ()  # models kept loaded
     # engine
     max_num_seqs: int = 64  # requests running in one batch at most
     max_queue: int = 256  # requests waiting for a slot at most; past it /chat and /v1 answer 429

@@ -22,7 +22,7 @@ from engine.request import FinishReason
 from frontend.admission import RequestFailed
 from frontend.request import ChatJob, Sampling, encode
 from server.reply_blocks import Block, ReplyBlocks
-from server.streaming import check_model, route_start, run_while_connected, start
+from server.streaming import route_start, run_while_connected, start
 from server.errors import BODY_FIELDS, error_body, internal_error_message, slow_reader_end
 from server.anthropic_schemas import CountTokensRequest, MessagesRequest
 from server.sse import event_stream_response
@@ -117,7 +117,7 @@ class MessageBuilder:
 
 @router.post("/messages")
 async def create_message(body: MessagesRequest, request: Request, x_request_id: str | None = Header(None)):
-    engine, request_id = route_start(request, body, x_request_id)
+    engine, request_id = await route_start(request, body, x_request_id)
     gens, prepared = await start(request, _job(body, body.sampling(), body.max_tokens), request_id, "v1_messages")
     gen = gens[0]
     blocks = ReplyBlocks(prepared.fmt)
@@ -155,7 +155,6 @@ async def create_message(body: MessagesRequest, request: Request, x_request_id: 
 
 @router.post("/messages/count_tokens")
 async def count_tokens(body: CountTokensRequest, request: Request):
-    state = request.app.state
-    check_model(state, body.model)
-    prompts, *_ = await encode(state.engine, _job(body))
+    engine, _ = await route_start(request, body, None)
+    prompts, *_ = await encode(engine, _job(body))
     return {"input_tokens": len(prompts[0])}

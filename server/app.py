@@ -6,15 +6,17 @@ import asyncio
 import logging
 import time
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 
-from server import anthropic_api, chat, openai_api, responses_api
+from server import anthropic_api, chat, models_api, openai_api, responses_api
 from server.errors import ApiError, install_error_handlers
 from server.metrics import install_metrics
 from server.middleware import ApiGuard, CorsGuard, has_key
 from server.resume import ResumeRegistry
+from server.streaming import release_model
+from frontend.models import ModelRegistry
 from frontend.request import RequestDefaults
 from frontend.sampling_defaults import model_sampling_defaults
 from frontend.settings import Settings
@@ -54,8 +56,9 @@ def _backend_health(engine) -> dict:
         return {}
 
 
-def create_app(engine, settings: Settings) -> FastAPI:
-    """The app with every API route registered; app.py mounts the Gradio page at "/" afterwards."""
+def create_app(engine, settings: Settings, models: ModelRegistry | None = None) -> FastAPI:
+    """The app with every API route registered; app.py mounts the Gradio page at "/" afterwards.
+    `engine`: the default model's; `models`: every model served (None: `engine`'s alone)."""
     app = FastAPI(title="rill", summary="Streaming chat on a continuous-batching engine",
                   docs_url="/docs", redoc_url=None)
     state = app.state
@@ -63,9 +66,11 @@ def create_app(engine, settings: Settings) -> FastAPI:
     # what every entrance's unset fields take (the page's sliders start there too)
     state.request_defaults = RequestDefaults(model_sampling_defaults(engine), settings.default_max_new_tokens)
     state.settings = settings
+    # the models the routes pick from by the body's `model` (frontend/models.py); one around `engine` by default
+    state.models = models if models is not None else ModelRegistry.single(engine, settings, state.request_defaults)
     state.started_at = int(time.time())
     state.shutting_down = False
-    state.resume = ResumeRegistry(settings.resume_window, engine.abort, max_streams=settings.resume_max_streams,
+    state.resume = ResumeRegistry(settings.resume_window, state.models.abort, max_streams=settings.resume_max_streams,
                                   max_bytes=settings.resume_max_bytes,
                                   continuable=engine.continuable)
     state.tasks = set()  # background pump tasks, kept referenced until they finish
@@ -79,16 +84,20 @@ def create_app(engine, settings: Settings) -> FastAPI:
     state.spawn = spawn
 
     install_error_handlers(app)
-    app.include_router(chat.router)
-    app.include_router(openai_api.router)
-    app.include_router(responses_api.router)
-    app.include_router(anthropic_api.router)
+    held = [Depends(release_model)]  # the model a route took is released when it returns
+    app.include_router(chat.router, dependencies=held)
+    app.include_router(openai_api.router, dependencies=held)
+    app.include_router(responses_api.router, dependencies=held)
+    app.include_router(anthropic_api.router, dependencies=held)
+    app.include_router(models_api.router)
 
     @app.get("/health", summary="200 while the engine runs, 503 once it died")
     async def health(request: Request):
         alive = bool(engine.alive)
         body = {"status": "ok" if alive else "engine stopped", "model": engine.model_name,
                 "max_model_len": engine.max_model_len}
+        if state.models.several:  # each model's state and loads counted (the default's engine is `engine`)
+            body["models"] = state.models.snapshot()
         if not has_key(request.scope, settings.api_key):  # no counters: they tell what other clients sent
             return JSONResponse(body, status_code=200 if alive else 503)
         body.update({"engine": _engine_stats(engine), "resumable_streams": len(state.resume),

@@ -22,11 +22,11 @@ from engine.request import FinishReason
 from frontend.admission import Generation, RequestFailed, compile_constraint, start_generation
 from frontend.request import ChatJob, Sampling
 from server.errors import BODY_FIELDS, ApiError, internal_error_message, log_internal_error
-from server.headers import admission, client_of, request_id_from
+from server.headers import admission, client_of
 from server.resume import ResumableStream
 from server.schemas import ChatBody
 from server.sse import event_stream_response
-from server.streaming import run_while_connected, start
+from server.streaming import route_start, run_while_connected, start, use_model
 
 RESUME_TOKEN_HEADER = "x-resume-token"  # in a stream's response, and in the request that resumes it
 
@@ -104,13 +104,16 @@ async def _continue(request: Request, record: ResumableStream) -> None:
     """A reader came back to a suspended stream: continue its generation from the last token."""
     if record.suspending and record.pump is not None:
         await asyncio.shield(record.pump)  # the abort lands within one engine step
+    if not record.suspended or record.expired:
+        return
+    engine = await use_model(request, record.model)  # unloaded meanwhile: loaded again
     if record.suspended and not record.expired:  # compiled again if the cache dropped it: 400 before admission
-        await compile_constraint(request.app.state.engine, record.params, client=client_of(request))
+        await compile_constraint(engine, record.params, client=client_of(request))
     if not record.suspended or record.expired:
         return
     record.suspended = False  # before any await: a second reader must not continue it twice
     try:
-        gen = await start_generation(request.app.state.engine, record.prompt_ids, record.params, record.request_id,
+        gen = await start_generation(engine, record.prompt_ids, record.params, record.request_id,
                                      prior_output_ids=record.output_ids, **admission(request, "chat"))
     except BaseException:
         record.suspended = True
@@ -144,7 +147,7 @@ async def _collect(gen: Generation, request: Request) -> tuple[str, str, int, ob
 @router.post("/chat", summary="Generate a reply (SSE stream by default)")
 async def chat(body: ChatBody, request: Request, x_request_id: str | None = Header(None)):
     state = request.app.state
-    request_id = request_id_from(x_request_id)  # a label; resuming needs the record's token too
+    _, request_id = await route_start(request, body, x_request_id)  # the id: a label; resuming needs the token too
     gens, prepared = await start(request, _job(body), request_id, "chat")
     gen = gens[0]
     if not body.stream:
@@ -154,6 +157,7 @@ async def chat(body: ChatBody, request: Request, x_request_id: str | None = Head
             reply["reasoning"] = thought
         return JSONResponse(reply, headers={"x-request-id": request_id})
     record = state.resume.create(request_id, prepared.prompts[0], prepared.params)
+    record.model = request.state.model.name  # a resume continues on the same model
     _start_pump(state, gen, record)
     headers = {RESUME_TOKEN_HEADER: record.token} if record.token is not None else None
     return event_stream_response(_follow(record, 0), request_id, headers=headers)

@@ -28,7 +28,7 @@ import re
 from server.errors import count_error, error_body
 
 _MCP_PREFIX = "/gradio_api/mcp"  # Gradio's MCP server (ui/mcp_tools.py): its clients send the Bearer key
-_API_PREFIXES = ("/chat", "/v1", _MCP_PREFIX)
+_API_PREFIXES = ("/chat", "/v1", "/models", _MCP_PREFIX)  # /models: load and unload (server/models_api.py)
 _TEST_HOOK_PREFIX = "/_test"
 
 

@@ -21,7 +21,7 @@ from server.errors import error_body, internal_error_message, slow_reader_end
 from server.openai_choices import ChatChoices, CompletionChoices, TokenText
 from server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from server.sse import event_stream_response
-from server.streaming import check_model, merged, route_start, run_while_connected, start
+from server.streaming import merged, route_start, run_while_connected, start
 
 router = APIRouter(prefix="/v1")
 log = logging.getLogger("rill.server")
@@ -54,24 +54,27 @@ def _error_chunk(path: str, exc: Exception) -> dict:
 
 @router.get("/models")
 async def list_models(request: Request):
-    return {"object": "list", "data": [_model_card(request.app.state)]}
+    state = request.app.state
+    return {"object": "list", "data": [_model_card(state, model) for model in state.models.snapshot()]}
 
 
 @router.get("/models/{model_id:path}")
 async def get_model(model_id: str, request: Request):
-    check_model(request.app.state, model_id)
-    return _model_card(request.app.state)
+    state = request.app.state
+    name = state.models.resolve(model_id).name
+    return next(_model_card(state, model) for model in state.models.snapshot() if model["id"] == name)
 
 
-def _model_card(state) -> dict:
-    engine = state.engine
-    return {"id": engine.model_name, "object": "model", "created": state.started_at, "owned_by": "rill",
-            "max_model_len": engine.max_model_len}
+def _model_card(state, model: dict) -> dict:
+    """A model as OpenAI lists it, with llama-server's router `status` ({"value": "loaded"|"loading"|
+    "unloaded"|"failed"}) and its size on disk."""
+    return {"id": model["id"], "object": "model", "created": state.started_at, "owned_by": "rill",
+            "max_model_len": model["max_model_len"], "status": model["status"], "size_bytes": model["size_bytes"]}
 
 
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, x_request_id: str | None = Header(None)):
-    engine, request_id = route_start(request, body, x_request_id)
+    engine, request_id = await route_start(request, body, x_request_id)
     body.check_answer_budget(default_max_tokens(engine, 0))  # n x max_tokens x logprobs: a 400 before any work
     top_n = body.top_logprobs or 0
     job = ChatJob([m.template_message(_ROLE_MAP.get(m.role, m.role)) for m in body.messages], sampling=sampling_of(body),
@@ -85,7 +88,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, x_requ
 
 @router.post("/completions")
 async def completions(body: CompletionRequest, request: Request, x_request_id: str | None = Header(None)):
-    engine, request_id = route_start(request, body, x_request_id)
+    engine, request_id = await route_start(request, body, x_request_id)
     body.check_answer_budget(default_max_tokens(engine, 0))
     job = ChatJob(prompts=body.prompts(), sampling=sampling_of(body), max_tokens=body.max_tokens, open_ended=True,
                   constraint=body.constraint(), logprobs=body.logprobs, param="prompt")
@@ -98,7 +101,7 @@ async def _answer(request: Request, gens: list[Generation], body, choices, answe
     """The answer of admitted generations (`body.n` choices each) in the route's `choices` layout:
     one JSON body, or a stream of chunks ending with `[DONE]` (an error after the start is an
     `event: error` chunk first). Choice k of generation g is choice g * n + k."""
-    meta = {"id": answer_id, "created": int(time.time()), "model": request.app.state.engine.model_name}
+    meta = {"id": answer_id, "created": int(time.time()), "model": request.state.model.name}
     prompt_tokens = sum(g.num_prompt_tokens for g in gens)
     counts: dict[int, int] = {}  # choice -> its output tokens so far
 

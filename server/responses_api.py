@@ -278,7 +278,7 @@ class ResponseBuilder:
 
 @router.post("/responses")
 async def create_response(body: ResponsesRequest, request: Request, x_request_id: str | None = Header(None)):
-    engine, request_id = route_start(request, body, x_request_id)
+    engine, request_id = await route_start(request, body, x_request_id)
     store = _store(request)
     history = json.loads(store.get(body.previous_response_id, "previous_response_id").history) \
         if body.previous_response_id else []

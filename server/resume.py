@@ -130,6 +130,7 @@ class ResumableStream:
         self.suspended = False  # it was: a reader who comes back continues it
         self.pump: asyncio.Task | None = None  # the task reading the engine request now
         self.engine_request_id: str | None = None  # the engine's id of that request (never the label)
+        self.model: str | None = None  # the model it runs on (a continuation runs on it too); None: the default
 
     @property
     def resumable(self) -> bool:

@@ -186,6 +186,7 @@ class ChatBody(_ConstraintFields):
     """`POST /chat`: the seed's `{"prompt", "stream", "max_new_tokens", "temperature"}`, extended."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model: str | None = Field(None, description="the model to answer (GET /v1/models); unset: the default")
     prompt: str | None = Field(None, description="one user message (sent through the chat template unless `raw`)")
     messages: list[ChatMessage] | None = Field(None, description="a whole conversation instead of `prompt`")
     system: str | None = Field(None, description="a system message put before the conversation")

@@ -19,34 +19,48 @@ from server.headers import admission, client_of, request_id_from
 DISCONNECT_POLL_S = 0.25  # how often a whole (non-streamed) answer checks that its client is still there
 
 
-def served_names(state) -> set[str]:
-    names = {state.engine.model_name}
-    if state.settings.model_id:
-        names.add(state.settings.model_id)
-    return names
-
-
 def check_model(state, model: str | None) -> None:
-    if model in (None, ""):
-        return
-    if model not in served_names(state):
-        raise ApiError(404, f"The model `{model}` does not exist on this server. It serves "
-                            f"`{state.engine.model_name}` (see GET /v1/models).", param="model",
-                       code="model_not_found")
+    """A 404 naming the models served when `model` is none of them (None or "": the default)."""
+    state.models.resolve(model)
 
 
-def route_start(request: Request, body, x_request_id: str | None):
-    """What every generating route checks first: the model asked for, and the client's request id."""
-    check_model(request.app.state, body.model)
-    return request.app.state.engine, request_id_from(x_request_id)
+async def route_start(request: Request, body, x_request_id: str | None):
+    """What every generating route does first: the engine of the model the body names (loaded on
+    demand, held until the route returns: `release_model`), and the client's request id."""
+    engine = await use_model(request, body.model)
+    return engine, request_id_from(x_request_id)
+
+
+async def use_model(request: Request, model: str | None):
+    """The engine of `model` (None: the default), held for this request (404 unknown, 500 its load failed)."""
+    entry = await request.app.state.models.acquire(model)
+    previous = getattr(request.state, "model", None)
+    if previous is not None:
+        request.app.state.models.release(previous)
+    request.state.model = entry
+    return entry.engine
+
+
+async def release_model(request: Request):
+    """The routers' dependency: the model a route used may be unloaded once the route returned (its
+    generation is admitted by then: the engine counts it until it finishes)."""
+    try:
+        yield
+    finally:
+        entry = getattr(request.state, "model", None)
+        if entry is not None:
+            request.state.model = None
+            request.app.state.models.release(entry)
 
 
 async def start(request: Request, job: ChatJob, label: str, route: str) -> tuple[list[Generation], Prepared]:
     """The job prepared (frontend/request.py) and admitted: its generations (one per prompt) and what
     was built (400/429/503 before any response starts)."""
     state = request.app.state
-    prepared = await prepare(state.engine, job, state.request_defaults, client=client_of(request))
-    gens = await start_job(state.engine, job, prepared, label, **admission(request, route))
+    entry = getattr(request.state, "model", None)
+    engine, defaults = (entry.engine, entry.defaults) if entry is not None else (state.engine, state.request_defaults)
+    prepared = await prepare(engine, job, defaults, client=client_of(request))
+    gens = await start_job(engine, job, prepared, label, **admission(request, route))
     return gens, prepared
 
 

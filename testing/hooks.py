@@ -17,7 +17,8 @@ def fault_hook(request):
     (engine.inject_fault): the test suite's way to prove one failure stays one failure."""
     if request.headers.get("x-rill-inject-fault") != "1":
         return None
-    return request.app.state.engine.inject_fault
+    model = getattr(request.state, "model", None)  # the engine of the model the request named
+    return (model.engine if model is not None else request.app.state.engine).inject_fault
 
 
 def delay_steps(core, seconds: float) -> None:
@@ -96,8 +97,9 @@ def install_test_routes(app: FastAPI, engine) -> None:
         """Every engine step sleeps `seconds` first (0 undoes it): a request outlives a short
         timeout however fast the machine. With --backend ray, on every replica (answered once
         each has applied it)."""
-        if local:
-            delay_steps(engine.core, seconds)
+        if local:  # every model loaded now (a model loaded later steps at full speed)
+            for loaded in app.state.models.engines():
+                delay_steps(loaded.core, seconds)
         else:
             await asyncio.to_thread(engine.delay_steps, seconds)
         return {"step_delay_s": max(seconds, 0.0)}

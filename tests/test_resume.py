@@ -15,6 +15,8 @@ from engine.request import FinishReason, RequestOutput, SamplingParams
 from engine.streams import RequestStream
 from server.chat import _continue, _start_pump
 from frontend.admission import Generation
+from frontend.models import ModelRegistry
+from frontend.request import RequestDefaults
 from server.headers import admission
 from server.resume import ResumeRegistry
 from frontend.settings import Settings
@@ -26,6 +28,8 @@ class ScriptedEngine:
     """What a `Generation` needs of an AsyncEngine; the test emits each output."""
 
     alive = True
+    model_name = "scripted"
+    max_model_len = 1024
 
     def __init__(self):
         self.streams: dict[str, RequestStream] = {}  # engine request id -> its stream, in order of admission
@@ -74,9 +78,11 @@ def app_request(engine: ScriptedEngine, window: float, max_bytes: int = 64 * 2**
         task.add_done_callback(tasks.discard)
         return task
 
-    state = SimpleNamespace(engine=engine, settings=Settings(resume_window=window), metrics=None, spawn=spawn,
-                            resume=ResumeRegistry(window, engine.abort, max_bytes=max_bytes))
-    return SimpleNamespace(app=SimpleNamespace(state=state), headers={})
+    settings = Settings(resume_window=window)
+    state = SimpleNamespace(engine=engine, settings=settings, metrics=None, spawn=spawn,
+                            resume=ResumeRegistry(window, engine.abort, max_bytes=max_bytes),
+                            models=ModelRegistry.single(engine, settings, RequestDefaults()))  # the one model
+    return SimpleNamespace(app=SimpleNamespace(state=state), headers={}, state=SimpleNamespace())
 
 
 def start(request, label: str) -> tuple[Generation, object]:

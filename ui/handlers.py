@@ -111,8 +111,9 @@ class PageHandlers:
     admitted as the routes admit theirs (--request-timeout, fair share, metrics)."""
 
     def __init__(self, engine, metrics: RequestMetrics, defaults: RequestDefaults, request_timeout: float = 0.0,
-                 salt_sessions: bool = False, served=None):
+                 salt_sessions: bool = False, served=None, models=None):
         self.engine, self.metrics = engine, metrics
+        self.models = models  # frontend/models.py ModelRegistry: the default model is held while it answers
         self.served = served  # ui/feedback.py ServedAnswers: what each session was streamed (kept for ratings)
         self.defaults = defaults  # what unset fields take; the sliders and the `/chat` API start there
         self.request_timeout = request_timeout
@@ -127,17 +128,25 @@ class PageHandlers:
         return dict(timeout=self.request_timeout, metrics=self.metrics, route=route, client=page_client(request))
 
     async def answer(self, messages: list[dict], message: str, settings: ChatSettings, request, *,
-                     route: str = ROUTE, warn=None, watch=None):
+                     route: str = ROUTE, warn=None, watch=None, model: str | None = None):
         """(text so far, stats) of the answer; every refusal or failure raised as `page_error` has it."""
+        held = None
         try:
-            async for update in stream_answer(self.engine, self.defaults, messages, message, settings,
+            engine = self.engine
+            if self.models is not None:  # the model picked (None: the default), loaded if it is not
+                held = await self.models.acquire(model)
+                engine = held.engine
+            async for update in stream_answer(engine, self.defaults, messages, message, settings,
                                               admission=self.admission(request, route), warn=warn, watch=watch):
                 yield update
         except Exception as exc:
             raise page_error(exc, self.metrics, route) from None
+        finally:
+            if held is not None:
+                self.models.release(held)
 
     async def respond(self, history, system_prompt, temperature, top_p, top_k, max_new_tokens, repetition_penalty,
-                      output_format, json_schema, thinking_budget, request: gr.Request):
+                      output_format, json_schema, thinking_budget, request: gr.Request, model: str | None = None):
         """The page's generator: answers the last user message of `history`, streaming."""
         history = list(history or [])
         if not history or not isinstance(history[-1], dict) or history[-1].get("role") != "user":
@@ -156,7 +165,7 @@ class PageHandlers:
         shown: list[dict] = []
         try:
             async for text, stats in self.answer(messages, message, chat_settings, request, warn=gr.Warning,
-                                                 watch=self.visitors.watcher(request)):
+                                                 watch=self.visitors.watcher(request), model=model or None):
                 shown = answer_messages(text, stats, fmt)
                 yield history + shown, stats.markdown()
         finally:  # also when Stop closed it: what was streamed so far is what the visitor may rate
@@ -165,9 +174,22 @@ class PageHandlers:
                                 messages + [{"role": "user", "content": message}])
 
     def api_chat(self):
-        """The `/chat` API function (its signature and docstring are what gradio_client shows)."""
+        """The `/chat` API function (its signature and docstring are what gradio_client shows); with
+        several models it takes `model` last (a name of GET /v1/models; empty: the default)."""
         defaults, session_salt, answer = self.defaults.resolved(), self.session_salt, self.answer
         metrics, max_new = self.metrics, self.defaults.max_new_tokens
+
+        async def run(message, history, system_prompt, temperature, top_p, top_k, max_new_tokens, repetition_penalty,
+                      request, model=None):
+            chat_settings = ChatSettings(system_prompt or "", temperature, top_p, top_k, max_new_tokens,
+                                         repetition_penalty, cache_salt=session_salt(request))
+            try:
+                messages = to_engine_messages(history, escaped=False)
+            except ChatError as exc:
+                raise page_error(exc, metrics) from None
+            async for text, _stats in answer(messages, message, chat_settings, request, warn=gr.Warning,
+                                             model=model or None):
+                yield text
 
         async def chat(message: str, history: list[dict] | None = None, system_prompt: str = "",
                        temperature: float = defaults["temperature"], top_p: float = defaults["top_p"],
@@ -179,16 +201,32 @@ class PageHandlers:
             system_prompt: empty = the model's default. temperature: 0 = greedy. top_k: 0 = off.
             Conversations longer than the context lose their oldest turns (a warning says so).
             """
-            chat_settings = ChatSettings(system_prompt or "", temperature, top_p, top_k, max_new_tokens,
-                                         repetition_penalty, cache_salt=session_salt(request))
-            try:
-                messages = to_engine_messages(history, escaped=False)
-            except ChatError as exc:
-                raise page_error(exc, metrics) from None
-            async for text, _stats in answer(messages, message, chat_settings, request, warn=gr.Warning):
+            async for text in run(message, history, system_prompt, temperature, top_p, top_k, max_new_tokens,
+                                  repetition_penalty, request):
                 yield text
 
-        return chat
+        if self.models is None:
+            return chat
+        default_model = self.models.default.name
+
+        async def chat_with_model(message: str, history: list[dict] | None = None, system_prompt: str = "",
+                                  temperature: float = defaults["temperature"], top_p: float = defaults["top_p"],
+                                  top_k: int = defaults["top_k"], max_new_tokens: int = max_new,
+                                  repetition_penalty: float = defaults["repetition_penalty"],
+                                  model: str = default_model, request: gr.Request = None) -> str:
+            """Streams the assistant's answer to `message` from `model` (the text so far on each update).
+
+            history: earlier messages, [{"role": "user" | "assistant", "content": "..."}] (oldest first).
+            system_prompt: empty = the model's default. temperature: 0 = greedy. top_k: 0 = off.
+            model: a model this server serves (GET /v1/models); it loads on its first message.
+            Conversations longer than the context lose their oldest turns (a warning says so).
+            """
+            async for text in run(message, history, system_prompt, temperature, top_p, top_k, max_new_tokens,
+                                  repetition_penalty, request, model):
+                yield text
+
+        chat_with_model.__name__ = "chat"
+        return chat_with_model
 
     @staticmethod
     def add_user_message(message, history):

@@ -37,9 +37,14 @@ def _header(engine, model_name: str) -> str:
 
 
 def _chat_tab(model_name: str, context: int, default_max_new: int, thinks: bool,
-              defaults: dict, feedback: bool) -> SimpleNamespace:
-    """The chat tab's components (inside an open `gr.Tab`); thumbs on answers when `feedback` is kept."""
+              defaults: dict, feedback: bool, models=None) -> SimpleNamespace:
+    """The chat tab's components (inside an open `gr.Tab`); thumbs on answers when `feedback` is kept;
+    a model picker when `models` (frontend/models.py's registry) serves several."""
     ui = SimpleNamespace(conversations=conversation_bar())
+    ui.model = None  # one model: no picker, and the page's events take the inputs they always took
+    if models is not None:  # each model with its state; the conversation goes to the one picked
+        ui.model = gr.Dropdown(model_choices(models), value=models.default.name, label="Model", elem_id="rill-model",
+                               info="loaded on its first message; the least recently used may be unloaded")
     ui.chatbot = gr.Chatbot(
         label=model_name, elem_id="rill-chatbot", height=520, layout="bubble", editable="user",
         buttons=["copy", "copy_all"], feedback_options=("Like", "Dislike") if feedback else None,
@@ -92,6 +97,13 @@ def _settings(ui: SimpleNamespace, context: int, default_max_new: int, thinks: b
                             ui.json_schema, api_visibility="private", queue=False)
     ui.settings_inputs = [ui.system_prompt, ui.temperature, ui.top_p, ui.top_k, ui.max_new_tokens,
                           ui.repetition_penalty, ui.output_format, ui.json_schema, ui.thinking_budget]
+    if ui.model is not None:  # `PageHandlers.respond` takes it after the request (Gradio puts that by position)
+        ui.settings_inputs.append(ui.model)
+
+
+def model_choices(models) -> list[tuple[str, str]]:
+    """(label, name) of each model: "qwen2 · loaded"."""
+    return [(f"{m['id']} · {m['status']['value']}", m["id"]) for m in models.snapshot()]
 
 
 def _status_tab() -> SimpleNamespace:
@@ -143,7 +155,7 @@ def _wire_status(chat_tab, status_tab, ui: SimpleNamespace, handlers: PageHandle
 
 
 def build_demo(engine, settings=None, metrics: RequestMetrics | None = None,
-               defaults: RequestDefaults | None = None) -> gr.Blocks:
+               defaults: RequestDefaults | None = None, models=None) -> gr.Blocks:
     """The page for `engine`; queue already enabled (this function calls `demo.queue(...)`).
 
     `settings` is app.py's settings object (read with getattr: `max_num_seqs`, `max_queue`,
@@ -151,6 +163,7 @@ def build_demo(engine, settings=None, metrics: RequestMetrics | None = None,
     (server/app.py's `request_defaults`; the model's over rill's if not given). `metrics` is what `server.metrics.install_metrics`
     returned: the page's requests are recorded under route "gradio" and the status tab reads its
     recent window; without it the page keeps a private recorder (status then shows page traffic only).
+    `models`: frontend/models.py's registry: each answer holds the default model (loaded again if it was unloaded).
 
     Mount with `gr.mount_gradio_app(app, demo, path="/", **ui.MOUNT_KWARGS)` after the other routes (the
     page CSS travels in MOUNT_KWARGS: Gradio 6 takes CSS at mount time); do not call
@@ -170,7 +183,7 @@ def build_demo(engine, settings=None, metrics: RequestMetrics | None = None,
     feedback = FeedbackLog(folder, model_name) if folder is not None else None
     handlers = PageHandlers(engine, metrics, defaults, float(getattr(settings, "request_timeout", 0.0) or 0.0),
                             salt_sessions=bool(getattr(settings, "cache_salt_per_session", False)),
-                            served=feedback.served if feedback is not None else None)
+                            served=feedback.served if feedback is not None else None, models=models)
 
     # delete_cache: files in Gradio's cache (uploads) older than an hour are deleted every hour
     with gr.Blocks(title=f"rill · {model_name}", fill_height=False, delete_cache=(3600, 3600)) as demo:
@@ -178,11 +191,14 @@ def build_demo(engine, settings=None, metrics: RequestMetrics | None = None,
         with gr.Tabs():
             with gr.Tab("Chat", id="chat") as chat_tab:
                 chat_ui = _chat_tab(model_name, context, default_max_new, handlers.thinks, defaults.resolved(),
-                                    feedback is not None)
+                                    feedback is not None, models)
             with gr.Tab("Status", id="status") as status_tab:
                 status_ui = _status_tab()
         save = wire_conversations(demo, chat_ui.conversations, chat_ui.chatbot, chat_ui.answer_stats)
         _wire_chat(chat_ui, handlers, concurrency, save)
+        if models is not None:  # the states as they are now whenever the list is opened
+            chat_ui.model.focus(lambda: gr.Dropdown(choices=model_choices(models)), None, [chat_ui.model],
+                                api_visibility="private", queue=False)
         if feedback is not None:
             # no history posted: the record is what the server streamed (ui/feedback.py ServedAnswers);
             # queued, so a refused rating's warning reaches the visitor

@@ -1,0 +1,123 @@
+"""frontend/models.py's rules without a model (engines faked, milliseconds): --pin, --no-models-autoload,
+the 503 with Retry-After when every loaded model stays busy, and the start-up checks of its flags."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+import frontend.models as models
+from frontend.errors import ApiError
+from frontend.models import ModelEntry, ModelRegistry
+from frontend.settings import Settings
+
+
+class FakeEngine:
+    """What the registry reads of an engine: its name, context, config, load (running requests), shutdown."""
+
+    def __init__(self, settings):
+        self.model_name = settings.model_id
+        self.max_model_len = 64
+        self.generation_config = None
+        self.tokenizer = SimpleNamespace(name_or_path=None)
+        self.running = 0
+        self.stopped = False
+
+    def stats(self):
+        return SimpleNamespace(num_running=self.running, num_waiting=0)
+
+    def shutdown(self, timeout=None):
+        self.stopped = True
+
+    def abort(self, request_id):
+        return False
+
+
+def registry(**flags) -> ModelRegistry:
+    entries = [ModelEntry(name, name) for name in ("a", "b", "c")]
+    return ModelRegistry(entries, Settings(**flags), build=FakeEngine)
+
+
+def test_a_pinned_model_is_never_unloaded_to_make_room():
+    async def run():
+        reg = registry(models_max=2, pin=("a",))
+        for name in ("a", "b", "c"):
+            reg.release(await reg.acquire(name))
+        return {e.name: e.state for e in reg.entries}
+
+    # c needed room: b (not pinned) went, though a was used longer ago
+    assert asyncio.run(run()) == {"a": "loaded", "b": "unloaded", "c": "loaded"}
+
+
+def test_without_autoload_an_unloaded_model_is_a_400_until_it_is_loaded():
+    async def run():
+        reg = registry(models_autoload=False)
+        with pytest.raises(ApiError) as refused:
+            await reg.acquire("b")
+        entry = await reg.load("b")
+        return refused.value, entry.state
+
+    refused, state = asyncio.run(run())
+    assert refused.status == 400 and "POST /models/load" in refused.message and "`b`" in refused.message
+    assert state == "loaded"
+
+
+def test_every_model_busy_is_a_503_with_retry_after(monkeypatch):
+    monkeypatch.setattr(models, "ROOM_WAIT_S", 0.2)
+
+    async def run():
+        reg = registry(models_max=1)
+        entry = await reg.acquire("a")
+        reg.release(entry)
+        entry.engine.running = 1  # a stream of a runs
+        with pytest.raises(ApiError) as refused:
+            await reg.acquire("b")
+        return refused.value, reg
+
+    refused, reg = asyncio.run(run())
+    assert refused.status == 503 and refused.headers["Retry-After"]
+    assert "`b` cannot be loaded now" in refused.message and "`a` (1 requests)" in refused.message
+    assert [e.state for e in reg.entries] == ["loaded", "unloaded", "unloaded"]
+    assert not reg.entries[0].engine.stopped
+
+
+def test_flags_naming_no_served_model_are_refused():
+    with pytest.raises(ValueError, match="--pin must name one of the models served"):
+        registry(pin=("z",))
+    with pytest.raises(ValueError, match="--default-model must name"):
+        ModelRegistry([ModelEntry("a", "a")], Settings(), build=FakeEngine, default="z")
+    with pytest.raises(ValueError, match="--models-max allows 1"):
+        registry(models_max=1, pin=("a", "b"))
+
+
+def test_the_default_models_view_follows_its_engine_through_an_unload_and_a_reload():
+    async def run():
+        reg = registry(models_max=1)
+        view = reg.start()  # the default (a) loaded now; several models: a view of it
+        first = reg.entries[0].engine
+        view.on_fatal = "app's hook"
+        reg.release(await reg.acquire("b"))  # a unloaded to make room
+        unloaded = (view.alive, view.stats().num_running, view.model_name, view.max_model_len, first.stopped)
+        with pytest.raises(RuntimeError, match="`a` is not loaded"):
+            view.add_request([1], None)
+        reg.release(await reg.acquire(None))
+        return unloaded, reg.entries[0].engine, first
+
+    (alive, running, name, context, stopped), second, first = asyncio.run(run())
+    assert (alive, running, name, context, stopped) == (True, 0, "a", 64, True)
+    assert second is not first and second.on_fatal == "app's hook"  # a reload gets app.py's hook too
+
+
+def test_the_idle_timer_unloads_even_when_the_list_was_read_before_the_server_ran():
+    reg = registry(models_max=2, model_ttl=0.2)
+    reg.snapshot()  # the page reads the models' states while it is built, before any event loop runs
+
+    async def run():
+        reg.release(await reg.acquire("b"))
+        loaded = reg.entries[1].state
+        await asyncio.sleep(1.5)
+        return loaded, reg.entries[1].state
+
+    assert asyncio.run(run()) == ("loaded", "unloaded")

@@ -1,0 +1,238 @@
+"""Several models behind one server (frontend/models.py), over HTTP against one real app.py:
+`--models-dir` with two tiny random-weight models and a bad .gguf, `--models-max 1` (every switch
+unloads the other), a short `--model-ttl`, an API key. Each model loads on its first request, answers
+as it does alone (greedy tokens), makes room by unloading the least recently used idle one, never
+while a stream of it runs; a bad file's error reaches its callers while the other model serves."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.servers import SSEReader, run_server, slow_steps
+
+KEY = "models-router-key-3f9a"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+TTL_S = 8  # --model-ttl: long beside one test's requests, short for the test that waits for it
+PROMPT = [5, 6, 7, 8, 9]  # token ids: the same prompt for the server and the reference
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory, tiny_model):
+    folder = tmp_path_factory.mktemp("models")
+    (folder / "llama").symlink_to(tiny_model("llama"), target_is_directory=True)
+    (folder / "qwen2").symlink_to(tiny_model("qwen2"), target_is_directory=True)
+    (folder / "broken.gguf").write_bytes(b"this is not a GGUF file")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(models_dir):
+    with run_server("--models-dir", str(models_dir), "--default-model", "llama", "--models-max", "1",
+                    "--model-ttl", str(TTL_S), "--api-key", KEY) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def alone(models_dir):
+    """Each model's greedy answer to PROMPT served alone (engine.LLM in this process), by model name."""
+    from engine import LLM, SamplingParams
+
+    answers = {}
+    for name in ("llama", "qwen2"):
+        llm = LLM(str(models_dir / name))
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        answers[name] = llm.generate([PROMPT], params)[0].outputs[0].text
+        llm20 = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+        answers[name + "/20"] = llm.generate([PROMPT], llm20)[0].outputs[0].text
+    return answers
+
+
+def states(client) -> dict[str, str]:
+    return {m["id"]: m["status"]["value"] for m in client.get("/v1/models").json()["data"]}
+
+
+def loads(client) -> dict[str, int]:
+    return {m["id"]: m["loads"] for m in client.get("/health").json()["models"]}
+
+
+def complete(client, model: str, max_tokens: int = MAX_TOKENS) -> httpx.Response:
+    return client.post("/v1/completions", json={"model": model, "prompt": PROMPT, "max_tokens": max_tokens,
+                                                "temperature": 0, "ignore_eos": True})
+
+
+def test_models_are_listed_with_state_and_size(client, models_dir):
+    listed = {m["id"]: m for m in client.get("/v1/models").json()["data"]}
+    assert set(listed) == {"llama", "qwen2", "broken"}
+    assert listed["llama"]["status"] == {"value": "loaded"}  # the default, loaded at start
+    assert listed["qwen2"]["status"] == {"value": "unloaded"}
+    assert listed["qwen2"]["size_bytes"] == sum(p.stat().st_size for p in (models_dir / "qwen2").resolve().iterdir())
+    assert listed["broken"]["size_bytes"] == len(b"this is not a GGUF file")
+    one = client.get("/v1/models/qwen2")
+    assert one.status_code == 200 and one.json()["id"] == "qwen2"
+
+
+def test_each_model_loads_on_its_first_request_and_answers_as_it_does_alone(client, alone):
+    assert complete(client, "llama").json()["choices"][0]["text"] == alone["llama"]
+    assert states(client)["qwen2"] == "unloaded"
+    before = loads(client)["qwen2"]
+    answer = complete(client, "qwen2")
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["model"] == "qwen2"
+    assert answer.json()["choices"][0]["text"] == alone["qwen2"]
+    assert alone["qwen2"] != alone["llama"]  # the two models answer differently: routing shows
+    now = states(client)
+    # --models-max 1: loading qwen2 unloaded llama, the least recently used idle model
+    assert (now["qwen2"], now["llama"]) == ("loaded", "unloaded")
+    assert loads(client)["qwen2"] == before + 1
+    # a request naming no model goes to the default, loaded again
+    body = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
+                                                "ignore_eos": True}).json()
+    assert body["choices"][0]["text"] == alone["llama"] and body["model"] == "llama"
+    assert states(client)["llama"] == "loaded"
+
+
+def test_unknown_model_is_a_404_naming_the_models_served_on_every_route(client):
+    bodies = {
+        "/chat": {"model": "nope", "prompt": "hi", "stream": False},
+        "/v1/chat/completions": {"model": "nope", "messages": [{"role": "user", "content": "hi"}]},
+        "/v1/completions": {"model": "nope", "prompt": "hi"},
+        "/v1/responses": {"model": "nope", "input": "hi"},
+        "/v1/messages": {"model": "nope", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]},
+        "/v1/messages/count_tokens": {"model": "nope", "messages": [{"role": "user", "content": "hi"}]},
+        "/models/load": {"model": "nope"},
+    }
+    for path, body in bodies.items():
+        response = client.post(path, json=body)
+        assert response.status_code == 404, (path, response.text)
+        assert "`nope` does not exist" in response.text and "`broken`, `llama`, `qwen2`" in response.text, path
+    assert client.get("/v1/models/nope").status_code == 404
+
+
+def test_every_generating_route_answers_with_the_model_it_names(client):
+    chat = client.post("/chat", json={"model": "qwen2", "prompt": "hi", "max_new_tokens": 3, "stream": False})
+    assert chat.status_code == 200 and states(client)["qwen2"] == "loaded"
+    messages = client.post("/v1/messages", json={"model": "llama", "max_tokens": 3,
+                                                 "messages": [{"role": "user", "content": "hi"}]})
+    assert messages.status_code == 200 and states(client)["llama"] == "loaded"
+    count = client.post("/v1/messages/count_tokens", json={"model": "qwen2",
+                                                           "messages": [{"role": "user", "content": "hi"}]})
+    assert count.status_code == 200 and states(client)["qwen2"] == "loaded"
+    responses = client.post("/v1/responses", json={"model": "llama", "input": "hi", "max_output_tokens": 3})
+    assert responses.status_code == 200 and states(client)["llama"] == "loaded"
+
+
+def test_load_and_unload_over_http_need_the_key(server, client):
+    for path in ("/models/load", "/models/unload"):
+        refused = httpx.post(f"{server.url}{path}", json={"model": "qwen2"}, timeout=30)
+        assert refused.status_code == 401, (path, refused.text)
+    complete(client, "llama")
+    unloaded = client.post("/models/unload", json={"model": "llama"})
+    assert unloaded.status_code == 200 and unloaded.json()["model"]["status"] == {"value": "unloaded"}
+    assert states(client)["llama"] == "unloaded"
+    loaded = client.post("/models/load", json={"model": "qwen2"})
+    assert loaded.status_code == 200 and loaded.json()["model"]["status"] == {"value": "loaded"}
+    assert states(client)["qwen2"] == "loaded"
+    wrong = client.post("/models/load", json={"name": "qwen2"})
+    assert wrong.status_code == 400 and "`name` is not a known field. Allowed: model" in wrong.text
+
+
+def test_a_bad_file_answers_its_callers_with_the_load_error_while_the_other_model_serves(client, alone):
+    before = loads(client)["broken"]
+    for attempt in (1, 2):  # a later request tries the load again
+        failed = complete(client, "broken")
+        assert failed.status_code == 500, failed.text
+        error = failed.json()["error"]
+        assert error["code"] == "model_load_failed" and error["param"] == "model"
+        assert "The model `broken` failed to load" in error["message"] and "GGUF" in error["message"]
+        listed = {m["id"]: m for m in client.get("/v1/models").json()["data"]}
+        assert listed["broken"]["status"]["value"] == "failed" and "GGUF" in listed["broken"]["status"]["error"]
+        assert loads(client)["broken"] == before + attempt
+        assert complete(client, "qwen2").json()["choices"][0]["text"] == alone["qwen2"]
+
+
+def test_concurrent_first_requests_load_the_model_once(client, alone):
+    complete(client, "llama")  # qwen2 unloaded to make room (--models-max 1)
+    assert states(client)["qwen2"] == "unloaded"
+    before = loads(client)["qwen2"]
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda _: complete(client, "qwen2"), range(4)))
+    assert [a.status_code for a in answers] == [200] * 4
+    assert {a.json()["choices"][0]["text"] for a in answers} == {alone["qwen2"]}
+    assert loads(client)["qwen2"] == before + 1
+
+
+def test_a_model_is_not_unloaded_while_its_stream_runs(server, client, alone):
+    complete(client, "llama")
+    other: dict = {}
+
+    def ask_other():
+        other["response"] = complete(client, "qwen2")
+        other["done_at"] = time.monotonic()
+
+    with slow_steps(server.url, 0.1, headers=AUTH):  # llama's 20 tokens take 2 s at least
+        body = {"model": "llama", "prompt": PROMPT, "max_tokens": 20, "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        with client.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            events = SSEReader(response)
+            chunks = iter(events)
+            first = next(chunks)
+            thread = threading.Thread(target=ask_other)
+            thread.start()
+            time.sleep(0.5)
+            assert states(client) == {"llama": "loaded", "qwen2": "loading", "broken": states(client)["broken"]}
+            rest = list(chunks)
+            ended_at = time.monotonic()
+        thread.join(120)
+    payloads = [json.loads(e.data) for e in [first, *rest] if e.data != "[DONE]"]
+    assert not [p for p in payloads if "error" in p], payloads
+    text = "".join(c["text"] for p in payloads for c in p["choices"])
+    assert text == alone["llama/20"]  # every token, none cut
+    assert payloads[-1]["usage"]["completion_tokens"] == 20
+    assert other["response"].status_code == 200, other["response"].text
+    assert other["response"].json()["choices"][0]["text"] == alone["qwen2"]
+    assert other["done_at"] >= ended_at - 0.5  # it waited for the stream, then made room
+    assert states(client)["llama"] == "unloaded"
+
+
+def test_an_idle_model_is_unloaded_after_the_ttl(client):
+    complete(client, "qwen2")
+    assert states(client)["qwen2"] == "loaded"
+    deadline = time.monotonic() + TTL_S + 30
+    while states(client)["qwen2"] == "loaded":
+        assert time.monotonic() < deadline, "--model-ttl did not unload the idle model"
+        time.sleep(0.5)
+    assert states(client)["qwen2"] == "unloaded"
+
+
+def test_gradio_client_picks_the_model_by_its_model_argument(server, client):
+    from gradio_client import Client
+
+    page = Client(server.url + "/", auth=("any-user-name", KEY), verbose=False)
+    parameters = page.view_api(return_format="dict", print_info=False)["named_endpoints"]["/chat"]["parameters"]
+    model = parameters[-1]
+    assert model["parameter_name"] == "model" and model["parameter_default"] == "llama"
+    complete(client, "llama")  # qwen2 unloaded: the page's message loads it
+    greedy = dict(system_prompt="", temperature=0.0, top_p=1.0, top_k=0, repetition_penalty=1.0)
+    answer = page.predict(message="Tell me a joke.", history=[], **greedy, max_new_tokens=6, model="qwen2",
+                          api_name="/chat")
+    chat = client.post("/chat", json={"model": "qwen2", "prompt": "Tell me a joke.", "temperature": 0,
+                                      "max_new_tokens": 6, "stream": False}).json()["response"]
+    default = client.post("/chat", json={"prompt": "Tell me a joke.", "temperature": 0, "max_new_tokens": 6,
+                                         "stream": False}).json()["response"]
+    assert answer == chat and answer != default
+    assert page.predict(message="Tell me a joke.", history=[], **greedy, max_new_tokens=6,
+                        api_name="/chat") == default  # no model: the default
