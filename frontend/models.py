@@ -432,8 +432,7 @@ class ModelView:
     unloading the model frees it. Its name and context stay known while it is unloaded."""
 
     def __init__(self, registry: ModelRegistry, entry: ModelEntry):
-        object.__setattr__(self, "_registry", registry)
-        object.__setattr__(self, "_entry", entry)
+        self._registry, self._entry = registry, entry
 
     @property
     def model_name(self) -> str:
@@ -471,13 +470,55 @@ class ModelView:
             raise RuntimeError(f"The model `{self._entry.name}` is not loaded; a request naming it loads it.")
         return engine
 
-    def __getattr__(self, name: str):
-        return getattr(self._engine(), name)
+    # the rest of EngineClient, each member the current engine's (tests/test_engine_client.py holds it to that)
+    tokenizer = property(lambda self: self._engine().tokenizer)
+    continuable = property(lambda self: self._engine().continuable)
+    attention_path = property(lambda self: self._engine().attention_path)
+    think_tags = property(lambda self: self._engine().think_tags)
+    grammars = property(lambda self: self._engine().grammars)
+    generation_config = property(lambda self: self._engine().generation_config)
+    kv_cache_tokens = property(lambda self: self._engine().kv_cache_tokens)
 
-    def __setattr__(self, name: str, value) -> None:
-        if name == "on_fatal":  # every engine the registry builds gets it
-            self._registry.on_fatal = value
-            for engine in self._registry.engines():
-                engine.on_fatal = value
-            return
-        setattr(self._engine(), name, value)
+    @property
+    def on_fatal(self):
+        return self._registry.on_fatal
+
+    @on_fatal.setter
+    def on_fatal(self, value) -> None:  # every engine the registry builds gets it
+        self._registry.on_fatal = value
+        for engine in self._registry.engines():
+            engine.on_fatal = value
+
+    def unavailable_reason(self) -> str:
+        return self._engine().unavailable_reason()
+
+    def encode(self, text: str) -> list[int]:
+        return self._engine().encode(text)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                    **template_kwargs) -> list[int]:
+        return self._engine().encode_chat(messages, add_generation_prompt, tools, **template_kwargs)
+
+    def check_prompt(self, prompt_token_ids: list[int], params) -> None:
+        self._engine().check_prompt(prompt_token_ids, params)
+
+    def compile_constraint(self, params) -> None:
+        self._engine().compile_constraint(params)
+
+    def add_request(self, prompt_token_ids: list[int], params, request_id: str | None = None,
+                    prior_output_ids: list[int] = (), session: str | None = None, client: str | None = None):
+        return self._engine().add_request(prompt_token_ids, params, request_id, prior_output_ids, session, client)
+
+    async def wait_admitted(self, stream, timeout: float | None = None) -> None:
+        await self._engine().wait_admitted(stream, timeout)
+
+    def abort(self, request_id: str) -> bool:
+        return self._engine().abort(request_id)
+
+    def inject_fault(self, request_id: str) -> bool:
+        return self._engine().inject_fault(request_id)
+
+    def shutdown(self, timeout: float | None = 5.0) -> None:
+        engine = self._entry.engine
+        if engine is not None:
+            engine.shutdown(timeout)

@@ -14,6 +14,7 @@ from frontend.backends import EngineClient
 from frontend.backends.local import LocalEngine
 from frontend.backends.openai_backend import OpenAIEngine
 from frontend.backends.remote import RemoteEngine
+from frontend.models import ModelView
 
 
 def _ray_engine():
@@ -25,7 +26,8 @@ def _ray_engine():
 
 MISSING = object()
 BACKENDS = {"local": lambda: LocalEngine, "openai": lambda: OpenAIEngine, "ray": _ray_engine,
-            "remote (what ray and openai share)": lambda: RemoteEngine}
+            "remote (what ray and openai share)": lambda: RemoteEngine,
+            "a model of several (frontend/models.py's view of its current engine)": lambda: ModelView}
 
 
 def declared() -> tuple[set[str], dict[str, object]]:
