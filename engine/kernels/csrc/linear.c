@@ -6,15 +6,12 @@
  * A tile of up to 6 rows of x times one panel keeps its 6 x 16 outputs in 12 vector registers;
  * each step over k loads 16 weights (two vectors) and broadcasts one x value per row: 12 fused
  * multiply-adds per two loads. The panels stream through the cache in order, each read once per
- * 6 rows of x. Measured here (2 cores, AVX2) against oneDNN's packed matmul, which is what the
- * engine used before: 1.2-2.7x on the decode steps' 1-64 rows, 0.9-1.3x on 128-512-row prefill.
+ * 6 rows of x (against oneDNN's packed matmul: docs/benchmarks-history.md).
  *
  * Panels are handed to the threads `guided` (half of them first, then ever smaller shares): when
  * another thread takes one of the cores for a while (the event loop, a client on the same machine),
  * the thread that kept its core takes the rest instead of waiting for it at the end. The same in
- * qlinear.c and qlinear_i8.c. Measured (engine alone, a process waking 1,000 times a second for
- * 50 us beside it): static 13.7 / 40.8 ms a step at 1 / 8 sequences, guided 11.2 / 35.8,
- * dynamic,1 15.7 / 42.9; over HTTP one client 46.7 -> 58.6 tok/s, eight 126.9 -> 142.5.
+ * qlinear.c and qlinear_i8.c (the schedules compared: docs/benchmarks-history.md).
  *
  * rill_linear16 takes the same panels in bfloat16 or float16 (a checkpoint's own weights, kept). A
  * bfloat16 panel holds each input's 16 weights interleaved, output j beside output 8 + j in one
@@ -37,7 +34,7 @@
 enum { W_F32 = 0, W_BF16 = 1, W_F16 = 2 };
 
 /* 16-bit weights ahead of the one- and two-row loops that are asked for, a cache line per two
- * inputs (docs/benchmarks-history.md, session 34) */
+ * inputs (the distances tried: docs/benchmarks-history.md) */
 #ifndef PREFETCH_AHEAD
 #define PREFETCH_AHEAD 1024
 #endif
