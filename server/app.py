@@ -15,6 +15,7 @@ from server.errors import ApiError, install_error_handlers
 from server.metrics import install_metrics
 from server.middleware import ApiGuard, CorsGuard, has_key
 from server.resume import ResumeRegistry
+from frontend.images import ImageLimits, images_health
 from frontend.request import RequestDefaults
 from frontend.sampling_defaults import model_sampling_defaults
 from frontend.settings import Settings
@@ -63,6 +64,8 @@ def create_app(engine, settings: Settings) -> FastAPI:
     # what every entrance's unset fields take (the page's sliders start there too)
     state.request_defaults = RequestDefaults(model_sampling_defaults(engine), settings.default_max_new_tokens)
     state.settings = settings
+    state.image_limits = ImageLimits(settings.limit_images, settings.allowed_media_domains,  # frontend/images.py
+                                     settings.max_image_bytes)
     state.started_at = int(time.time())
     state.shutting_down = False
     state.resume = ResumeRegistry(settings.resume_window, engine.abort, max_streams=settings.resume_max_streams,
@@ -88,7 +91,7 @@ def create_app(engine, settings: Settings) -> FastAPI:
     async def health(request: Request):
         alive = bool(engine.alive)
         body = {"status": "ok" if alive else "engine stopped", "model": engine.model_name,
-                "max_model_len": engine.max_model_len}
+                "max_model_len": engine.max_model_len, "images": images_health(engine.vision, state.image_limits)}
         if not has_key(request.scope, settings.api_key):  # no counters: they tell what other clients sent
             return JSONResponse(body, status_code=200 if alive else 503)
         body.update({"engine": _engine_stats(engine), "resumable_streams": len(state.resume),

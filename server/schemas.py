@@ -243,6 +243,18 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageUrl(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    url: str  # data:image/...;base64,... (or an http(s) URL from --allowed-media-domains)
+    detail: str | None = None
+
+
+class ImageUrlPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
 class FunctionCallIn(BaseModel):
     model_config = ConfigDict(extra="ignore")
     name: str
@@ -263,7 +275,7 @@ class OpenAIMessage(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[Annotated[TextPart | ImageUrlPart, Field(discriminator="type")]] | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # assistant messages (content may then be null)
     tool_call_id: str | None = None  # tool messages: the call this is the result of
@@ -273,11 +285,14 @@ class OpenAIMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if part.type == "text")
 
     def template_message(self, role: str) -> dict:
-        """The message as chat templates take it."""
+        """The message as chat templates take it; with images, its parts as frontend/images.py takes them."""
         message = {"role": role, "content": self.text()}
+        if isinstance(self.content, list) and any(part.type == "image_url" for part in self.content):
+            message["content"] = [{"type": "text", "text": part.text} if part.type == "text" else
+                                  {"type": "image_url", "url": part.image_url.url} for part in self.content]
         if self.tool_calls:
             message["content"] = self.text() or None
             message["tool_calls"] = [c.model_dump() for c in self.tool_calls]

@@ -110,3 +110,103 @@ def test_text_only_model_refuses_images(tiny_model, loaded):
     _, images = loaded.vision.prepare(_messages("What is this?"), [test_image(1)])
     with pytest.raises(InvalidRequest, match="text only"):
         llm.generate([[1, 2, 3]], _greedy(), images=[images])
+
+
+# --------------------------------------------------------------------------- over HTTP
+
+IMAGE_BYTES_LIMIT = 8000  # the server's --max-image-bytes: a 50x40 random PNG (about 6 KB) fits, a 90x90 one (24 KB) not
+
+
+def _png(picture) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    picture.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _data_url(data: bytes, media_type: str = "image/png") -> str:
+    import base64
+
+    return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
+
+
+def _bomb_png(width: int, height: int) -> bytes:
+    """A 1x1 PNG whose header claims width x height (its CRC made right): decoding it would take
+    width x height x 3 bytes."""
+    import struct
+    import zlib
+
+    data = _png(test_image(0, (1, 1)))
+    start = data.index(b"IHDR")
+    fields = struct.pack(">II", width, height) + data[start + 12:start + 17]
+    chunk = b"IHDR" + fields
+    return data[:start] + chunk + struct.pack(">I", zlib.crc32(chunk)) + data[start + 21:]
+
+
+def _chat_body(parts: list[dict], **extra) -> dict:
+    return {"messages": [{"role": "user", "content": parts}], "max_tokens": MAX_NEW,
+            "temperature": 0, **extra}
+
+
+@pytest.fixture(scope="module")
+def vlm_server(server_with, tiny_vlm):
+    return server_with("--max-image-bytes", str(IMAGE_BYTES_LIMIT), model=tiny_vlm)
+
+
+def test_health_says_images_and_limits(vlm_server, tiny_server):
+    import httpx
+
+    images = httpx.get(f"{vlm_server.url}/health").json()["images"]
+    assert images["family"] == "idefics3" and images["max_images"] == 4
+    assert images["max_bytes"] == IMAGE_BYTES_LIMIT and images["allowed_media_domains"] == []
+    assert httpx.get(f"{tiny_server.url}/health").json()["images"] is None
+
+
+def test_chat_completions_answers_about_an_image_as_generate_does(vlm_server, reference, loaded):
+    """An image_url part (a data: URL) and a text part: the answer is generate's on the same picture,
+    and a different picture gets generate's answer for that one."""
+    import httpx
+
+    for seed in (1, 4):
+        picture = test_image(seed)
+        _, want = reference([picture], "What is this?")
+        parts = [{"type": "image_url", "image_url": {"url": _data_url(_png(picture))}},
+                 {"type": "text", "text": "What is this?"}]
+        r = httpx.post(f"{vlm_server.url}/v1/chat/completions", json=_chat_body(parts), timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == len(want)
+        assert r.json()["choices"][0]["message"]["content"] == loaded.tokenizer.decode(want, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("case", ["count", "url", "bytes", "pixels", "bomb", "format", "base64"])
+def test_each_image_limit_is_a_400_naming_it(vlm_server, case):
+    import httpx
+
+    png = _data_url(_png(test_image(1)))
+    image = lambda url: {"type": "image_url", "image_url": {"url": url}}  # noqa: E731
+    parts, says = {
+        "count": ([image(png)] * 5, ["at most 4 images", "Given: 5"]),
+        "url": ([image("https://example.com/cat.png")], ["--allowed-media-domains", "'example.com'"]),
+        "bytes": ([image(_data_url(_png(test_image(1, (90, 90)))))], [f"at most {IMAGE_BYTES_LIMIT} bytes", "Given:"]),
+        "pixels": ([image(_data_url(_bomb_png(5000, 4000)))], ["at most 16777216 pixels",
+                                                               "5000x4000 = 20000000 pixels"]),
+        "bomb": ([image(_data_url(_bomb_png(100_000, 100_000)))], ["at most 16777216 pixels",
+                                                                   "Given: 10000000000 pixels"]),
+        "format": ([image(_data_url(b"BM" + b"\0" * 60, "image/bmp"))], ["is not a PNG, JPEG, WEBP, GIF file"]),
+        "base64": ([image("data:image/png;base64,@@@@")], ["not valid base64"]),
+    }[case]
+    r = httpx.post(f"{vlm_server.url}/v1/chat/completions", json=_chat_body(parts + [{"type": "text", "text": "hi"}]),
+                   timeout=60)
+    assert r.status_code == 400, r.text
+    for text in says:
+        assert text in r.json()["error"]["message"]
+
+
+def test_text_model_refuses_an_image(tiny_server):
+    import httpx
+
+    parts = [{"type": "image_url", "image_url": {"url": _data_url(_png(test_image(1)))}},
+             {"type": "text", "text": "What is this?"}]
+    r = httpx.post(f"{tiny_server.url}/v1/chat/completions", json=_chat_body(parts), timeout=60)
+    assert r.status_code == 400 and "takes text only" in r.json()["error"]["message"]

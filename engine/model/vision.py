@@ -78,6 +78,9 @@ class ImageEncoder:
         image part as `{"type": "image"}`) and the processor itself, as `generate`'s caller does:
         the prompt's ids (image tokens expanded) and its `PromptImages` (None without images)."""
         proc = self.processor
+        # every content as a list of parts: the processors' templates iterate over it
+        messages = [{**m, "content": [{"type": "text", "text": m["content"]}]} if isinstance(m.get("content"), str)
+                    else m for m in messages]
         text = proc.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **(template_kwargs or {}))
         out = proc(text=text, images=list(images) or None, return_tensors="pt")
         ids = out["input_ids"][0].tolist()
