@@ -90,10 +90,13 @@ def image_ref(part: dict, limits: ImageLimits, param: str) -> ImageRef:
                          f"allowed http(s) URL. Given: {url[:40]!r}... in `{param}`.", param)
 
 
-def take_images(messages: list[dict], limits: ImageLimits, param: str = "messages") -> tuple[list[dict], list[ImageRef]]:
+def take_images(messages: list[dict], limits: ImageLimits, param: str = "messages",
+                exact_paths: bool = False) -> tuple[list[dict], list[ImageRef]]:
     """Messages whose content may be a list of text and image parts -> (the messages for the chat
     template: text alone as a string, with images the list of `{"type": "text"}` and `{"type": "image"}`
-    parts; the images, in order). 400 past `limits.max_images`."""
+    parts; the images, in order). 400 past `limits.max_images`. A refusal names the image as
+    `param[m].content[p]` with `exact_paths` (the messages are the body's, one for one), else by its
+    place among the request's images."""
     count = sum(1 for message in messages if isinstance(message.get("content"), list)
                 for part in message["content"] if part["type"] != "text")
     if count > limits.max_images:
@@ -111,7 +114,8 @@ def take_images(messages: list[dict], limits: ImageLimits, param: str = "message
             if part["type"] == "text":
                 parts.append({"type": "text", "text": part["text"]})
                 continue
-            refs.append(image_ref(part, limits, f"{param}[{m}].content[{p}]"))
+            name = f"{param}[{m}].content[{p}]" if exact_paths else f"{param} (image {len(refs) + 1})"
+            refs.append(image_ref(part, limits, name))
             parts.append({"type": "image"})
         if any(part["type"] == "image" for part in parts):
             out.append({**message, "content": parts})

@@ -76,7 +76,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, x_requ
     body.check_answer_budget(default_max_tokens(engine, 0))  # n x max_tokens x logprobs: a 400 before any work
     top_n = body.top_logprobs or 0
     messages, images = take_images([m.template_message(_ROLE_MAP.get(m.role, m.role)) for m in body.messages],
-                                   request.app.state.image_limits)
+                                   request.app.state.image_limits, exact_paths=True)
     job = ChatJob(messages, sampling=sampling_of(body),
                   max_tokens=body.max_completion_tokens or body.max_tokens, open_ended=True, tools=body.tool_request(),
                   constraint=body.constraint(), template_kwargs=body.chat_template_kwargs,

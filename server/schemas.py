@@ -190,6 +190,8 @@ class ChatBody(_ConstraintFields):
     messages: list[ChatMessage] | None = Field(None, description="a whole conversation instead of `prompt`")
     system: str | None = Field(None, description="a system message put before the conversation")
     raw: bool = Field(False, description="send `prompt` to the model as is, without the chat template")
+    images: list[str] | None = Field(None, description="data: URLs of images put before the last message's text "
+                                                       "(a vision-language model)")
     stream: bool = True
     max_new_tokens: int | None = Field(None, ge=1, description="new tokens at most (default 512)")
     # unset: the model's generation config (or model card), else 0.7, 1.0, 0 and 1.0
@@ -226,6 +228,8 @@ class ChatBody(_ConstraintFields):
             raise ValueError("`messages` must hold at least one message")
         if self.raw and self.prompt is None:
             raise ValueError("`raw` applies to `prompt` only")
+        if self.raw and self.images:
+            raise ValueError("`images` cannot be combined with `raw` (images go through the chat template)")
         if self.raw and self.system is not None:
             raise ValueError("`system` cannot be combined with `raw` (no chat template is applied)")
         return self

@@ -210,3 +210,53 @@ def test_text_model_refuses_an_image(tiny_server):
              {"type": "text", "text": "What is this?"}]
     r = httpx.post(f"{tiny_server.url}/v1/chat/completions", json=_chat_body(parts), timeout=60)
     assert r.status_code == 400 and "takes text only" in r.json()["error"]["message"]
+
+
+def _sse_text(raw: str, field: str) -> str:
+    """The text of /chat's SSE stream: its `field` deltas joined."""
+    import json
+
+    text = ""
+    for line in raw.splitlines():
+        if line.startswith("data:"):
+            try:
+                event = json.loads(line[5:])
+            except ValueError:
+                continue
+            if isinstance(event, dict) and isinstance(event.get(field), str):
+                text += event[field]
+    return text
+
+
+def test_every_route_takes_the_image(vlm_server, reference, loaded):
+    """/chat `images`, /v1/messages image blocks (and count_tokens), /v1/responses input_image: each
+    answers about the picture as generate does."""
+    import base64
+
+    import httpx
+
+    picture = test_image(5)
+    ids, want = reference([picture], "What is this?")
+    answer = loaded.tokenizer.decode(want, skip_special_tokens=True)
+    png = _png(picture)
+    url = vlm_server.url
+    r = httpx.post(f"{url}/chat", json={"messages": [{"role": "user", "content": "What is this?"}],
+                                        "images": [_data_url(png)], "temperature": 0, "max_new_tokens": MAX_NEW,
+                                        "stream": False}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["response"] == answer
+    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(png).decode()}}
+    messages = [{"role": "user", "content": [block, {"type": "text", "text": "What is this?"}]}]
+    r = httpx.post(f"{url}/v1/messages", json={"model": "idefics3", "messages": messages, "max_tokens": MAX_NEW,
+                                               "temperature": 0}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert "".join(b["text"] for b in r.json()["content"] if b["type"] == "text") == answer
+    r = httpx.post(f"{url}/v1/messages/count_tokens", json={"model": "idefics3", "messages": messages}, timeout=60)
+    assert r.json()["input_tokens"] == len(ids)  # the image's tokens counted
+    content = [{"type": "input_image", "image_url": _data_url(png)}, {"type": "input_text", "text": "What is this?"}]
+    r = httpx.post(f"{url}/v1/responses", json={"input": [{"role": "user", "content": content}], "temperature": 0,
+                                                "max_output_tokens": MAX_NEW}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert "".join(p["text"] for item in r.json()["output"] if item["type"] == "message"
+                   for p in item["content"]) == answer
