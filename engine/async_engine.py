@@ -68,12 +68,13 @@ class AsyncEngine:
         self.model_name = loaded.name
         # built in a passing thread, like load_model's work (engine/host.py, in_passing_thread)
         self.core = in_passing_thread(EngineCore, loaded.model, loaded.tokenizer, self.config, loaded.context_length,
-                                      draft=draft)
+                                      draft=draft, vision=loaded.vision)
         self.max_model_len = self.core.max_model_len
         self.attention_path = self.core.attention_path
         self.grammars = self.core.grammars  # compiles constraints off the engine thread (engine/grammar.py)
         self.grammars.waits = False  # the engine thread never waits for one (see `_admit`)
         self.think_tags = self.core.think_tags  # None unless the model thinks between <think> tags
+        self.vision = self.core.vision  # engine.model.vision.ImageEncoder when the model takes images, else None
         self._commands: deque = deque()  # callables run by the engine thread before its next step
         self._wakeup = threading.Event()
         self._lock = threading.Lock()
@@ -148,7 +149,7 @@ class AsyncEngine:
         return None
 
     def _admit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None, sink_factory,
-               prior_output_ids: list[int] = (), client=None):
+               prior_output_ids: list[int] = (), client=None, images=None):
         if (error := self._not_running()) is not None:
             raise error
         self.core.check_prompt(prompt_token_ids, params, prior_output_ids)
@@ -171,7 +172,7 @@ class AsyncEngine:
                                 "Retry in a moment.")
             self._shares.add(request_id, client, params.n)
             self._sinks[request_id] = sink
-            add = lambda: self._add(request_id, list(prompt_token_ids), params, prior, client)  # noqa: E731
+            add = lambda: self._add(request_id, list(prompt_token_ids), params, prior, client, images)  # noqa: E731
             if compiled is None or compiled.done():
                 self._commands.append(add)
             else:
@@ -192,7 +193,7 @@ class AsyncEngine:
         self._wakeup.set()
 
     def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prior: list[int],
-             client=None) -> None:
+             client=None, images=None) -> None:
         """Engine thread: a request the core refuses ends for its consumer with the reason."""
         if params.constraint is not None and not self.grammars.cached(params.constraint):
             # compiled, then dropped from the cache before its turn came: compile it again, off this thread
@@ -206,10 +207,10 @@ class AsyncEngine:
                 self._compiling.add(request_id)
             compiled.add_done_callback(
                 lambda _: self._compiled(request_id, lambda: self._add(request_id, prompt_token_ids, params, prior,
-                                                                       client)))
+                                                                       client, images)))
             return None
         try:
-            self.core.add_request(request_id, prompt_token_ids, params, prior, client, checked=True)
+            self.core.add_request(request_id, prompt_token_ids, params, prior, client, checked=True, images=images)
         except Exception as exc:
             log.error("adding %s failed", request_id, exc_info=exc)
             error = str(exc) if isinstance(exc, InvalidRequest) else (
@@ -218,12 +219,16 @@ class AsyncEngine:
                                           error=error) for index in range(params.n)])
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None, prior_output_ids: list[int] = (), client=None) -> RequestStream:
+                    request_id: str | None = None, prior_output_ids: list[int] = (), client=None,
+                    images=None) -> RequestStream:
         """Queue a request; raises InvalidRequest (400) or QueueFull (429). `prior_output_ids`:
         continue from output already produced (see `EngineCore.add_request`). `client`: who sends it,
-        for fair shares of a full engine (engine/fair_share.py); None: the one anonymous client."""
+        for fair shares of a full engine (engine/fair_share.py); None: the one anonymous client.
+        `images`: the prompt's `PromptImages` from `vision.prepare` (engine/model/vision.py)."""
+        if images is not None and self.vision is None:
+            raise InvalidRequest("This model takes text only: a request with images cannot be served.", "messages")
         return self._admit(prompt_token_ids, params, request_id, lambda rid: RequestStream(self, rid, params.n),
-                           prior_output_ids, client)
+                           prior_output_ids, client, images)
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:

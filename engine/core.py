@@ -76,7 +76,7 @@ class EngineCore:
     """Owns the model, the KV cache and the queues; `step()` advances every running sequence."""
 
     def __init__(self, model, tokenizer, config: EngineConfig | None = None, context_length: int | None = None,
-                 grammars: GrammarCompiler | None = None, draft=None):
+                 grammars: GrammarCompiler | None = None, draft=None, vision=None):
         self.config = config = config or EngineConfig()
         self.model = model
         self.tokenizer = tokenizer
@@ -95,6 +95,10 @@ class EngineCore:
         self.decode_attention = setup.decode_attention  # a label: where decode attention runs
         self.attention_path = self.runner.path
         self.runner_reason = setup.runner_reason  # why the fallback runner (None: the paged path, verified at load)
+        # engine.model.vision.ImageEncoder of a vision-language model: the paged runner merges its features
+        self.vision = vision if self.attention_path == "paged" else None
+        if self.vision is not None:
+            self.runner.encoder = vision
         # the fallback path keeps its own cache per sequence: nothing there to share
         self.allocator = BlockAllocator(self.num_kv_blocks, config.block_size,
                                         prefix_caching=config.prefix_caching and self.attention_path == "paged")
@@ -158,21 +162,25 @@ class EngineCore:
         return int(getattr(head, "out_features", 0) or getattr(self.model.config, "vocab_size", 0) or self.vocab_size)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prior_output_ids: list[int] = (), client=None, checked: bool = False) -> list[Sequence]:
+                    prior_output_ids: list[int] = (), client=None, checked: bool = False,
+                    images=None) -> list[Sequence]:
         """Queue a request. `prior_output_ids` continues one whose output so far is known (a
         resumed stream): they are recomputed like a preempted sequence's, count towards
         max_tokens and min_tokens, and their text is not emitted again (n must be 1). `client`:
         whose it is, for the scheduler's fair shares (None: the anonymous client). `checked`: the
-        caller ran `check_prompt` on these already (AsyncEngine does, before it answers)."""
+        caller ran `check_prompt` on these already (AsyncEngine does, before it answers). `images`:
+        the prompt's `PromptImages` (engine/model/vision.py), made by this model's `ImageEncoder`."""
         if not checked:
             self.check_prompt(prompt_token_ids, params, prior_output_ids)
+        if images is not None and self.vision is None:
+            raise InvalidRequest("This model takes text only: a request with images cannot be served.", "messages")
         if request_id in self.by_request:
             raise InvalidRequest(f"Request id {request_id!r} is already running; ids must be unique.", "request_id")
         made = []  # everything is built before anything is registered: a failure leaves no trace
         for index in range(params.n):
             seq = Sequence(seq_id=f"{request_id}#{index}", request_id=request_id, index=index,
                            token_ids=list(prompt_token_ids) + list(prior_output_ids),
-                           num_prompt_tokens=len(prompt_token_ids), params=params, client=client)
+                           num_prompt_tokens=len(prompt_token_ids), params=params, client=client, images=images)
             made.append((seq, self.output.prepare(seq, list(prior_output_ids))))
         for seq, detok in made:
             self.seqs[seq.seq_id] = seq
@@ -326,7 +334,9 @@ class EngineCore:
         seq.num_prompt_tokens_computed = max(seq.num_prompt_tokens_computed, prompt_end)
         seq.num_cached_blocks = self.allocator.cache_full_blocks(
             seq.token_ids, seq.block_hashes, seq.block_table, seq.num_computed_tokens, seq.num_cached_blocks,
-            seq.params.cache_salt)
+            seq.params.cache_salt, seq.images)
+        if seq.image_features is not None and seq.num_computed_tokens > seq.images.last:
+            seq.image_features = None  # every image position is in the KV cache now
 
     def _sample(self, step: StepOutput, index: list[int], sampling: list[ScheduledChunk],
                 outputs: list[RequestOutput]) -> list[tuple[Sequence, int, object]]:

@@ -14,6 +14,10 @@ when no never-cached block is left.
 A request's `cache_salt` seeds its chain: requests with different salts never share a block,
 so one client cannot learn from the hit counters (or the time to first token) whether another
 client's prompt is cached. Requests without a salt share with each other only.
+
+A prompt with images (engine/model/vision.py `PromptImages`) adds its pixels' digest to the hash of
+every block holding one of its image tokens: the same picture under a new question finds those
+blocks (and the text before them), a different picture never does.
 """
 
 from __future__ import annotations
@@ -93,23 +97,26 @@ class BlockAllocator:
     # ---- prefix caching ---------------------------------------------------------------------
 
     def _extend_hashes(self, token_ids: list[int], hashes: list[bytes], num_blocks: int,
-                       salt: str | None = None) -> None:
+                       salt: str | None = None, images=None) -> None:
         """Append to `hashes` the chain hashes of full blocks len(hashes)..num_blocks-1 (the first
-        one chained to the salt's own digest when there is a salt)."""
+        one chained to the salt's own digest when there is a salt; a block holding image tokens
+        also hashes the images' digest)."""
         bs = self.block_size
         for i in range(len(hashes), num_blocks):
             previous = hashes[-1] if hashes else _salt_digest(salt)
             tokens = array("q", token_ids[i * bs:(i + 1) * bs]).tobytes()
+            if images is not None and i * bs <= images.last and (i + 1) * bs > images.first:
+                tokens += images.digest
             hashes.append(hashlib.blake2b(previous + tokens, digest_size=16).digest())
 
     def match_prefix(self, token_ids: list[int], hashes: list[bytes], block_table: list[int],
-                     salt: str | None = None) -> int:
+                     salt: str | None = None, images=None) -> int:
         """Put the cached blocks of the longest cached prefix into an empty `block_table`; returns
         how many tokens they hold. The last token is always left to compute (its logits are needed)."""
         if not self.prefix_caching or block_table:
             return 0
         max_blocks = (len(token_ids) - 1) // self.block_size
-        self._extend_hashes(token_ids, hashes, max_blocks, salt)
+        self._extend_hashes(token_ids, hashes, max_blocks, salt, images)
         for h in hashes[:max_blocks]:
             block = self.cached.get(h)
             if block is None:
@@ -127,13 +134,13 @@ class BlockAllocator:
             self.hit_tokens += num_matched
 
     def cache_full_blocks(self, token_ids: list[int], hashes: list[bytes], block_table: list[int],
-                          num_computed: int, num_cached: int, salt: str | None = None) -> int:
+                          num_computed: int, num_cached: int, salt: str | None = None, images=None) -> int:
         """Name the blocks that `num_computed` tokens fill, from block `num_cached` on, so later
         sequences can share them; returns the new number of named blocks of this sequence."""
         full = min(num_computed // self.block_size, len(block_table))
         if not self.prefix_caching or full <= num_cached:
             return num_cached
-        self._extend_hashes(token_ids, hashes, full, salt)
+        self._extend_hashes(token_ids, hashes, full, salt, images)
         for i in range(num_cached, full):
             block, h = block_table[i], hashes[i]
             if block not in self.block_hash and h not in self.cached:  # else shared already, or a twin is

@@ -22,18 +22,21 @@ class LLM:
             draft = load_draft(config.draft_model, model, **load_kwargs)
         self.loaded = model
         self.tokenizer = model.tokenizer
-        self.core = EngineCore(model.model, model.tokenizer, config, model.context_length, draft=draft)
+        self.core = EngineCore(model.model, model.tokenizer, config, model.context_length, draft=draft,
+                               vision=model.vision)
 
-    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[GenerationResult]:
-        """Strings are tokenized raw (no chat template); lists of ints are token ids."""
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                 images: list | None = None) -> list[GenerationResult]:
+        """Strings are tokenized raw (no chat template); lists of ints are token ids. `images`: per
+        prompt, None or its `PromptImages` (a vision-language model's `loaded.vision.prepare`)."""
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         params = params or SamplingParams()
         all_params = params if isinstance(params, list) else [params] * len(prompts)
         results: dict[str, GenerationResult] = {}
-        for prompt, p in zip(prompts, all_params):
+        for prompt, p, prompt_images in zip(prompts, all_params, images or [None] * len(prompts)):
             ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
             rid = new_request_id()
-            self.core.add_request(rid, ids, p)
+            self.core.add_request(rid, ids, p, images=prompt_images)
             results[rid] = GenerationResult(rid, ids, [CompletionOutput(i, "", [], None, [] if p.logprobs is not None else None)
                                                        for i in range(p.n)])
         while self.core.has_work():

@@ -359,6 +359,8 @@ class Sequence:
     grammar: object | None = None  # engine.grammar.GrammarState when params.constraint is set
     reasoning: object | None = None  # engine.reasoning.ReasoningState when params.reasoning on a thinking model
     draft_token_ids: list[int] = field(default_factory=list)  # guessed next tokens to verify this step (engine/speculative.py)
+    images: object | None = None  # engine.model.vision.PromptImages: the prompt's pixels and image positions
+    image_features: object | None = None  # [image tokens, hidden] tensor while its prefill needs them
 
     @property
     def num_output_tokens(self) -> int:

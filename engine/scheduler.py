@@ -105,7 +105,7 @@ class Scheduler:
             looked_up = seq.num_computed_tokens == 0
             if looked_up:  # reuse the cached blocks of a known prefix
                 seq.num_computed_tokens = self.allocator.match_prefix(seq.token_ids, seq.block_hashes, seq.block_table,
-                                                                       seq.params.cache_salt)
+                                                                       seq.params.cache_salt, seq.images)
                 matched = len(seq.block_table)
                 if matched < len(seq.block_hashes) and seq.block_hashes[matched] in in_flight:
                     self.allocator.free(seq.block_table)  # it takes them, and the ones on the way, later

@@ -261,7 +261,8 @@ class Speculator:
         seq.num_computed_tokens += accepted
         allocator.shrink(seq.block_table, seq.num_computed_tokens)
         seq.num_cached_blocks = allocator.cache_full_blocks(
-            seq.token_ids, seq.block_hashes, seq.block_table, seq.num_computed_tokens, seq.num_cached_blocks)
+            seq.token_ids, seq.block_hashes, seq.block_table, seq.num_computed_tokens, seq.num_cached_blocks,
+            seq.params.cache_salt, seq.images)
 
 
 def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:

@@ -57,7 +57,8 @@ RETRY_AFTER_S = 1  # a 429's Retry-After: slots free as requests finish (many pe
 
 
 def admit(engine, prompt_token_ids: list[int], params: SamplingParams, request_id: str, *,
-          prior_output_ids: list[int] = (), session: str | None = None, client: str | None = None, on_admit=None):
+          prior_output_ids: list[int] = (), session: str | None = None, client: str | None = None, on_admit=None,
+          images=None):
     """The one admission path of `/chat`, `/v1`, the page and MCP: the engine checks the prompt and
     the parameters once (context, vocabulary, KV cache, capacity) and queues the request; its refusals
     come out as `InvalidRequest` (400) or `ApiError` (429, 503). Returns the request's `RequestStream`.
@@ -67,6 +68,8 @@ def admit(engine, prompt_token_ids: list[int], params: SamplingParams, request_i
     extra = {"session": session} if session is not None else {}
     if client is not None:
         extra["client"] = client
+    if images is not None:  # the prompt's PromptImages (only a vision model's engine takes them)
+        extra["images"] = images
     try:
         handle = engine.add_request(prompt_token_ids, params, request_id=request_id,
                                     prior_output_ids=prior_output_ids, **extra)
@@ -207,7 +210,8 @@ class Generation:
 
     def __init__(self, engine, prompt_token_ids: list[int], params: SamplingParams, label: str,
                  timeout: float = 0.0, on_admit=None, metrics=None, route: str = "chat",
-                 prior_output_ids: list[int] = (), session: str | None = None, client: str | None = None):
+                 prior_output_ids: list[int] = (), session: str | None = None, client: str | None = None,
+                 images=None):
         self.engine = engine
         self.session = session  # the conversation's key for replica affinity (x-session-id), or None
         self.metrics = metrics  # frontend.telemetry.RequestMetrics, or None
@@ -223,7 +227,7 @@ class Generation:
         self._tick: asyncio.TimerHandle | None = None  # wakes the reader every second (see _next)
         self._stopped = False
         self.stream = admit(engine, prompt_token_ids, params, self.request_id, prior_output_ids=prior_output_ids,
-                            session=session, client=client, on_admit=on_admit)  # errors: see the route handlers
+                            session=session, client=client, on_admit=on_admit, images=images)  # errors: see the route handlers
         self._remaining = set(range(params.n))
 
     async def ready(self) -> "Generation":

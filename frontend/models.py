@@ -480,6 +480,11 @@ class ModelView:
     kv_cache_tokens = property(lambda self: self._engine().kv_cache_tokens)
 
     @property
+    def vision(self):  # what /health shows of an unloaded model too: None until it is loaded
+        engine = self._entry.engine
+        return None if engine is None else engine.vision
+
+    @property
     def on_fatal(self):
         return self._registry.on_fatal
 
@@ -506,8 +511,11 @@ class ModelView:
         self._engine().compile_constraint(params)
 
     def add_request(self, prompt_token_ids: list[int], params, request_id: str | None = None,
-                    prior_output_ids: list[int] = (), session: str | None = None, client: str | None = None):
-        return self._engine().add_request(prompt_token_ids, params, request_id, prior_output_ids, session, client)
+                    prior_output_ids: list[int] = (), session: str | None = None, client: str | None = None,
+                    images=None):
+        extra = {} if images is None else {"images": images}  # a text engine's add_request takes none
+        return self._engine().add_request(prompt_token_ids, params, request_id, prior_output_ids, session, client,
+                                          **extra)
 
     async def wait_admitted(self, stream, timeout: float | None = None) -> None:
         await self._engine().wait_admitted(stream, timeout)

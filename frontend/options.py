@@ -77,6 +77,13 @@ OPTIONS: tuple[Option, ...] = (
            "sits behind a proxy: set it there so fair shares count each visitor, not the proxy", "IP1,CIDR2"),
     Option("--max-body-bytes", ("MAX_BODY_BYTES",), "max_body_bytes", int, 1_000_000,
            "larger request bodies get 413", "N"),
+    Option("--limit-images", ("LIMIT_IMAGES",), "limit_images", int, 4,
+           "images one request may bring to a vision-language model (more: a 400)", "N"),
+    Option("--max-image-bytes", ("MAX_IMAGE_BYTES",), "max_image_bytes", int, 10 * 2**20,
+           "one image's encoded bytes at most (a data: URL's image counts within --max-body-bytes too)", "N"),
+    Option("--allowed-media-domains", ("ALLOWED_MEDIA_DOMAINS",), "allowed_media_domains", "list", (),
+           "comma-separated hosts (and their subdomains) whose http(s) image URLs the server fetches; default: "
+           "none, images come inline as data: URLs", "D1,D2"),
     Option("--request-timeout", ("REQUEST_TIMEOUT",), "request_timeout", float, 0.0,
            "seconds a request may wait plus generate before it is stopped with an error (0 = no limit)", "S"),
     Option("--cache-salt-per-session", ("CACHE_SALT_PER_SESSION",), "cache_salt_per_session", "bool", False,
@@ -308,7 +315,7 @@ def parse_settings(argv: list[str] | None = None, environ: dict[str, str] | None
     except TypeError as exc:  # pragma: no cover - Settings and OPTIONS out of step
         parser.error(str(exc))
     for name, low in (("port", 0), ("max_num_seqs", 1), ("max_queue", 0), ("max_body_bytes", 1),
-                      ("default_max_new_tokens", 1), ("block_size", 1), ("max_num_batched_tokens", 1),
+                      ("limit_images", 0), ("max_image_bytes", 1), ("default_max_new_tokens", 1), ("block_size", 1), ("max_num_batched_tokens", 1),
                       ("resume_max_streams", 1), ("resume_max_bytes", 1),
                       ("max_engine_restarts", 0), ("num_speculative_tokens", 1), ("speculative_max_seqs", 1),
                       ("models_max", 1)):

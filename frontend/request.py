@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from engine.request import MAX_CHARS_PER_TOKEN, Constraint, InvalidRequest, SamplingParams, prompt_char_limit
 from frontend.admission import Generation, check_prompt_chars, compile_constraint, off_loop, start_generation
+from frontend.images import load_images
 from frontend.sampling_defaults import RILL_SAMPLING, SamplingDefaults
 from frontend.tools import ToolFormat, ToolRequest, tool_format
 
@@ -55,6 +56,7 @@ class ChatJob:
     format_param: str = "response_format"  # the field a constraint that cannot compile is blamed on
     max_tokens_param: str = "max_tokens"  # the API's name of max_tokens (/chat and the page: max_new_tokens)
     stop_param: str = "stop"  # the API's name of the stop strings (Anthropic's: stop_sequences)
+    images: list | None = None  # frontend.images.ImageRef in order; `messages` hold a {"type": "image"} part for each
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +80,7 @@ class Prepared:
     fmt: ToolFormat | None  # the model's tool format when the job has tools
     dropped_turns: int = 0  # the page's oldest turns left out to fit the context
     asked_max_tokens: int = 0  # the answer length asked (params.max_tokens is less when the context is short)
+    images: object | None = None  # engine.model.vision.PromptImages of the one prompt, when the job has images
 
 
 def _renamed(exc: InvalidRequest, job: ChatJob) -> InvalidRequest:
@@ -133,25 +136,47 @@ def _template_messages(engine, job: ChatJob) -> tuple[list[dict], list[dict] | N
 
 
 async def encode(engine, job: ChatJob, max_tokens: int | None = None) -> tuple[list[list[int]], ToolFormat | None,
-                                                                             int, int | None]:
+                                                                             int, int | None, object]:
     """The job's prompt(s) in tokens (a 400 when one is too long in characters, before tokenizing, or
     the template refuses it), the tool format, and with `fit_context` the turns dropped and the answer
-    budget left (else `max_tokens` as given)."""
+    budget left (else `max_tokens` as given), and the prompt's `PromptImages` (None without images)."""
     if job.messages is None:
         for prompt in job.prompts:
             if isinstance(prompt, str):
                 check_prompt_chars(engine, len(prompt), job.param)
         prompts = await off_loop(lambda: [engine.encode(p) if isinstance(p, str) else list(p) for p in job.prompts])
-        return prompts, None, 0, max_tokens
+        return prompts, None, 0, max_tokens, None
+    if job.images:
+        return await _encode_images(engine, job, max_tokens)
     messages, template_tools, fmt = _template_messages(engine, job)
     if job.fit_context:
         fitted = await off_loop(fit_to_context, engine, messages, max_tokens)
-        return [fitted.prompt_token_ids], fmt, fitted.dropped_turns, fitted.max_tokens
+        return [fitted.prompt_token_ids], fmt, fitted.dropped_turns, fitted.max_tokens, None
     check_prompt_chars(engine, sum(len(m.get("content") or "") + (len(json.dumps(m["tool_calls"])) if m.get("tool_calls")
                                                                  else 0) for m in messages)
                        + (len(json.dumps(template_tools)) if template_tools else 0), job.param)
     ids = await off_loop(lambda: engine.encode_chat(messages, True, template_tools, **(job.template_kwargs or {})))
-    return [ids], fmt, 0, max_tokens
+    return [ids], fmt, 0, max_tokens, None
+
+
+def _text_chars(message: dict) -> int:
+    """Characters of a message's text (a list content: its text parts)."""
+    content = message.get("content") or ""
+    return len(content) if isinstance(content, str) else sum(len(p["text"]) for p in content if p["type"] == "text")
+
+
+async def _encode_images(engine, job: ChatJob, max_tokens: int | None) -> tuple[list[list[int]], None, int, int | None,
+                                                                             object]:
+    """A conversation with images through the model's processor (decoding and the processor in a
+    worker thread): its prompt, image tokens expanded, and its `PromptImages`. 400 for a text model."""
+    if engine.vision is None:
+        raise InvalidRequest(f"This model ({engine.model_name}) takes text only; the request has {len(job.images)} "
+                             "image(s). Send text alone, or serve a vision-language model (--model).", job.param)
+    if job.tools is not None:
+        raise InvalidRequest("Tools and images in one request are not served yet: send one or the other.", "tools")
+    check_prompt_chars(engine, sum(_text_chars(m) for m in job.messages), job.param)
+    ids, images = await off_loop(lambda: engine.vision.prepare(job.messages, load_images(job.images), job.template_kwargs))
+    return [ids], None, 0, max_tokens, images
 
 
 async def prepare(engine, job: ChatJob, defaults: RequestDefaults, client: str | None = None) -> Prepared:
@@ -160,7 +185,7 @@ async def prepare(engine, job: ChatJob, defaults: RequestDefaults, client: str |
     asked = job.max_tokens or defaults.max_new_tokens
     reasoning = engine.think_tags is not None
     params = sampling_params(job, asked, defaults, reasoning, job.constraint)  # every field checked first
-    prompts, fmt, dropped, max_tokens = await encode(engine, job, asked)
+    prompts, fmt, dropped, max_tokens, images = await encode(engine, job, asked)
     if job.max_tokens is None and job.open_ended:
         max_tokens = default_max_tokens(engine, max(len(p) for p in prompts))
     constraint = fmt.constraint(job.tools, engine.tokenizer) if fmt is not None else job.constraint
@@ -170,7 +195,7 @@ async def prepare(engine, job: ChatJob, defaults: RequestDefaults, client: str |
         await compile_constraint(engine, params, client=client)
     except InvalidRequest as exc:
         raise _renamed(exc, job) from None
-    return Prepared(prompts, params, fmt, dropped, asked)
+    return Prepared(prompts, params, fmt, dropped, asked, images)
 
 
 async def start_job(engine, job: ChatJob, prepared: Prepared, label: str, **admission) -> list[Generation]:
@@ -181,7 +206,8 @@ async def start_job(engine, job: ChatJob, prepared: Prepared, label: str, **admi
     try:
         for i, ids in enumerate(prepared.prompts):
             rid = label if len(prepared.prompts) == 1 else f"{label}-{i}"
-            gens.append(await start_generation(engine, ids, prepared.params, rid, **admission))
+            extra = {"images": prepared.images} if prepared.images is not None else {}
+            gens.append(await start_generation(engine, ids, prepared.params, rid, **admission, **extra))
     except InvalidRequest as exc:
         for gen in gens:
             gen.abort()

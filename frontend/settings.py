@@ -57,6 +57,9 @@ class Settings:
     cors_origins: tuple[str, ...] = ()  # CORS off unless origins are given; no other origin gets credentials
     forwarded_allow_ips: tuple[str, ...] = ()  # proxies whose X-Forwarded-For names the caller; () = none, ("*",) = any
     max_body_bytes: int = 1_000_000  # bigger request bodies get 413
+    limit_images: int = 4  # images one request may bring (a vision-language model)
+    max_image_bytes: int = 10 * 2**20  # one image's encoded bytes at most
+    allowed_media_domains: tuple[str, ...] = ()  # hosts whose http(s) image URLs are fetched; () = none
     request_timeout: float = 0.0  # seconds a request may wait and run in all; 0 = no limit
     cache_salt_per_session: bool = False  # the page's requests share prefix-cache blocks within a session only
     resume_window: float = 30.0  # seconds a disconnected /chat stream stays resumable; 0 = abort at once

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 
 from engine.request import FinishReason
 from frontend.admission import RequestFailed
+from frontend.images import ImageLimits, take_images
 from frontend.request import ChatJob, Sampling, encode
 from server.reply_blocks import Block, ReplyBlocks
 from server.streaming import route_start, run_while_connected, start
@@ -33,10 +34,12 @@ BODY_FIELDS["/v1/messages"] = list(MessagesRequest.model_fields)
 BODY_FIELDS["/v1/messages/count_tokens"] = list(CountTokensRequest.model_fields)
 
 
-def _job(body: CountTokensRequest, sampling: Sampling | None = None, max_tokens: int | None = None) -> ChatJob:
-    return ChatJob(body.chat_messages(), sampling=sampling or Sampling(), max_tokens=max_tokens,
+def _job(body: CountTokensRequest, image_limits: ImageLimits, sampling: Sampling | None = None,
+         max_tokens: int | None = None) -> ChatJob:
+    messages, images = take_images(body.chat_messages(), image_limits)
+    return ChatJob(messages, sampling=sampling or Sampling(), max_tokens=max_tokens,
                    tools=body.tool_request(), constraint=body.constraint(), template_kwargs=body.template_kwargs(),
-                   format_param="output_config.format", stop_param="stop_sequences")
+                   format_param="output_config.format", stop_param="stop_sequences", images=images or None)
 
 
 def matched_stop(tokenizer, token_ids: list[int], stops: list[str]) -> str | None:
@@ -118,7 +121,8 @@ class MessageBuilder:
 @router.post("/messages")
 async def create_message(body: MessagesRequest, request: Request, x_request_id: str | None = Header(None)):
     engine, request_id = await route_start(request, body, x_request_id)
-    gens, prepared = await start(request, _job(body, body.sampling(), body.max_tokens), request_id, "v1_messages")
+    gens, prepared = await start(request, _job(body, request.app.state.image_limits, body.sampling(), body.max_tokens),
+                                 request_id, "v1_messages")
     gen = gens[0]
     blocks = ReplyBlocks(prepared.fmt)
     builder = MessageBuilder(body, request_id, engine.model_name, blocks, engine.tokenizer)
@@ -156,5 +160,5 @@ async def create_message(body: MessagesRequest, request: Request, x_request_id: 
 @router.post("/messages/count_tokens")
 async def count_tokens(body: CountTokensRequest, request: Request):
     engine, _ = await route_start(request, body, None)
-    prompts, *_ = await encode(engine, _job(body))
+    prompts, *_ = await encode(engine, _job(body, request.app.state.image_limits))
     return {"input_tokens": len(prompts[0])}

@@ -53,7 +53,36 @@ class ThinkingBlock(BaseModel):
     type: Literal["thinking", "redacted_thinking"]
 
 
-ContentBlock = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock], Field(discriminator="type")]
+class ImageSource(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["base64", "url"]
+    media_type: str | None = None  # base64: image/png, image/jpeg, image/webp, image/gif
+    data: str | None = None  # base64
+    url: str | None = None  # url: fetched only from --allowed-media-domains
+
+    @model_validator(mode="after")
+    def _data_or_url(self):
+        if (self.data if self.type == "base64" else self.url) is None:
+            raise ValueError(f"an image source of type {self.type!r} needs `{'data' if self.type == 'base64' else 'url'}`")
+        return self
+
+
+class ImageBlock(BaseModel):
+    """An image for a vision-language model (user turns)."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["image"]
+    source: ImageSource
+
+    def part(self) -> dict:
+        """The image as frontend/images.py takes it."""
+        if self.source.type == "base64":
+            return {"type": "image_base64", "data": self.source.data, "media_type": self.source.media_type}
+        return {"type": "image_url", "url": self.source.url}
+
+
+ContentBlock = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, ImageBlock],
+                         Field(discriminator="type")]
 
 
 class AnthropicMessage(BaseModel):
@@ -199,7 +228,11 @@ class CountTokensRequest(BaseModel):
                     if b.tool_use_id in names:
                         result["name"] = names[b.tool_use_id]
                     out.append(result)
-            if calls:
+            if any(isinstance(b, ImageBlock) for b in m.content) and not calls:  # text and image parts in order
+                out.append({"role": m.role, "content": [{"type": "text", "text": b.text} if isinstance(b, TextBlock)
+                                                        else b.part() for b in m.content
+                                                        if isinstance(b, (TextBlock, ImageBlock))]})
+            elif calls:
                 out.append({"role": m.role, "content": "".join(texts) or None, "tool_calls": calls})
             elif texts or not any(isinstance(b, ToolResultBlock) for b in m.content):
                 out.append({"role": m.role, "content": "".join(texts)})

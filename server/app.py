@@ -16,6 +16,7 @@ from server.metrics import install_metrics
 from server.middleware import ApiGuard, CorsGuard, has_key
 from server.resume import ResumeRegistry
 from server.streaming import release_model
+from frontend.images import ImageLimits, images_health
 from frontend.models import ModelRegistry
 from frontend.request import RequestDefaults
 from frontend.sampling_defaults import model_sampling_defaults
@@ -68,6 +69,8 @@ def create_app(engine, settings: Settings, models: ModelRegistry | None = None) 
     state.settings = settings
     # the models the routes pick from by the body's `model` (frontend/models.py); one around `engine` by default
     state.models = models if models is not None else ModelRegistry.single(engine, settings, state.request_defaults)
+    state.image_limits = ImageLimits(settings.limit_images, settings.allowed_media_domains,  # frontend/images.py
+                                     settings.max_image_bytes)
     state.started_at = int(time.time())
     state.shutting_down = False
     state.resume = ResumeRegistry(settings.resume_window, state.models.abort, max_streams=settings.resume_max_streams,
@@ -95,7 +98,7 @@ def create_app(engine, settings: Settings, models: ModelRegistry | None = None) 
     async def health(request: Request):
         alive = bool(engine.alive)
         body = {"status": "ok" if alive else "engine stopped", "model": engine.model_name,
-                "max_model_len": engine.max_model_len}
+                "max_model_len": engine.max_model_len, "images": images_health(engine.vision, state.image_limits)}
         if state.models.several:  # each model's state and loads counted (the default's engine is `engine`)
             body["models"] = state.models.snapshot()
         if not has_key(request.scope, settings.api_key):  # no counters: they tell what other clients sent

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 
 from engine.request import FinishReason
 from frontend.admission import Generation, RequestFailed, compile_constraint, start_generation
+from frontend.images import ImageLimits, take_images
 from frontend.request import ChatJob, Sampling
 from server.errors import BODY_FIELDS, ApiError, internal_error_message, log_internal_error
 from server.headers import admission, client_of
@@ -34,7 +35,7 @@ router = APIRouter()
 BODY_FIELDS["/chat"] = list(ChatBody.model_fields)
 
 
-def _job(body: ChatBody) -> ChatJob:
+def _job(body: ChatBody, image_limits: ImageLimits) -> ChatJob:
     """The body as the one request record: `prompt` (through the chat template unless `raw`) or
     `messages`, after `system`; unset sampling fields take the defaults."""
     sampling = Sampling(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
@@ -49,7 +50,13 @@ def _job(body: ChatBody) -> ChatJob:
         return job
     messages = ([m.model_dump() for m in body.messages] if body.messages is not None
                 else [{"role": "user", "content": body.prompt}])
+    if body.images:  # before the last message's text, as image parts (frontend/images.py)
+        last = messages[-1]
+        messages[-1] = {**last, "content": [{"type": "image_url", "url": url} for url in body.images]
+                        + [{"type": "text", "text": last["content"]}]}
     job.messages = ([{"role": "system", "content": body.system}] if body.system is not None else []) + messages
+    if body.images:
+        job.messages, job.images = take_images(job.messages, image_limits, "images")
     return job
 
 
@@ -113,8 +120,9 @@ async def _continue(request: Request, record: ResumableStream) -> None:
         return
     record.suspended = False  # before any await: a second reader must not continue it twice
     try:
+        images = {"images": record.images} if record.images is not None else {}
         gen = await start_generation(engine, record.prompt_ids, record.params, record.request_id,
-                                     prior_output_ids=record.output_ids, **admission(request, "chat"))
+                                     prior_output_ids=record.output_ids, **admission(request, "chat"), **images)
     except BaseException:
         record.suspended = True
         raise
@@ -148,7 +156,7 @@ async def _collect(gen: Generation, request: Request) -> tuple[str, str, int, ob
 async def chat(body: ChatBody, request: Request, x_request_id: str | None = Header(None)):
     state = request.app.state
     _, request_id = await route_start(request, body, x_request_id)  # the id: a label; resuming needs the token too
-    gens, prepared = await start(request, _job(body), request_id, "chat")
+    gens, prepared = await start(request, _job(body, state.image_limits), request_id, "chat")
     gen = gens[0]
     if not body.stream:
         text, thought, completion_tokens, finish_reason = await _collect(gen, request)
@@ -158,6 +166,7 @@ async def chat(body: ChatBody, request: Request, x_request_id: str | None = Head
         return JSONResponse(reply, headers={"x-request-id": request_id})
     record = state.resume.create(request_id, prepared.prompts[0], prepared.params)
     record.model = request.state.model.name  # a resume continues on the same model
+    record.images = prepared.images
     _start_pump(state, gen, record)
     headers = {RESUME_TOKEN_HEADER: record.token} if record.token is not None else None
     return event_stream_response(_follow(record, 0), request_id, headers=headers)

@@ -16,6 +16,7 @@ from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse
 
 from frontend.admission import Generation, RequestFailed
+from frontend.images import take_images
 from frontend.request import ChatJob, Sampling, default_max_tokens
 from server.errors import error_body, internal_error_message, slow_reader_end
 from server.openai_choices import ChatChoices, CompletionChoices, TokenText
@@ -77,10 +78,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, x_requ
     engine, request_id = await route_start(request, body, x_request_id)
     body.check_answer_budget(default_max_tokens(engine, 0))  # n x max_tokens x logprobs: a 400 before any work
     top_n = body.top_logprobs or 0
-    job = ChatJob([m.template_message(_ROLE_MAP.get(m.role, m.role)) for m in body.messages], sampling=sampling_of(body),
+    messages, images = take_images([m.template_message(_ROLE_MAP.get(m.role, m.role)) for m in body.messages],
+                                   request.app.state.image_limits, exact_paths=True)
+    job = ChatJob(messages, sampling=sampling_of(body),
                   max_tokens=body.max_completion_tokens or body.max_tokens, open_ended=True, tools=body.tool_request(),
                   constraint=body.constraint(), template_kwargs=body.chat_template_kwargs,
-                  logprobs=top_n if body.logprobs else None)
+                  logprobs=top_n if body.logprobs else None, images=images or None)
     gens, prepared = await start(request, job, request_id, "v1_chat")
     choices = ChatChoices(body.n, prepared.fmt, TokenText(engine.tokenizer), top_n, bool(body.logprobs))
     return await _answer(request, gens, body, choices, f"chatcmpl-{request_id}", request_id)

@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, Response
 
 from engine.request import FinishReason
 from frontend.admission import RequestFailed
+from frontend.images import take_images
 from frontend.request import ChatJob
 from server.reply_blocks import Block, ReplyBlocks
 from server.errors import ApiError, BODY_FIELDS, internal_error_message, slow_reader_end
@@ -154,7 +155,7 @@ def input_messages(body: ResponsesRequest, history: list[dict]) -> list[dict]:
     out: list[dict] = []
     for item in body.input:
         if isinstance(item, MessageItem):
-            out.append({"role": "system" if item.role == "developer" else item.role, "content": item.text()})
+            out.append({"role": "system" if item.role == "developer" else item.role, "content": item.template_content()})
         elif isinstance(item, FunctionCallItem):
             names[item.call_id] = item.name
             call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
@@ -284,9 +285,11 @@ async def create_response(body: ResponsesRequest, request: Request, x_request_id
         if body.previous_response_id else []
     conversation = [*history, *input_messages(body, history)]
     instructions = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    job = ChatJob([*instructions, *conversation], sampling=body.sampling(), max_tokens=body.max_output_tokens,
+    messages, images = take_images([*instructions, *conversation], request.app.state.image_limits, "input")
+    job = ChatJob(messages, sampling=body.sampling(), max_tokens=body.max_output_tokens,
                   open_ended=True, tools=body.tool_request(), constraint=body.constraint(),
-                  template_kwargs=body.template_kwargs(), param="input", format_param="text.format")
+                  template_kwargs=body.template_kwargs(), param="input", format_param="text.format",
+                  images=images or None)
     gens, prepared = await start(request, job, request_id, "v1_responses")
     gen = gens[0]
     blocks = ReplyBlocks(prepared.fmt)

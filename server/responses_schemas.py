@@ -28,14 +28,30 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImagePart(BaseModel):
+    """`input_image`: an image for a vision-language model (a data: URL, or an --allowed-media-domains URL)."""
+
+    model_config = ConfigDict(extra="ignore")  # detail
+    type: Literal["input_image"]
+    image_url: str
+
+
 class MessageItem(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[TextPart]
+    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]]
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content
+                                                                           if p.type != "input_image")
+
+    def template_content(self) -> str | list[dict]:
+        """The content as chat templates take it; with images, its parts as frontend/images.py takes them."""
+        if isinstance(self.content, str) or all(p.type != "input_image" for p in self.content):
+            return self.text()
+        return [{"type": "image_url", "url": p.image_url} if p.type == "input_image" else {"type": "text", "text": p.text}
+                for p in self.content]
 
 
 class FunctionCallItem(BaseModel):

@@ -125,6 +125,7 @@ class ResumableStream:
         # what a continuation needs, and where the generation stands
         self.prompt_ids: list[int] = []
         self.params = None
+        self.images = None  # the prompt's PromptImages (a vision-language model): a continuation brings them again
         self.output_ids: list[int] = []  # tokens generated so far
         self.suspending = False  # the engine request is being aborted because nobody reads it
         self.suspended = False  # it was: a reader who comes back continues it

@@ -191,6 +191,8 @@ class ChatBody(_ConstraintFields):
     messages: list[ChatMessage] | None = Field(None, description="a whole conversation instead of `prompt`")
     system: str | None = Field(None, description="a system message put before the conversation")
     raw: bool = Field(False, description="send `prompt` to the model as is, without the chat template")
+    images: list[str] | None = Field(None, description="data: URLs of images put before the last message's text "
+                                                       "(a vision-language model)")
     stream: bool = True
     max_new_tokens: int | None = Field(None, ge=1, description="new tokens at most (default 512)")
     # unset: the model's generation config (or model card), else 0.7, 1.0, 0 and 1.0
@@ -227,6 +229,8 @@ class ChatBody(_ConstraintFields):
             raise ValueError("`messages` must hold at least one message")
         if self.raw and self.prompt is None:
             raise ValueError("`raw` applies to `prompt` only")
+        if self.raw and self.images:
+            raise ValueError("`images` cannot be combined with `raw` (images go through the chat template)")
         if self.raw and self.system is not None:
             raise ValueError("`system` cannot be combined with `raw` (no chat template is applied)")
         return self
@@ -242,6 +246,18 @@ class TextPart(BaseModel):
     model_config = ConfigDict(extra="allow")
     type: Literal["text"]
     text: str
+
+
+class ImageUrl(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    url: str  # data:image/...;base64,... (or an http(s) URL from --allowed-media-domains)
+    detail: str | None = None
+
+
+class ImageUrlPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["image_url"]
+    image_url: ImageUrl
 
 
 class FunctionCallIn(BaseModel):
@@ -264,7 +280,7 @@ class OpenAIMessage(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[Annotated[TextPart | ImageUrlPart, Field(discriminator="type")]] | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # assistant messages (content may then be null)
     tool_call_id: str | None = None  # tool messages: the call this is the result of
@@ -274,11 +290,14 @@ class OpenAIMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if part.type == "text")
 
     def template_message(self, role: str) -> dict:
-        """The message as chat templates take it."""
+        """The message as chat templates take it; with images, its parts as frontend/images.py takes them."""
         message = {"role": role, "content": self.text()}
+        if isinstance(self.content, list) and any(part.type == "image_url" for part in self.content):
+            message["content"] = [{"type": "text", "text": part.text} if part.type == "text" else
+                                  {"type": "image_url", "url": part.image_url.url} for part in self.content]
         if self.tool_calls:
             message["content"] = self.text() or None
             message["tool_calls"] = [c.model_dump() for c in self.tool_calls]

@@ -51,6 +51,7 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     weights: str = "float"  # how the linears' weights are held: "float", or e.g. "q4_1 blocks (GGUF)"
+    vision: object | None = None  # engine.model.vision.ImageEncoder of a vision-language model, else None
 
 
 def embedded_gguf_path() -> Path | None:
@@ -345,6 +346,7 @@ def _load_model(model_id, *, dtype, device, trust_remote_code, cache_dir, attn_i
     int8 = activations == "int8"
     gguf_kwargs = dict(quantize=quantize, cache_dir=cache_dir, int8=int8, **kwargs)
     weights = None  # how a GGUF's linears hold their weights, said by its loader
+    vision = None  # a vision-language model's ImageEncoder
 
     if not model_id:
         gguf = embedded_gguf_path()
@@ -371,8 +373,12 @@ def _load_model(model_id, *, dtype, device, trust_remote_code, cache_dir, attn_i
                         "give a folder saved with save_pretrained (config.json, weights, tokenizer), "
                         "a .gguf file or a Hugging Face Hub id")
                 raise ModelLoadError(f"model folder {str(path.resolve())!r} has no config.json; {hint}")
-            lean = _load_lean(path, dtype_asked=dtype, quantize=quantize, cache_dir=cache_dir, int8=int8, **kwargs)
-            if lean is not None:
+            lean = None if _has_vision(path) else _load_lean(path, dtype_asked=dtype, quantize=quantize,
+                                                             cache_dir=cache_dir, int8=int8, **kwargs)
+            if _has_vision(path):
+                from engine.model.vision import load_vision_model
+                model, tokenizer, vision = load_vision_model(str(path), **kwargs)
+            elif lean is not None:
                 model, tokenizer, weights = lean
             else:
                 model, tokenizer = _load_pretrained(str(path), what="model folder", **kwargs)
@@ -398,11 +404,21 @@ def _load_model(model_id, *, dtype, device, trust_remote_code, cache_dir, attn_i
     _return_freed_memory()
     loaded = LoadedModel(model=model, tokenizer=tokenizer, name=name, source=source,
                          context_length=context_length_of(model.config, tokenizer),
-                         device=resolved_device, dtype=resolved_dtype, weights=weights)
+                         device=resolved_device, dtype=resolved_dtype, weights=weights, vision=vision)
     logger.info("loaded %s (%s, %s, %s, weights %s, context %d) in %.1f s", name, source, resolved_device,
                 str(resolved_dtype).removeprefix("torch."), weights, loaded.context_length,
                 time.monotonic() - started)
     return loaded
+
+
+def _has_vision(folder: Path) -> bool:
+    """The folder's config names a vision tower: a vision-language model (engine/model/vision.py)."""
+    import json
+
+    try:
+        return "vision_config" in json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
 
 
 def _return_freed_memory() -> None:

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from engine.attention import ATTN_NAME, PagedKVCache, PrefillChunk, StepMetadata
+from engine.model.vision import covers_images
 from engine.runner.faults import raise_injected_faults
 from engine.runner.step_output import StepOutput
 from engine.sampler import argmax_is_enough
@@ -127,6 +128,7 @@ class PagedRunner:
     """Runs a plan on the paged KV cache in one forward."""
 
     path = "paged"
+    encoder = None  # engine.model.vision.ImageEncoder of a vision-language model (EngineCore sets it)
 
     def __init__(self, model, num_blocks: int, block_size: int, decode_kernel=None, native=None,
                  native_prefill_tokens: int = 128, kv_dtype: torch.dtype | None = None):
@@ -153,7 +155,8 @@ class PagedRunner:
     def run(self, plan: list[ScheduledChunk]) -> StepOutput:
         """float32 logits [num_sampling_chunks, vocab] in plan order, with their argmax where the step found it."""
         raise_injected_faults(plan)
-        if self.native is not None and all(c.num_tokens == 1 for c in plan):
+        images = self.encoder is not None and any(covers_images(c) for c in plan)
+        if self.native is not None and all(c.num_tokens == 1 for c in plan) and not images:
             return self._native_decodes(plan)
         bs = self.block_size
         batch = flatten(plan, bs)
@@ -162,12 +165,12 @@ class PagedRunner:
         slot_mapping = batch.slots(torch.tensor(batch.token_rows), batch.positions)
         decode = self.prepare_decode(batch)
         self.prompt_tokens += batch.num_prompt_tokens
-        if self.native is not None and batch.attended <= self.native_prefill_tokens ** 2:
+        if self.native is not None and batch.attended <= self.native_prefill_tokens ** 2 and not images:
             self.native_prompt_tokens += batch.num_prompt_tokens
             return self._native_step(plan, batch, slot_mapping, decode)
         step = StepMetadata(cache=self.cache, slot_mapping=slot_mapping.to(self.device),
                             prefills=self.prepare_prefill(batch), decode_kernel=self.decode_kernel, **decode)
-        return self._model_step(plan, batch, step)
+        return self._model_step(plan, batch, step, images)
 
     def prepare_decode(self, batch: FlatBatch) -> dict:
         """The decode fields of `StepMetadata` for the batch's one-token chunks (None without any):
@@ -213,11 +216,16 @@ class PagedRunner:
         return self.native.run(torch.tensor(batch.input_ids), batch.positions, self.cache, slot_mapping, token_slots,
                                lens, keep, argmax_only=_argmax_only(plan))
 
-    def _model_step(self, plan: list[ScheduledChunk], batch: FlatBatch, step: StepMetadata) -> StepOutput:
-        """The step through the model's own modules, attention on the paged cache."""
+    def _model_step(self, plan: list[ScheduledChunk], batch: FlatBatch, step: StepMetadata,
+                    images: bool = False) -> StepOutput:
+        """The step through the model's own modules, attention on the paged cache; with `images`,
+        from input embeddings where the image features replace the image tokens' own."""
         dev, sample_rows = self.device, batch.sample_rows
+        ids = torch.tensor([batch.input_ids], device=dev)  # [1, total_tokens]
+        inputs = dict(inputs_embeds=self.encoder.embed(self.model.get_input_embeddings(), plan, ids)) if images \
+            else dict(input_ids=ids)
         out = self.model(
-            input_ids=torch.tensor([batch.input_ids], device=dev),  # [1, total_tokens]
+            **inputs,
             position_ids=batch.positions.to(dev)[None],  # [1, total_tokens]
             use_cache=False,
             # 0 keeps every row: the usual all-decode step needs no gather of hidden states

@@ -45,6 +45,7 @@ class EngineClient(Protocol):
     attention_path: str  # how the engine runs attention, for the page's header and the log
     think_tags: tuple[str, str] | None  # the model's thought delimiters; None: no thought is parsed here
     grammars: "GrammarCompiler | None"  # compiles constraints before admission; None: the engine compiles them
+    vision: object | None  # engine.model.vision.ImageEncoder when the model takes images (its processor); None: text only
     on_fatal: Callable[[BaseException], None] | None  # app.py's: called once when the engine stays dead
 
     @property

@@ -58,9 +58,10 @@ class LocalEngine(AsyncEngine):
         return "The engine is not running; the server cannot generate. Check /health."
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                    prior_output_ids: list[int] = (), session: str | None = None, client: str | None = None):
+                    prior_output_ids: list[int] = (), session: str | None = None, client: str | None = None,
+                    images=None):
         """`session` is for backends with several replicas; one engine has one prefix cache."""
-        return super().add_request(prompt_token_ids, params, request_id, prior_output_ids, client)
+        return super().add_request(prompt_token_ids, params, request_id, prior_output_ids, client, images)
 
     async def wait_admitted(self, stream, timeout: float | None = None) -> None:
         return None  # add_request already admitted it or raised

@@ -94,6 +94,7 @@ class RemoteEngine:
     continuable = False  # a subclass that gets output token ids back can continue a request
     attention_path = "remote"
     think_tags = None  # the remote's text arrives as it is: no thought is parsed out here
+    vision = None  # no images through a remote backend (the front would have to send pixels)
     grammars = None  # a constraint is compiled where the engine runs
     generation_config = None  # no model is loaded here (sampling defaults come from the tokenizer's folder)
     kv_cache_tokens = None

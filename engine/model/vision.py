@@ -1,0 +1,185 @@
+"""Vision-language checkpoints: the text half served as a causal LM, the vision half as an encoder.
+
+A composite model (`Idefics3ForConditionalGeneration`, SmolVLM's) is split at load: its language
+model and head become a plain `LlamaForCausalLM` sharing their modules, which the engine runs as
+any text model (paged KV cache, packed linears, the native decode step); the vision encoder and its
+connector stay in the composite and run at prefill (`ImageEncoder.embed`, on the engine thread):
+their outputs replace the embeddings of the prompt's image tokens, as the model's own
+`inputs_merger` does. The processor makes a prompt's tokens and pixels exactly as for `generate`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engine.model.errors import ModelLoadError
+
+log = logging.getLogger("rill.engine")
+
+# model_type -> what the split needs: the attribute of the language model inside `composite.model`
+FAMILIES = {"idefics3": "text_model", "smolvlm": "text_model"}
+
+
+def is_vision_config(config) -> bool:
+    """A checkpoint with a vision tower (its config names one)."""
+    return getattr(config, "vision_config", None) is not None
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class PromptImages:
+    """A prompt's images as the model's processor made them, and where their tokens sit."""
+
+    pixel_values: torch.Tensor  # [tiles, 3, H, W]: every image's tiles, in prompt order
+    pixel_attention_mask: torch.Tensor | None  # [tiles, H, W] bool: the real (unpadded) pixels
+    positions: torch.Tensor  # [image tokens] int64: the prompt positions the features replace, in order
+    digest: bytes  # 16 bytes of the pixels: the prefix cache's key of the positions from `first` on
+    count: int  # images in the prompt
+
+    @property
+    def first(self) -> int:
+        return int(self.positions[0])
+
+    @property
+    def last(self) -> int:
+        return int(self.positions[-1])
+
+
+def pixel_digest(pixel_values: torch.Tensor, mask: torch.Tensor | None) -> bytes:
+    """A BLAKE2 digest of the processed pixels (and their mask and shape): what the features depend on."""
+    h = hashlib.blake2b(b"rill-images\0" + repr(tuple(pixel_values.shape)).encode(), digest_size=16)
+    h.update(pixel_values.contiguous().numpy().tobytes())
+    if mask is not None:
+        h.update(mask.contiguous().numpy().tobytes())
+    return h.digest()
+
+
+class ImageEncoder:
+    """The vision half of a loaded vision-language model and its processor."""
+
+    def __init__(self, composite, processor, family: str):
+        self.composite = composite  # the whole model: its vision tower and connector run here
+        self.processor = processor
+        self.family = family  # the config's model_type
+        self.image_token_id = int(composite.config.image_token_id)
+        self.encoder_calls = 0  # vision forwards run (one per step that brings new images)
+        self.images_encoded = 0  # prompts whose images went through the encoder
+
+    def describe(self) -> dict:
+        """What /health says of the vision half."""
+        return {"family": self.family, "image_token": self.processor.image_token,
+                "encoder": "transformers' modules (float32, on the engine thread at prefill)"}
+
+    def prepare(self, messages: list[dict], images: list, template_kwargs: dict | None = None) -> tuple[list[int], PromptImages | None]:
+        """Blocking (a worker thread): the conversation through the processor's chat template (an
+        image part as `{"type": "image"}`) and the processor itself, as `generate`'s caller does:
+        the prompt's ids (image tokens expanded) and its `PromptImages` (None without images)."""
+        proc = self.processor
+        # every content as a list of parts: the processors' templates iterate over it
+        messages = [{**m, "content": [{"type": "text", "text": m["content"]}]} if isinstance(m.get("content"), str)
+                    else m for m in messages]
+        text = proc.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **(template_kwargs or {}))
+        out = proc(text=text, images=list(images) or None, return_tensors="pt")
+        ids = out["input_ids"][0].tolist()
+        if not images:
+            return ids, None
+        pixels = out["pixel_values"][0]  # [tiles, 3, H, W]
+        mask = out.get("pixel_attention_mask")
+        mask = mask[0].bool() if mask is not None else None
+        positions = (out["input_ids"][0] == self.image_token_id).nonzero().flatten()
+        return ids, PromptImages(pixels, mask, positions, pixel_digest(pixels, mask), len(images))
+
+    @torch.inference_mode()
+    def features(self, batch: list[PromptImages]) -> list[torch.Tensor]:
+        """[image tokens, hidden] per prompt: the vision tower and connector once over the prompts
+        whose tiles have one shape (padded with the all-zero tiles `get_image_features` drops)."""
+        model = self.composite.model
+        out: dict[int, torch.Tensor] = {}
+        groups: dict[tuple, list[int]] = {}
+        for i, images in enumerate(batch):
+            groups.setdefault(tuple(images.pixel_values.shape[1:]), []).append(i)
+        for members in groups.values():
+            most = max(batch[i].pixel_values.shape[0] for i in members)
+            pixels = torch.zeros(len(members), most, *batch[members[0]].pixel_values.shape[1:])
+            masks = torch.zeros(len(members), most, *pixels.shape[-2:], dtype=torch.bool)
+            for row, i in enumerate(members):
+                images = batch[i]
+                pixels[row, :images.pixel_values.shape[0]] = images.pixel_values
+                masks[row, :images.pixel_values.shape[0]] = (images.pixel_attention_mask
+                                                            if images.pixel_attention_mask is not None else True)
+            dev = self.composite.device
+            pooled = model.get_image_features(pixels.to(dev), masks.to(dev), return_dict=True).pooler_output
+            for row, i in enumerate(members):
+                feats = pooled[row].reshape(-1, pooled[row].shape[-1])
+                if feats.shape[0] != batch[i].positions.numel():
+                    raise RuntimeError(f"the vision encoder gave {feats.shape[0]} image features for "
+                                       f"{batch[i].positions.numel()} image tokens")
+                out[i] = feats
+            self.encoder_calls += 1
+        self.images_encoded += len(batch)
+        return [out[i] for i in range(len(batch))]
+
+    def embed(self, embeddings, plan, input_ids: torch.Tensor) -> torch.Tensor:
+        """The step's input embeddings [1, tokens, hidden]: the tokens' own, with the image features
+        at the image positions each chunk covers. A sequence's features are computed at its first
+        chunk that covers one (several sequences in one encoder call) and kept on it until its
+        prefill passed its last image token (engine/core.py drops them), so a chunk boundary
+        inside an image takes its slice of the same features."""
+        todo = [c.seq for c in plan if covers_images(c) and c.seq.image_features is None]
+        if todo:
+            for seq, feats in zip(todo, self.features([s.images for s in todo])):
+                seq.image_features = feats
+        embeds = embeddings(input_ids)  # [1, tokens, hidden]
+        offset = 0
+        for chunk in plan:
+            if covers_images(chunk):
+                images, start = chunk.seq.images, chunk.start
+                inside = (images.positions >= start) & (images.positions < start + chunk.num_tokens)
+                rows = images.positions[inside] - start + offset
+                embeds[0, rows.to(embeds.device)] = chunk.seq.image_features[inside.to(embeds.device)].to(embeds.dtype)
+            offset += chunk.num_tokens
+        return embeds
+
+
+def covers_images(chunk) -> bool:
+    """The chunk computes positions where its sequence's image features go."""
+    images = chunk.seq.images
+    return images is not None and chunk.start <= images.last and chunk.start + chunk.num_tokens > images.first
+
+
+def load_vision_model(location: str, *, device, dtype, trust_remote_code: bool, attn_implementation=None):
+    """(the text half as a causal LM, the tokenizer, its `ImageEncoder`) of a vision-language folder
+    or hub id. Raises ModelLoadError for a family the split does not know yet."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor
+
+    config = AutoConfig.from_pretrained(location, trust_remote_code=trust_remote_code)
+    family = config.model_type
+    if family not in FAMILIES:
+        raise ModelLoadError(f"{location!r} is a vision-language model of the {family!r} family, which rill does not "
+                             f"serve yet (it serves {', '.join(sorted(FAMILIES))}); give a text model or one of those")
+    kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    try:
+        processor = AutoProcessor.from_pretrained(location, trust_remote_code=trust_remote_code)
+        composite = AutoModelForImageTextToText.from_pretrained(location, **kwargs).to(device).eval()
+    except (OSError, ValueError, KeyError, ImportError, RuntimeError) as error:
+        raise ModelLoadError(f"could not load the vision-language model {location!r}: "
+                             f"{str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__}; "
+                             "check that it has its processor (processor_config.json, tokenizer)") from error
+    text_model = getattr(composite.model, FAMILIES[family])
+    with torch.device("meta"):  # an empty shell: its modules are the composite's
+        lm = AutoModelForCausalLM.from_config(text_model.config)
+    lm.model, lm.lm_head = text_model, composite.lm_head
+    lm.config = text_model.config
+    lm.generation_config = composite.generation_config
+    lm.eval()
+    tokenizer = processor.tokenizer
+    if getattr(tokenizer, "chat_template", None) is None and processor.chat_template is not None:
+        tokenizer.chat_template = processor.chat_template  # text-only requests render with it too
+    log.info("vision-language model %s: the %s text half on the engine, the vision encoder at prefill",
+             family, type(lm).__name__)
+    return lm, tokenizer, ImageEncoder(composite, processor, family)

@@ -1,0 +1,80 @@
+"""A tiny random-weight vision-language model for tests, built at test time (no network).
+
+`build_tiny_idefics3(out_dir)`: an `Idefics3ForConditionalGeneration` (SmolVLM's architecture: a
+SigLIP encoder, a pixel-shuffle connector, a Llama text model) saved with its `Idefics3Processor`:
+the tiny tests' tokenizer with Idefics3's image tokens added, images split into 32x32 tiles of 4
+image tokens each, and a ChatML template whose image parts render as `<image>`. `test_image(seed)`:
+a small random RGB picture (PIL). As a pytest plugin it provides the session fixture `tiny_vlm`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+IMAGE_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"] + \
+    [f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]
+TILE = 32  # pixels of a tile's side (the vision tower's image_size)
+PATCH = 8
+SCALE = 2  # the connector's pixel shuffle
+VLM_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}<image>{% else %}{{ part['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tiny_idefics3(out_dir: str | Path, seed: int = 0) -> Path:
+    """Write the tiny Idefics3 model and its processor into `out_dir` (float32 safetensors)."""
+    import torch
+    import transformers as tf
+
+    from tests.tiny_models import CONTEXT, _special_ids, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": IMAGE_TOKENS})
+    ids = _special_ids(tokenizer)
+    text = tf.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CONTEXT,
+                          initializer_range=0.2, **ids)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=TILE,
+                  patch_size=PATCH, initializer_range=0.2)
+    config = tf.Idefics3Config(text_config=text.to_dict(), vision_config=vision, scale_factor=SCALE,
+                               image_token_id=tokenizer.convert_tokens_to_ids("<image>"), tie_word_embeddings=False,
+                               **ids)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = tf.Idefics3ForConditionalGeneration(config).eval()
+    model.generation_config = tf.GenerationConfig(**ids)
+    images = tf.Idefics3ImageProcessorPil(size={"longest_edge": 2 * TILE}, max_image_size={"longest_edge": TILE})
+    processor = tf.Idefics3Processor(image_processor=images, tokenizer=tokenizer,
+                                     image_seq_len=(TILE // PATCH) ** 2 // SCALE ** 2, chat_template=VLM_TEMPLATE)
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir)
+    processor.save_pretrained(out_dir)
+    return out_dir
+
+
+def test_image(seed: int = 0, size: tuple[int, int] = (50, 40)):
+    """A random RGB picture of `size` (width, height)."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.RandomState(seed).randint(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+test_image.__test__ = False  # a helper, not a test
+
+try:
+    import pytest
+except ImportError:
+    pytest = None
+
+if pytest is not None:
+
+    @pytest.fixture(scope="session")
+    def tiny_vlm(tmp_path_factory) -> Path:
+        """The folder of the tiny Idefics3 model, built once per run."""
+        return build_tiny_idefics3(tmp_path_factory.mktemp("tiny_vlm") / "idefics3")
