@@ -131,7 +131,7 @@ def test_a_16bit_gguf_keeps_its_values_and_equals_generate(tmp_path, kind):
     path = write_llama_gguf(model, None, tmp_path / f"{kind}.gguf", types=kind)
     reference = transformers_model(path)
     loaded = load_model(str(path))
-    assert loaded.weights.startswith(f"{kind} kept from the GGUF (14 linears, C kernel)"), loaded.weights
+    assert loaded.weights.startswith(f"{kind} kept from the GGUF (15 linears, C kernel)"), loaded.weights
     llm = LLM(loaded, EngineConfig(max_num_batched_tokens=64))
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     for prompt, got in zip(PROMPTS, llm.generate(PROMPTS, params)):
