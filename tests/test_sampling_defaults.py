@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 from transformers import GenerationConfig
 
+from frontend.images import ImageLimits
 from frontend.request import ChatJob, RequestDefaults, Sampling, sampling_params
 from frontend.sampling_defaults import RILL_SAMPLING, SamplingDefaults, model_sampling_defaults
 from server.chat import _job as chat_job
@@ -45,7 +46,7 @@ def test_every_entrance_fills_unset_fields_from_the_model_then_rill_and_keeps_wh
     model = RequestDefaults(SamplingDefaults(temperature=0.3, top_p=0.8, top_k=20, repetition_penalty=1.05))
     hi = [{"role": "user", "content": "hi"}]
     jobs = {"/v1": ChatJob(hi, sampling=sampling_of(ChatCompletionRequest(messages=hi))),
-            "/chat": chat_job(ChatBody(prompt="hi")),
+            "/chat": chat_job(ChatBody(prompt="hi"), ImageLimits()),
             "page": ChatSettings().job([], "hi")}
     for entrance, job in jobs.items():
         unset = sampling_params(job, 8, model)
