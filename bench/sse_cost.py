@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
         lean, other = (statistics.median(v) for v in per_event.values())
         print(json.dumps({"streams": args.streams, "events_per_stream": args.events, "rounds": args.rounds,
                           "server_cpu_us_per_event": {"server/sse.py": round(lean, 1), "sse-starlette": round(other, 1)},
-                          "ratio_sse_starlette_over_lean": round(other / lean, 2),
+                          "ratio_sse_starlette_over_lean": round(other / lean, 2) if lean and other else None,
                           "cpu": _cpu_name()}, indent=1))
     finally:
         server.terminate()

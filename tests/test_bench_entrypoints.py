@@ -294,6 +294,8 @@ def test_sse_cost(capsys):
     sse_cost.main(["--streams", "1", "--events", "5", "--rounds", "1"])
     doc = json.loads(capsys.readouterr().out)
     assert set(doc["server_cpu_us_per_event"]) == {"server/sse.py", "sse-starlette"}
+    ratio = doc["ratio_sse_starlette_over_lean"]  # None when 5 events stayed under one clock tick of CPU
+    assert ratio is None or ratio > 0
 
 
 def test_peers_status_and_large_on_rill_alone(results, capsys):
