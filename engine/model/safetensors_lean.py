@@ -78,6 +78,7 @@ class HalfEmbedding(nn.Module):
     def share_panels(self, panels: torch.Tensor) -> None:
         """Read the rows from a tied head's panels from now on; the table is dropped."""
         self.panels, self.table = panels, None
+        self.slots = panel_slots(panels.dtype)  # token t: output t % 16 of panel t // 16, at its slot
 
     @property
     def weight(self) -> torch.Tensor:  # what code reading `embed_tokens.weight` expects (its dtype, device)
@@ -88,8 +89,7 @@ class HalfEmbedding(nn.Module):
             rows = self.table[input_ids].to(self.dtype)
         else:
             ids = input_ids.reshape(-1)
-            slots = panel_slots(self.panels.dtype)  # token t: output t % 16 of panel t // 16
-            rows = self.panels[ids // 16, :, slots[ids % 16]]
+            rows = self.panels[ids // 16, :, self.slots[ids % 16]]
             rows = rows.to(self.dtype).view(*input_ids.shape, self.embedding_dim)
         return rows if self.scale is None else rows * self.scale.to(self.dtype)
 
