@@ -53,3 +53,12 @@ def keep_freed_memory() -> bool:
         return bool(libc.mallopt(_M_MMAP_THRESHOLD, 1 << 30)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 1 << 31))
     except (OSError, AttributeError):  # not glibc (musl, ...)
         return False
+
+
+def return_freed_memory() -> None:
+    """Hand the heap's freed pages back to the system: glibc keeps what a load's temporaries or an
+    unloaded model freed, resident until reused (the thresholds above keep more). Not glibc: nothing."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -13,7 +13,6 @@ an idle model is the only kind unloaded, so no running stream is ever cut.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import dataclasses
 import gc
 import logging
@@ -22,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from engine.host import return_freed_memory
 from frontend.errors import ApiError
 from frontend.request import RequestDefaults
 from frontend.sampling_defaults import model_sampling_defaults
@@ -108,14 +108,6 @@ def discover(settings) -> list[ModelEntry]:
                              "give each model a distinct file or folder name")
         seen[entry.name] = entry.source
     return entries
-
-
-def _return_freed_memory() -> None:
-    """glibc keeps freed memory in the heap (engine/host.py raised its thresholds): give it back."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
 
 
 class ModelRegistry:
@@ -402,7 +394,7 @@ def _collect() -> None:
         gc.freeze()
     else:
         gc.collect()
-    _return_freed_memory()
+    return_freed_memory()
 
 
 def _build_engine(settings):

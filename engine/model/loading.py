@@ -9,7 +9,6 @@ with code 2.
 
 from __future__ import annotations
 
-import ctypes
 import importlib.metadata
 import importlib.util
 import logging
@@ -22,6 +21,7 @@ from pathlib import Path
 import torch
 
 from engine.config import rill_cache_dir
+from engine.host import return_freed_memory
 from engine.model.errors import ModelLoadError
 
 logger = logging.getLogger("rill.loading")
@@ -401,7 +401,7 @@ def _load_model(model_id, *, dtype, device, trust_remote_code, cache_dir, attn_i
     else:
         from engine.model.quant import fuse_projections
         fuse_projections(model)
-    _return_freed_memory()
+    return_freed_memory()
     loaded = LoadedModel(model=model, tokenizer=tokenizer, name=name, source=source,
                          context_length=context_length_of(model.config, tokenizer),
                          device=resolved_device, dtype=resolved_dtype, weights=weights, vision=vision)
@@ -419,16 +419,6 @@ def _has_vision(folder: Path) -> bool:
         return "vision_config" in json.loads((folder / "config.json").read_text())
     except (OSError, ValueError):
         return False
-
-
-def _return_freed_memory() -> None:
-    """Hand the memory the load freed back to the system: its temporaries (rows read, repacked,
-    de-quantized) were freed into glibc's heap, which keeps them in the server's RSS for good.
-    Not glibc (musl, macOS): nothing to do."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _quantize(model, quantize: str, gguf_weights: str | None, device: torch.device, dtype: torch.dtype,

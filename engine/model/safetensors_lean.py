@@ -18,7 +18,6 @@ says why with `LeanLoadUnsupported` and the caller takes `from_pretrained`.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import mmap
@@ -31,6 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from engine.host import return_freed_memory
 from engine.kernels.linear import panel_slots
 from engine.model.meta import parameters_on_meta, set_tensor
 
@@ -171,15 +171,6 @@ class _Mapped:
             self.map.madvise(mmap.MADV_DONTNEED, first, end - first)
 
 
-def _return_freed_memory() -> None:
-    """Hands the heap's freed pages back to the system (glibc keeps what a load's temporaries freed
-    between the weights it kept, which counts as resident until reused); nothing elsewhere."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 def checkpoint_files(folder: Path) -> list[Path]:
     """The folder's safetensors files (one, or the shards its index names), or [] when it has none."""
     index = folder / "model.safetensors.index.json"
@@ -310,7 +301,7 @@ def load_safetensors(folder: Path, *, kernel, quant_kernel=None, quantize: str |
         raise LeanLoadUnsupported(f"the checkpoint has no tensor for {len(missing)} of the model's weights "
                                   f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})")
     del tensors, mapped
-    _return_freed_memory()
+    return_freed_memory()
     if (folder / "generation_config.json").is_file():  # what from_pretrained reads beside the weights
         from transformers import GenerationConfig
         model.generation_config = GenerationConfig.from_pretrained(folder)
