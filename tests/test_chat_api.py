@@ -253,6 +253,21 @@ def test_embedded_model_answers_paris_streaming_and_not(embedded_server):
     assert greedy(url, CAPITAL, max_new_tokens=48) == streamed
 
 
+def test_health_says_which_activations_route_is_faster_on_this_cpu(embedded_server):
+    """The GGUF's blocks timed both ways at load: the route in use, int8's speed over the exact one at
+    one row and at a prompt's rows, and what to pick with what int8 costs in exactness."""
+    routes = httpx.get(f"{embedded_server.url}/health", timeout=10).json()["activations"]
+    assert routes["in_use"] == "float32" and routes["timed"].startswith("q4_1 tensors of 1536 rows")
+    assert 0.05 < routes["one_row"] < 20 and 0.05 < routes["prefill"] < 20, routes
+    assert routes["advice"].startswith(f"int8 activations run one visitor's linears {routes['one_row']:.2f}x and "
+                                       f"a prompt's {routes['prefill']:.2f}x the exact route's speed on this CPU")
+    if max(routes["one_row"], routes["prefill"]) > 1.1:
+        assert "--activations int8 is faster here, lossy as llama.cpp" in routes["advice"]
+        assert "96.9%" in routes["advice"] and "python -m bench.divergence" in routes["advice"]
+    else:
+        assert routes["advice"].endswith("the exact default is as fast here")
+
+
 def test_ignore_eos_goes_past_the_end_of_the_answer_to_max_new_tokens(embedded_server):
     body = {"prompt": CAPITAL, "stream": False, "temperature": 0, "max_new_tokens": 40}
     ended = post_chat(embedded_server.url, body).json()

@@ -330,13 +330,27 @@ def test_the_embedded_model_with_int8_activations_stays_close_to_float32():
     exact = load_model(None)
     ids = exact.tokenizer(TEXT.read_text(), return_tensors="pt").input_ids[:, :384]
     reference = log_probs(exact, ids)
+    assert exact.activations.in_use == "float32"
     del exact
     loaded = load_model(None, activations="int8")
     assert loaded.weights == "q4_1/q8_0 blocks from the GGUF (211 linears), int8 activations"
+    assert loaded.activations.in_use == "int8" and loaded.activations.one_row > 0
     test = log_probs(loaded, ids)
     agreement = (reference.argmax(-1) == test.argmax(-1)).double().mean().item()
     kl = (reference.exp() * (reference - test)).sum(-1).mean().item()
     assert agreement > 0.9 and kl < 0.02, f"int8 activations: top-1 agreement {agreement:.1%}, mean KL {kl:.2e}"
+
+
+@pytest.mark.parametrize("in_use, one_row, prefill, says", [
+    ("float32", 1.6, 0.8, "--activations int8 is faster here, lossy as llama.cpp"),
+    ("float32", 1.02, 0.9, "the exact default is as fast here"),
+    ("int8", 0.9, 0.7, "the exact default (no --activations) is faster here, and exact"),
+    ("int8", 2.1, 1.3, "int8 activations pick float32's next token 96.9% of the time")])
+def test_the_activations_advice_names_the_faster_route(in_use, one_row, prefill, says):
+    from engine.model.activation_routes import ActivationRoutes
+
+    advice = ActivationRoutes(in_use, one_row, prefill, "q4_k tensors").advice()
+    assert says in advice and f"{one_row:.2f}x" in advice and f"{prefill:.2f}x" in advice
 
 
 def test_fused_projections_equal_their_parts(kernel):

@@ -64,6 +64,7 @@ class GgufLoad:
     kept: dict[str, int] = field(default_factory=dict)  # block type -> linears kept as blocks
     dequantized: dict[str, int] = field(default_factory=dict)  # quantized type -> linears made float
     seconds: float = 0.0
+    routes: object | None = None  # engine.model.activation_routes.ActivationRoutes, timed on the file's blocks
 
     def describe(self) -> str:
         parts = []
@@ -203,6 +204,7 @@ def load_gguf(gguf: Path, *, device: torch.device, dtype: torch.dtype, trust_rem
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
+    from engine.model.activation_routes import compare_activations
     from engine.model.gguf_blocks import GGUF_TYPES
 
     started = time.monotonic()
@@ -265,6 +267,7 @@ def load_gguf(gguf: Path, *, device: torch.device, dtype: torch.dtype, trust_rem
     for name, tensor in state["tensors"].items():  # MoE experts, stacked by their processor
         set_tensor(model, name, _as_tensor(tensor, dtype, device))
     _tie_output(model, embedding, pending, linears, read, blocks_ok, dtype, device)
+    report.routes = compare_activations(pending, kernel, int8)
     _make_block_linears(model, pending, kernel, int8, report, blob)
     missing = [name for name, param in model.named_parameters() if param.device.type == "meta"]
     if missing:

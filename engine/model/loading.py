@@ -51,6 +51,7 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     weights: str = "float"  # how the linears' weights are held: "float", or e.g. "q4_1 blocks (GGUF)"
+    activations: object | None = None  # engine.model.activation_routes.ActivationRoutes of a GGUF's blocks, timed at load
     vision: object | None = None  # engine.model.vision.ImageEncoder of a vision-language model, else None
 
 
@@ -201,7 +202,8 @@ def _load_hub(model_id: str, **kwargs) -> tuple:
 
 def _load_gguf(gguf: Path, *, quantize: str, cache_dir, int8: bool, **kwargs) -> tuple:
     """A GGUF file, lean (engine/model/gguf.py): with `quantize` auto on a float32 CPU model, the
-    linears of the types the block kernel has keep their blocks. Returns (model, tokenizer, weights)."""
+    linears of the types the block kernel has keep their blocks. Returns (model, tokenizer, weights,
+    the activations routes timed on its blocks or None)."""
     from engine.model.gguf import load_gguf
 
     device, dtype = kwargs["device"], kwargs["dtype"]
@@ -216,7 +218,7 @@ def _load_gguf(gguf: Path, *, quantize: str, cache_dir, int8: bool, **kwargs) ->
         raise ModelLoadError(f"could not load the GGUF file {str(gguf)!r}: {_first_line(error)}; check that the file "
                              f"is a complete GGUF of an architecture transformers reads") from error
     logger.info("read %s in %.1f s: %s", gguf.name, report.seconds, report.describe())
-    return model, tokenizer, report.describe()
+    return model, tokenizer, report.describe(), report.routes
 
 
 def _load_lean(folder: Path, *, dtype_asked, quantize: str, cache_dir, int8: bool, device, dtype,
@@ -347,11 +349,12 @@ def _load_model(model_id, *, dtype, device, trust_remote_code, cache_dir, attn_i
     gguf_kwargs = dict(quantize=quantize, cache_dir=cache_dir, int8=int8, **kwargs)
     weights = None  # how a GGUF's linears hold their weights, said by its loader
     vision = None  # a vision-language model's ImageEncoder
+    routes = None  # a GGUF's activations routes, timed on its blocks
 
     if not model_id:
         gguf = embedded_gguf_path()
         if gguf is not None:
-            model, tokenizer, weights = _load_gguf(gguf, **gguf_kwargs)
+            model, tokenizer, weights, routes = _load_gguf(gguf, **gguf_kwargs)
             name, source = "SmolLM2-135M-Instruct", str(gguf)
         else:
             logger.info("%s is not installed; loading the default model %s from the Hugging Face Hub",
@@ -364,7 +367,7 @@ def _load_model(model_id, *, dtype, device, trust_remote_code, cache_dir, attn_i
             if path.suffix.lower() != ".gguf":
                 raise ModelLoadError(f"model {model_id!r} is a file but not a .gguf file; give a .gguf file, a model "
                                      f"folder (with config.json) or a Hugging Face Hub id")
-            model, tokenizer, weights = _load_gguf(path.resolve(), **gguf_kwargs)
+            model, tokenizer, weights, routes = _load_gguf(path.resolve(), **gguf_kwargs)
             name, source = path.stem, str(path.resolve())
         elif path.is_dir():
             if not (path / "config.json").is_file():
@@ -404,7 +407,8 @@ def _load_model(model_id, *, dtype, device, trust_remote_code, cache_dir, attn_i
     return_freed_memory()
     loaded = LoadedModel(model=model, tokenizer=tokenizer, name=name, source=source,
                          context_length=context_length_of(model.config, tokenizer),
-                         device=resolved_device, dtype=resolved_dtype, weights=weights, vision=vision)
+                         device=resolved_device, dtype=resolved_dtype, weights=weights, activations=routes,
+                         vision=vision)
     logger.info("loaded %s (%s, %s, %s, weights %s, context %d) in %.1f s", name, source, resolved_device,
                 str(resolved_dtype).removeprefix("torch."), weights, loaded.context_length,
                 time.monotonic() - started)

@@ -78,7 +78,9 @@ class LocalEngine(AsyncEngine):
         return []
 
     def health_info(self) -> dict:
+        routes = self.loaded.activations
         return {"backend": "local", "weights": self.loaded.weights, "linears": self.core.linears,
+                "activations": routes.as_dict() if routes is not None else None,
                 "decode_attention": self.core.decode_attention, "runner": self.core.attention_path,
                 "runner_reason": self.core.runner_reason,
                 "kv_cache_dtype": str(self.core.kv_cache_dtype).removeprefix("torch."),
