@@ -273,6 +273,23 @@ def test_int8_activations_greedy_equals_generate_on_a_model_rounding_its_inputs(
     assert reference_outputs(path, prompts) != refs, "rounding the activations changed no token: the test is blind"
 
 
+def test_int8_activations_keep_the_paged_path_where_rounding_moves_the_probes_logits(tmp_path):
+    """The start-up probe compares the paged path's logits with the model's own forward; with int8
+    activations a last-bit difference in a linear's input can round a step apart, so this random
+    GGUF's two forwards differ by more than float32's tolerance. It must still take the paged path
+    and the native decode step (the fallback ran a 1.7B at a third of the exact route's speed)."""
+    from bench.gguf_file import parse_shape, write_random_gguf
+    from engine.runner.probe import check_paged_path, tolerance
+
+    path = write_random_gguf(parse_shape("hidden=1024,layers=4,ffn=2048,heads=8,kv_heads=4,context=1024"),
+                             tmp_path / "random-q4_k_m.gguf", "q4_k_m")
+    loaded = load_model(str(path), activations="int8")
+    check = check_paged_path(loaded.model, 16)
+    assert check.reason is None and tolerance(torch.float32) < check.max_error, check  # not blind: rounding moved it
+    llm = LLM(loaded)
+    assert llm.core.attention_path == "paged" and llm.core.runner.native is not None, llm.core.runner_reason
+
+
 def test_quantize_is_checked(tiny_model):
     with pytest.raises(ModelLoadError, match=r"quantize must be one of auto, none, q8_0, q4_0, q4_1, q4_k, q6_k. Given: 'q3_k'"):
         load_model(str(tiny_model("llama")), quantize="q3_k")
