@@ -1,11 +1,11 @@
 /* The block kernels of two builds side by side (bench/qlinear_ab.py compiles this with the
  * sources of a git revision renamed *_a and those of the working tree): one shape, weights from
  * memory (30 different ones, as a model's layers; fewer of a large shape, 256 MB at least), 40
- * alternations of about 0.1 s a build (up to 50 passes over the layers: a large shape takes fewer,
- * so that it runs in seconds, not minutes),
+ * alternations (or argv's) of about 0.1 s a build (up to 50 passes over the layers: a large shape
+ * takes fewer, so that it runs in seconds, not minutes),
  * medians in microseconds.
- * argv: out in rows threads kind int8(0/1); kind (0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q5_1, 4 Q6_K, 5 Q4_K,
- * 6 Q6_KS) or A:B, the revision's kind A against the working tree's B (the same weights' values:
+ * argv: out in rows threads kind int8(0/1) [alternations]; kind (0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q5_1,
+ * 4 Q6_K, 5 Q4_K, 6 Q6_KS) or A:B, the revision's kind A against the working tree's B (the same weights' values:
  * Q4_1 against Q4_K, Q6_K against Q6_KS) */
 #include <stdint.h>
 #include <stdio.h>
@@ -66,8 +66,13 @@ static uint8_t *fill(int64_t blocks, int kind, uint64_t *state) {
 }
 
 int main(int argc, char **argv) {
-    if (argc != 7) {
-        fprintf(stderr, "usage: %s out in rows threads kind int8\n", argv[0]);
+    if (argc != 7 && argc != 8) {
+        fprintf(stderr, "usage: %s out in rows threads kind int8 [alternations]\n", argv[0]);
+        return 2;
+    }
+    const int rounds = argc == 8 ? atoi(argv[7]) : ROUNDS;
+    if (rounds < 1) {
+        fprintf(stderr, "alternations: at least 1, given %s\n", argv[7]);
         return 2;
     }
     const int64_t out = atoll(argv[1]), in = atoll(argv[2]), rows = atoll(argv[3]);
@@ -88,12 +93,13 @@ int main(int argc, char **argv) {
     float *x = malloc(sizeof(float) * (size_t)(rows * in)), *y = malloc(sizeof(float) * (size_t)(rows * out));
     for (int64_t i = 0; i < rows * in; i++) x[i] = (float)rand() / (float)RAND_MAX - 0.5f;
     const kernel builds[2] = {int8 ? rill_qlinear_i8_a : rill_qlinear_a, int8 ? rill_qlinear_i8 : rill_qlinear};
-    double times[2][ROUNDS], t0 = now();
+    double *times[2] = {malloc(sizeof(double) * rounds), malloc(sizeof(double) * rounds)};
+    const double t0 = now();
     for (int v = 0; v < 2; v++) /* a warm-up pass of each, the second timed for the number of passes */
         for (int l = 0; l < layers; l++) builds[v](x, in, weights[v][l], NULL, y, rows, out, in, threads, kinds[v]);
     const double pass = (now() - t0) / 2;
     const int CALLS = pass * MAX_CALLS <= ROUND_SECONDS ? MAX_CALLS : pass >= ROUND_SECONDS ? 1 : (int)(ROUND_SECONDS / pass);
-    for (int r = 0; r < ROUNDS; r++)
+    for (int r = 0; r < rounds; r++)
         for (int turn = 0; turn < 2; turn++) {
             const int v = turn ^ (r & 1); /* which goes first alternates too */
             const double t1 = now();
@@ -101,9 +107,9 @@ int main(int argc, char **argv) {
                 for (int l = 0; l < layers; l++) builds[v](x, in, weights[v][l], NULL, y, rows, out, in, threads, kinds[v]);
             times[v][r] = (now() - t1) / (CALLS * layers) * 1e6;
         }
-    qsort(times[0], ROUNDS, sizeof(double), by_value);
-    qsort(times[1], ROUNDS, sizeof(double), by_value);
+    qsort(times[0], rounds, sizeof(double), by_value);
+    qsort(times[1], rounds, sizeof(double), by_value);
     printf("%lld x %lld, %lld rows, %d threads: %.1f -> %.1f us (%.2fx)\n", (long long)out, (long long)in,
-           (long long)rows, threads, times[0][ROUNDS / 2], times[1][ROUNDS / 2], times[1][ROUNDS / 2] / times[0][ROUNDS / 2]);
+           (long long)rows, threads, times[0][rounds / 2], times[1][rounds / 2], times[1][rounds / 2] / times[0][rounds / 2]);
     return 0;
 }
