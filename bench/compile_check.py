@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine.model.loading import embedded_gguf_path
 
     model_path = args.model or embedded_gguf_path()
-    llm = LLM(str(model_path))
+    llm = LLM(str(args.model) if args.model else None)
     weights = llm.loaded.weights
     folder = gguf_folder(model_path) if Path(model_path).is_file() else model_path
     prompt = "Tell me a story about a dragon"

@@ -72,7 +72,8 @@ def serve_and_load(name: str, flags: list[str], args, model: Path) -> dict:
         subprocess.run([PYTHON, "-m", "bench", "--url", url, "--api", "openai", "--concurrency", args.concurrency,
                         "--workload", args.workload, *sizes, "--ignore-eos", "--tokenizer", str(model), "--label", name,
                         "--out", str(out), "--no-progress"], cwd=ROOT, check=True)
-        time.sleep(1.5)  # the replicas post their counters every 0.5 s
+        if "ray" in flags:
+            time.sleep(1.5)  # the replicas post their counters every 0.5 s (the local engine counts as it goes)
         tokens = httpx.get(f"{url}/health", timeout=10).json()["engine"]["generation_tokens_total"] - tokens_before
         doc = json.loads(out.read_text())
         doc["front_cpu_s"] = cpu_seconds(server.pid) - cpu_before
