@@ -187,6 +187,39 @@ def test_load_and_unload_over_http_need_the_key(server, client):
     assert wrong.status_code == 400 and "`name` is not a known field. Allowed: model" in wrong.text
 
 
+def scrape(client) -> dict[tuple, float]:
+    """{(sample name, sorted labels): value} of GET /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(client.get("/metrics").text) for sample in family.samples}
+
+
+def test_metrics_count_each_models_requests_under_its_name_and_health_says_each_state(client):
+    def tokens(samples, model):
+        return samples.get(("rill_generation_tokens_total", (("model", model), ("route", "v1_completions"))), 0.0)
+
+    def finished(samples, model):
+        key = ("rill_requests_finished_total", (("finish_reason", "length"), ("model", model),
+                                                ("route", "v1_completions")))
+        return samples.get(key, 0.0)
+
+    complete(client, "llama")
+    before = scrape(client)
+    assert complete(client, "qwen2").status_code == 200
+    after = scrape(client)
+    assert tokens(after, "qwen2") - tokens(before, "qwen2") == MAX_TOKENS
+    assert tokens(after, "llama") == tokens(before, "llama")  # the other model's count stays
+    assert finished(after, "qwen2") - finished(before, "qwen2") == 1
+    assert after[("rill_request_generation_tokens_count", (("model", "qwen2"),))] - before.get(
+        ("rill_request_generation_tokens_count", (("model", "qwen2"),)), 0.0) == 1
+    # the engine's gauges come per loaded model: qwen2's pool, nothing of the unloaded llama
+    assert after[("rill_kv_cache_blocks", (("model", "qwen2"),))] == KV_BLOCKS
+    assert ("rill_kv_cache_blocks", (("model", "llama"),)) not in after
+    health = {m["id"]: m["status"]["value"] for m in client.get("/health").json()["models"]}
+    assert (health["qwen2"], health["llama"], health["big"]) == ("loaded", "unloaded", "unloaded")
+
+
 def test_a_bad_file_answers_its_callers_with_the_load_error_while_the_other_model_serves(client, alone):
     before = loads(client)["broken"]
     for attempt in (1, 2):  # a later request tries the load again
