@@ -379,7 +379,11 @@ class ModelRegistry:
     def footprint(self, entry: ModelEntry) -> Footprint:
         """The model's memory estimate (computed once; measured again when it loads)."""
         if entry.footprint is None:
-            entry.footprint = self._measure(entry.source, self.settings, entry.engine)
+            try:
+                entry.footprint = self._measure(entry.source, self.settings, entry.engine)
+            except Exception:  # noqa: BLE001 - an engine that cannot say (a remote one): its size on disk alone
+                log.debug("no KV estimate for %s", entry.name, exc_info=True)
+                entry.footprint = Footprint(disk_size(entry.source), None)
         return entry.footprint
 
     async def _make_room(self, entry: ModelEntry) -> None:
@@ -499,6 +503,8 @@ class ModelRegistry:
             status = {"value": entry.state}
             if entry.state == "failed":
                 status["error"] = entry.error
+            elif entry.state == "loading":  # the requests waiting for this load (the first one included)
+                status["waiting"] = entry.leases
             footprint = self.footprint(entry)
             out.append({"id": entry.name, "status": status, "size_bytes": disk_size(entry.source),
                         "estimated_memory_bytes": footprint.total, "kv_cache_bytes": footprint.kv_cache_bytes,

@@ -1,6 +1,7 @@
 """The page's model picker in a real headless Chromium, on one server with two tiny random-weight
 models (`--model` given twice): the model picked answers (its greedy answer, as it gives it alone),
-its state shows loaded once it did, and each saved conversation selects its own model again."""
+the page says the model is loading while its first answer waits for the load, its state shows
+loaded once it did, and each saved conversation selects its own model again."""
 
 from __future__ import annotations
 
@@ -29,6 +30,15 @@ def alone(path) -> str:
     llm = LLM(str(path))
     params = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0)
     return llm.chat([[{"role": "user", "content": QUESTION}]], params)[0].outputs[0].text
+
+
+# every text the answer's stats line shows, kept as it changes (the load takes a second or two)
+RECORD_STATS = """() => {
+    const stats = document.querySelector('#rill-answer-stats');
+    window.rillStatsSeen = [];
+    new MutationObserver(() => window.rillStatsSeen.push(stats.innerText))
+        .observe(stats, {childList: true, subtree: true, characterData: true});
+}"""
 
 
 class ModelPicker:
@@ -75,9 +85,12 @@ def test_the_picked_model_answers_and_each_conversation_keeps_its_model(browser,
         picker, bar = ModelPicker(visitor.page), Conversations(visitor.page)
         assert picker.shown() == f"{llama} · loaded"
         picker.choose(qwen2)
+        visitor.page.evaluate(RECORD_STATS)
         visitor.send(QUESTION)
         until(lambda: visitor.bot_text() and visitor.idle(), message="the answer of the model picked")
         assert words(visitor.bot_text()) == words(expected["qwen2"])
+        seen = visitor.page.evaluate("() => window.rillStatsSeen")
+        assert any(f"Loading model {qwen2}" in text for text in seen), seen  # shown while its load was awaited
         until(lambda: picker.refreshed() == f"{qwen2} · loaded", timeout=30,
               message=lambda: f"the picker to show {qwen2} loaded (it shows {picker.shown()!r})")
         until(lambda: bar.title() == QUESTION, message="the first conversation saved")

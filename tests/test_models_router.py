@@ -266,6 +266,8 @@ def test_a_model_is_not_unloaded_while_its_stream_runs(server, client, alone):
             time.sleep(0.5)
             now = states(client)
             assert (now["llama"], now["qwen2"]) == ("loaded", "loading")
+            listed = {m["id"]: m for m in client.get("/v1/models").json()["data"]}
+            assert listed["qwen2"]["status"] == {"value": "loading", "waiting": 1}  # the request of ask_other
             rest = list(chunks)
             ended_at = time.monotonic()
         thread.join(120)

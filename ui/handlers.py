@@ -166,6 +166,13 @@ class PageHandlers:
                                      thinking_budget or None, cache_salt=self.session_salt(request))
         fmt = self.calls_format if chat_settings.output_format == "Text" else None  # JSON mode: the JSON as it is
         shown: list[dict] = []
+        if self.models is not None:  # a model not loaded yet: say so while its load is awaited
+            try:
+                entry = self.models.resolve(model or None)
+            except ApiError as exc:
+                raise page_error(exc, self.metrics) from None
+            if entry.state != "loaded":
+                yield history, f"Loading model `{entry.name}`…"
         try:
             async for text, stats in self.answer(messages, message, chat_settings, request, warn=gr.Warning,
                                                  watch=self.visitors.watcher(request), model=model or None):
