@@ -80,6 +80,12 @@ def stream(url: str, model: str | None, max_tokens: int) -> dict:
             "decode_tok_s": round((tokens - 1) / decode_s, 2) if tokens > 1 and decode_s > 0 else None}
 
 
+def state_of(url: str, name: str) -> str:
+    """The model's state as GET /v1/models lists it."""
+    models = httpx.get(f"{url}/v1/models", timeout=30).json()["data"]
+    return next(m["status"]["value"] for m in models if m["id"] == name)
+
+
 def start(name: str, flags: list[str], log_folder: Path) -> tuple[ServerProcess, float]:
     server = Server(name, [sys.executable, "app.py", "--port", "{port}", *flags], "/health")
     process = ServerProcess(server, Path("."), log_folder / f"models_switch-{name}.log")
@@ -129,9 +135,11 @@ def measure(args, folder: Path) -> dict:
     try:
         pid, url = router.proc.pid, router.url
         stream(url, names[0], 4)  # the default answered once: its first-request costs paid
+        states = {"before_switch": state_of(url, names[1])}
         before = rss_bytes(pid)
         switch = stream(url, names[1], args.tokens)
         loaded = rss_bytes(pid)
+        states["after_switch"] = state_of(url, names[1])
         doc["switch"] = {"ttft_s": switch["ttft_s"],
                          "ratio_to_cold": round(switch["ttft_s"] / doc["cold"]["first_token_s"], 3)}
 
@@ -150,6 +158,8 @@ def measure(args, folder: Path) -> dict:
             raise RuntimeError(f"unload: {unloaded.status_code} {unloaded.text[:300]}")
         time.sleep(1.0)  # the engine thread ends and its memory goes back
         after = rss_bytes(pid)
+        states["after_unload"] = state_of(url, names[1])
+        doc["states"] = states  # the switched-to model's, as /v1/models said them
         doc["rss"] = {"before_load_mb": round(before / 2**20, 1), "loaded_mb": round(loaded / 2**20, 1),
                       "after_unload_mb": round(after / 2**20, 1), "kept_mb": round((after - before) / 2**20, 1)}
     finally:

@@ -288,6 +288,8 @@ def test_models_switch(results, capsys):
     doc = json.loads(next(results.glob("models_switch-*.json")).read_text())
     assert doc["cold"]["first_token_s"] > 0 and doc["switch"]["ttft_s"] > 0
     assert doc["rss"]["loaded_mb"] > 0 and doc["rss"]["before_load_mb"] > 0
+    # the switch loaded the second model, the unload unloaded it
+    assert doc["states"] == {"before_switch": "unloaded", "after_switch": "loaded", "after_unload": "unloaded"}
     assert len(doc["busy"]) == 2 and all(row["alone_tok_s"] and row["both_tok_s"] for row in doc["busy"].values())
 
 
