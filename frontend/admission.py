@@ -211,8 +211,9 @@ class Generation:
     def __init__(self, engine, prompt_token_ids: list[int], params: SamplingParams, label: str,
                  timeout: float = 0.0, on_admit=None, metrics=None, route: str = "chat",
                  prior_output_ids: list[int] = (), session: str | None = None, client: str | None = None,
-                 images=None):
+                 images=None, model: str | None = None):
         self.engine = engine
+        self.model = model  # the served model's name, for the metrics (several models: their `model` label)
         self.session = session  # the conversation's key for replica affinity (x-session-id), or None
         self.metrics = metrics  # frontend.telemetry.RequestMetrics, or None
         self.route = route  # metrics label
@@ -286,7 +287,8 @@ class Generation:
         if self.metrics is None:
             return self._deltas()
         return self.metrics.track(self.route, self._deltas(), request_id=self.label,
-                                  num_prompt_tokens=self.num_prompt_tokens, arrival_time=self.started)
+                                  num_prompt_tokens=self.num_prompt_tokens, arrival_time=self.started,
+                                  model=self.model)
 
     async def _deltas(self) -> AsyncIterator[RequestOutput]:
         try:

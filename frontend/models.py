@@ -1,7 +1,8 @@
 """Several models behind one server: the registry of the models it serves, each loaded on demand
 into an engine of its own, unloaded when idle past `--model-ttl` or to make room under
-`--models-max` (the least recently used idle one), as llama-server's router mode and Ollama's
-keep_alive do.
+`--models-max` or under `--models-memory` (the least recently used idle ones), as llama-server's
+router mode and Ollama's keep_alive do. A model's memory is estimated as its weights file plus its
+KV pool (sized as the engine will size it, from the model's geometry; measured once it is loaded).
 
 A model's state: unloaded -> loading -> loaded, or failed (the load's error kept until a later
 request retries it). Concurrent first requests share one load (a task per model every caller
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import gc
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -52,6 +54,7 @@ class ModelEntry:
     last_used: float = 0.0  # time.monotonic() of its last request or its last busy sweep
     loads: int = 0  # loads started, failed ones included
     max_model_len: int | None = None  # known once loaded (kept after an unload, for /v1/models)
+    footprint: "Footprint | None" = None  # its memory estimate: computed when first needed, measured once loaded
 
     def names(self) -> set[str]:
         names = {self.name, *self.aliases}
@@ -73,6 +76,87 @@ def disk_size(source: str | None) -> int | None:
     if path.is_file():
         return path.stat().st_size
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+@dataclass(frozen=True, slots=True)
+class Footprint:
+    """What one loaded model takes, as --models-memory counts it."""
+
+    weights_bytes: int | None  # its file or folder on disk; None for a Hub id
+    kv_cache_bytes: int | None  # its KV pool; None when its geometry cannot be read (a bad file)
+
+    @property
+    def total(self) -> int:
+        return (self.weights_bytes or 0) + (self.kv_cache_bytes or 0)
+
+
+def _geometry(source: str | None) -> tuple[int, int, int, int | None] | None:
+    """(layers, KV heads, head size, context) read from a GGUF header or a folder's config.json
+    (milliseconds: no weights, no tokenizer); None when neither says (a Hub id, a bad file)."""
+    if source is None:
+        from engine.model.loading import embedded_gguf_path
+
+        path = embedded_gguf_path()
+    else:
+        path = Path(source).expanduser()
+    try:
+        if path is not None and path.is_file():
+            from transformers.integrations.gguf import reader
+
+            meta = reader.read_gguf_metadata(str(path))[0]
+            arch = meta["general.architecture"]
+            heads = meta[f"{arch}.attention.head_count"]
+            head_dim = meta.get(f"{arch}.attention.key_length") or meta[f"{arch}.embedding_length"] // heads
+            return (meta[f"{arch}.block_count"], meta.get(f"{arch}.attention.head_count_kv") or heads, head_dim,
+                    meta.get(f"{arch}.context_length"))
+        if path is not None and (path / "config.json").is_file():
+            config = json.loads((path / "config.json").read_text())
+            config = config.get("text_config") or config  # a vision-language model's language half
+            heads = config["num_attention_heads"]
+            head_dim = config.get("head_dim") or config["hidden_size"] // heads
+            context = next((config[k] for k in ("max_position_embeddings", "n_positions", "seq_length")
+                            if isinstance(config.get(k), int)), None)
+            return config["num_hidden_layers"], config.get("num_key_value_heads") or heads, head_dim, context
+    except Exception:  # noqa: BLE001 - unreadable: its load will say why
+        log.debug("no geometry for %s", source, exc_info=True)
+    return None
+
+
+def measure_footprint(source: str | None, settings, engine=None) -> Footprint:
+    """The model's weights on disk plus its KV pool: the loaded `engine`'s pool, else the one the engine
+    will allocate under these settings (engine/model/memory.py's rule, from the model's geometry)."""
+    import torch
+
+    from engine.attention import kv_cache_dtype
+    from engine.model.loading import resolve_device, resolve_dtype
+    from engine.model.memory import num_kv_blocks
+    from frontend.backends import iter_engine_fields
+    from frontend.backends.local import engine_config
+
+    weights, geometry = disk_size(source), _geometry(source)
+    if geometry is None:
+        return Footprint(weights, None)
+    layers, kv_heads, head_dim, context = geometry
+    device = resolve_device(getattr(settings, "device", "auto"))
+    if engine is not None:
+        dtype = getattr(torch, engine.health_info().get("kv_cache_dtype", "float32"))
+    else:
+        dtype = kv_cache_dtype(settings.kv_cache_dtype, resolve_dtype(settings.dtype, device))
+    per_token = 2 * layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
+    if engine is not None:
+        return Footprint(weights, engine.kv_cache_tokens * per_token)
+    config = engine_config(dict(iter_engine_fields(settings)))
+    max_len = settings.max_model_len or context or 2048
+    blocks = num_kv_blocks(config, max_len, per_token * config.block_size, device)
+    return Footprint(weights, blocks * config.block_size * per_token)
+
+
+def _bytes(n: int) -> str:
+    """1234567 -> "1,234,567 bytes (1.2 MiB)": exact, and readable."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n:,} bytes ({n / size:.1f} {unit})"
+    return f"{n:,} bytes"
 
 
 def discover(settings) -> list[ModelEntry]:
@@ -117,7 +201,7 @@ class ModelRegistry:
     `unload` and `snapshot` for the API; `abort` reaches the engine that runs a request id."""
 
     def __init__(self, entries: list[ModelEntry], settings, build: Callable[[object], object] | None = None,
-                 default: str | None = None):
+                 default: str | None = None, measure: Callable[..., Footprint] | None = None):
         if not entries:
             raise ValueError("a registry needs at least one model")
         self.entries = entries
@@ -125,6 +209,8 @@ class ModelRegistry:
         self._build = build or _build_engine  # settings -> a started EngineClient (blocking)
         self.autoload = settings.models_autoload
         self.max_loaded = settings.models_max
+        self.memory = settings.models_memory  # bytes; None = no bound
+        self._measure = measure or measure_footprint  # (source, settings, engine | None) -> Footprint
         self.ttl = settings.model_ttl
         self.default = self._find(default) if default else entries[0]
         if default and self.default is None:
@@ -160,6 +246,12 @@ class ModelRegistry:
         """Load the default model and the pinned ones now, in this thread (start-up: a bad file stops the
         server here). Returns the engine the server holds for good: the default's own when it is the only
         model and never unloaded, else a `ModelView` of it. Raises ModelLoadError or ValueError."""
+        first = [e for e in self.entries if e is self.default or e.pinned]
+        if self.memory is not None and sum(self.footprint(e).total for e in first) > self.memory:
+            needs = ", ".join(f"`{e.name}` {_bytes(self.footprint(e).total)}" for e in first)
+            raise ValueError(f"--models-memory {_bytes(self.memory)} cannot hold the models loaded at start (the "
+                             f"default and --pin: {needs}); raise it, pin fewer or lower their KV cache "
+                             "(--num-kv-blocks, --kv-cache-memory, --max-model-len)")
         for entry in self.entries:
             if entry is self.default or entry.pinned:
                 entry.loads += 1
@@ -278,33 +370,64 @@ class ModelRegistry:
                                                      self.settings.default_max_new_tokens)
         entry.max_model_len = engine.max_model_len
         entry.last_used = time.monotonic()
+        if self.memory is not None or entry.footprint is not None:  # the pool it really has
+            entry.footprint = self._measure(entry.source, self.settings, engine)
         if not self.several and entry.name != engine.model_name:  # one model goes by its own name, as before
             entry.aliases, entry.name = (*entry.aliases, *(() if entry.source is None else (entry.name,))), \
                 engine.model_name
 
+    def footprint(self, entry: ModelEntry) -> Footprint:
+        """The model's memory estimate (computed once; measured again when it loads)."""
+        if entry.footprint is None:
+            try:
+                entry.footprint = self._measure(entry.source, self.settings, entry.engine)
+            except Exception:  # noqa: BLE001 - an engine that cannot say (a remote one): its size on disk alone
+                log.debug("no KV estimate for %s", entry.name, exc_info=True)
+                entry.footprint = Footprint(disk_size(entry.source), None)
+        return entry.footprint
+
     async def _make_room(self, entry: ModelEntry) -> None:
-        """Unload the least recently used idle models until `entry` fits under --models-max; wait for
-        a busy one to finish (ROOM_WAIT_S at most, then a 503)."""
+        """Unload the least recently used idle models until `entry` fits under --models-max and
+        --models-memory; wait for a busy one to finish (ROOM_WAIT_S at most, then a 503 with
+        Retry-After). A model that cannot fit even beside the pinned ones alone: a 503 at once."""
+        if self.memory is not None and entry.footprint is None:
+            entry.footprint = await asyncio.to_thread(self._measure, entry.source, self.settings, None)
+        need = self.footprint(entry).total if self.memory is not None else 0
+        if self.memory is not None and need > self.memory:
+            raise ApiError(503, f"The model `{entry.name}` cannot be loaded: it needs about {_bytes(need)} (its "
+                                f"weights and KV cache) and --models-memory is {_bytes(self.memory)}, so it does "
+                                "not fit even alone. Raise --models-memory or lower its KV cache (--num-kv-blocks, "
+                                "--kv-cache-memory, --max-model-len).", param="model", code="model_too_large")
         deadline = time.monotonic() + ROOM_WAIT_S
         async with self._room:
             while True:
                 others = [e for e in self.entries if e is not entry and (e.state == "loaded" or e.has_room)]
-                if len(others) < self.max_loaded:
+                used = sum(self.footprint(e).total for e in others) if self.memory is not None else 0
+                count_ok = len(others) < self.max_loaded
+                memory_ok = self.memory is None or used + need <= self.memory
+                if count_ok and memory_ok:
                     entry.has_room = True
                     return
-                if all(e.pinned for e in others):
+                if not count_ok and all(e.pinned for e in others):
                     raise ApiError(503, f"The model `{entry.name}` cannot be loaded: --models-max "
                                         f"{self.max_loaded} models are loaded and every one is pinned (--pin "
                                         f"{', '.join(e.name for e in others)}).", code="model_no_room")
+                pinned = sum(self.footprint(e).total for e in others if e.pinned) if self.memory is not None else 0
+                if not memory_ok and pinned + need > self.memory:
+                    raise ApiError(503, f"The model `{entry.name}` cannot be loaded: it needs about {_bytes(need)} "
+                                        f"and the pinned models (--pin) keep {_bytes(pinned)} of --models-memory "
+                                        f"{_bytes(self.memory)}.", code="model_no_room")
                 idle = [e for e in others if e.state == "loaded" and not e.pinned and not self.busy(e)]
                 if idle:
                     await self._unload(min(idle, key=lambda e: e.last_used))
                     continue
                 if time.monotonic() > deadline:
                     busy = ", ".join(f"`{e.name}` ({self.busy(e)} requests)" for e in others)
-                    raise ApiError(503, f"The model `{entry.name}` cannot be loaded now: --models-max "
-                                        f"{self.max_loaded} models are loaded and each is busy ({busy}); it "
-                                        f"waited {ROOM_WAIT_S:g} s for one to finish. Retry later.",
+                    bound = (f"--models-max {self.max_loaded} models are loaded" if not count_ok else
+                             f"it needs about {_bytes(need)} and the loaded models take {_bytes(used)} of "
+                             f"--models-memory {_bytes(self.memory)}")
+                    raise ApiError(503, f"The model `{entry.name}` cannot be loaded now: {bound} and each is busy "
+                                        f"({busy}); it waited {ROOM_WAIT_S:g} s for one to finish. Retry later.",
                                    code="model_no_room", headers={"Retry-After": str(RETRY_AFTER_S)})
                 await asyncio.sleep(ROOM_POLL_S)
 
@@ -380,7 +503,11 @@ class ModelRegistry:
             status = {"value": entry.state}
             if entry.state == "failed":
                 status["error"] = entry.error
+            elif entry.state == "loading":  # the requests waiting for this load (the first one included)
+                status["waiting"] = entry.leases
+            footprint = self.footprint(entry)
             out.append({"id": entry.name, "status": status, "size_bytes": disk_size(entry.source),
+                        "estimated_memory_bytes": footprint.total, "kv_cache_bytes": footprint.kv_cache_bytes,
                         "max_model_len": entry.max_model_len, "loads": entry.loads, "pinned": entry.pinned,
                         "default": entry is self.default})
         return out
@@ -410,6 +537,7 @@ class _SingleSettings:
     default_max_new_tokens: int = 512
     models_autoload: bool = True
     models_max: int = 1
+    models_memory: int | None = None
     model_ttl: float = 0.0
     pin: tuple[str, ...] = field(default=())
 

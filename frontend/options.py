@@ -29,7 +29,7 @@ class Option:
 
 
 MODEL_OPTIONS = ("model_id", "dtype", "device", "quantize", "activations", "trust_remote_code", "models_dir",
-                 "default_model", "models_autoload", "models_max", "model_ttl", "pin")  # --help's groups
+                 "default_model", "models_autoload", "models_max", "models_memory", "model_ttl", "pin")  # --help's groups
 OPTIONS: tuple[Option, ...] = (
     # model
     Option("--model", ("MODEL_ID",), "model_id", "append", None,
@@ -55,6 +55,9 @@ OPTIONS: tuple[Option, ...] = (
            "a request naming an unloaded model loads it; off: it gets a 400 until POST /models/load"),
     Option("--models-max", ("MODELS_MAX",), "models_max", int, 4,
            "models loaded at once at most: the least recently used idle one is unloaded to make room", "N"),
+    Option("--models-memory", ("MODELS_MEMORY",), "models_memory", "bytes", None,
+           "memory the loaded models may take together (e.g. 6GiB), each counted as its weights file plus its "
+           "KV cache: the least recently used idle ones are unloaded to make room", "SIZE"),
     Option("--model-ttl", ("MODEL_TTL",), "model_ttl", float, 0.0,
            "seconds a model may stay idle before it is unloaded (0 = never)", "S"),
     Option("--pin", ("PIN",), "pin", "list", (),

@@ -22,6 +22,7 @@ class Settings:
     default_model: str | None = None  # the model of requests that name none; None = the first
     models_autoload: bool = True  # a request naming an unloaded model loads it
     models_max: int = 4  # models loaded at once at most (the least recently used idle one makes room)
+    models_memory: int | None = None  # bytes the loaded models' weights files and KV caches may take; None = no bound
     model_ttl: float = 0.0  # seconds idle before a model is unloaded; 0 = never
     pin: tuple[str, ...] = ()  # models kept loaded
     # engine

@@ -27,6 +27,11 @@ one log line per finished request:
 
 Refused requests are counted with `metrics.error(route, status)` (e.g. 400, 429, 503).
 
+With several models (frontend/models.py) every request series carries a `model` label (the name
+`/v1/models` lists) and the engine's gauges come once per loaded model; one model keeps the
+series unlabelled, as before. Refusals (`rill_request_errors_total`) stay by route and status: many
+are refused before any model is picked.
+
 All times are `time.monotonic()` seconds, like the engine's `RequestOutput.first_token_time`.
 Every metric lives in a `CollectorRegistry` of its own, so several apps in one process (tests)
 never clash. Gauges (running, waiting, KV usage) and the preemption counter are read from
@@ -117,54 +122,74 @@ def log_request(*, request_id: str | None, route: str, prompt_tokens: int, outpu
 
 
 class _EngineCollector:
-    """Reads `engine.stats()` at scrape time: gauges and the engine's own counters."""
+    """Reads `engine.stats()` at scrape time: gauges and the engine's own counters; with several
+    models (`models`, a ModelRegistry), each loaded model's under its `model` label."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, models=None):
         self.engine = engine
+        self.models = models
 
     def describe(self):
         return []  # registered without a describe pass: collect() is only called on scrape
 
     def collect(self):
-        try:
-            stats = self.engine.stats()
-        except Exception:  # a dead engine must not turn the scrape into a 500
-            yield _family("rill_engine_alive", 0.0)
+        if self.models is None:
+            yield from self._engine_families([((), self.engine)], ())
             return
-        yield _family("rill_requests_running", stats.num_running)
-        yield _family("rill_requests_waiting", stats.num_waiting)
-        yield _family("rill_kv_cache_usage_ratio", float(stats.kv_usage))
-        yield _family("rill_kv_cache_blocks", stats.num_kv_blocks)
-        yield _family("rill_engine_alive", 1.0 if self.engine.alive else 0.0)
-        yield _family("rill_preemptions_total", stats.num_preemptions)
-        yield _family("rill_engine_steps_total", stats.num_steps)
-        yield _family("rill_prefix_cache_queried_tokens_total", stats.prefix_cache_queried_tokens)
-        yield _family("rill_prefix_cache_hit_tokens_total", stats.prefix_cache_hit_tokens)
-        yield _family("rill_spec_draft_tokens_total", stats.spec_draft_tokens)
-        yield _family("rill_spec_accepted_tokens_total", stats.spec_accepted_tokens)
+        loaded = [((entry.name,), entry.engine) for entry in self.models.entries if entry.engine is not None]
+        yield from self._engine_families(loaded, ("model",))
+
+    @staticmethod
+    def _engine_families(engines, label_names):
+        families = {name: _family(name, label_names) for name in _ENGINE_SERIES}
+        for labels, engine in engines:
+            try:
+                stats = engine.stats()
+            except Exception:  # a dead engine must not turn the scrape into a 500
+                families["rill_engine_alive"].add_metric(list(labels), 0.0)
+                continue
+            values = {"rill_requests_running": stats.num_running, "rill_requests_waiting": stats.num_waiting,
+                      "rill_kv_cache_usage_ratio": float(stats.kv_usage), "rill_kv_cache_blocks": stats.num_kv_blocks,
+                      "rill_engine_alive": 1.0 if engine.alive else 0.0,
+                      "rill_preemptions_total": stats.num_preemptions, "rill_engine_steps_total": stats.num_steps,
+                      "rill_prefix_cache_queried_tokens_total": stats.prefix_cache_queried_tokens,
+                      "rill_prefix_cache_hit_tokens_total": stats.prefix_cache_hit_tokens,
+                      "rill_spec_draft_tokens_total": stats.spec_draft_tokens,
+                      "rill_spec_accepted_tokens_total": stats.spec_accepted_tokens}
+            for name, value in values.items():
+                families[name].add_metric(list(labels), value)
+        yield from (family for family in families.values() if family.samples)
+
+
+_ENGINE_SERIES = ("rill_requests_running", "rill_requests_waiting", "rill_kv_cache_usage_ratio", "rill_kv_cache_blocks",
+                  "rill_engine_alive", "rill_preemptions_total", "rill_engine_steps_total",
+                  "rill_prefix_cache_queried_tokens_total", "rill_prefix_cache_hit_tokens_total",
+                  "rill_spec_draft_tokens_total", "rill_spec_accepted_tokens_total")
 
 
 _DOC = {name: (kind, text) for name, kind, text in METRICS_DOC}
 
 
-def _family(name: str, value: float):
-    """A gauge or counter of the engine's, with the type and help METRICS_DOC gives it."""
+def _family(name: str, label_names: tuple[str, ...]):
+    """An empty gauge or counter family of the engine's, with the type and help METRICS_DOC gives it."""
     kind, text = _DOC[name]
     if kind == "counter":  # prometheus_client adds the _total suffix itself
-        return CounterMetricFamily(name.removesuffix("_total"), text, value=value)
-    return GaugeMetricFamily(name, text, value=value)
+        return CounterMetricFamily(name.removesuffix("_total"), text, labels=list(label_names))
+    return GaugeMetricFamily(name, text, labels=list(label_names))
 
 
 class RequestTracker:
     """One request's timings as it streams. Made by `RequestMetrics.start`; `finish` it once."""
 
-    __slots__ = ("metrics", "route", "request_id", "arrival_time", "num_prompt_tokens", "first_token_time",
-                 "last_token_time", "num_output_tokens", "queue_time", "finished", "_prompt_counted")
+    __slots__ = ("metrics", "route", "model", "request_id", "arrival_time", "num_prompt_tokens", "first_token_time",
+                 "last_token_time", "num_output_tokens", "queue_time", "finished", "_prompt_counted", "_by")
 
     def __init__(self, metrics: RequestMetrics, route: str, request_id: str | None, num_prompt_tokens: int | None,
-                 arrival_time: float):
+                 arrival_time: float, model: str | None = None):
         self.metrics = metrics
         self.route = route
+        self.model = model  # the served model's name (several models: the `model` label)
+        self._by = (model or "",) if metrics.per_model else ()  # the model label's value, when there is one
         self.request_id = request_id
         self.arrival_time = arrival_time  # time.monotonic() when the route accepted the request
         self.num_prompt_tokens = 0
@@ -183,7 +208,7 @@ class RequestTracker:
             return
         self._prompt_counted = True
         self.num_prompt_tokens = int(num_prompt_tokens)
-        self.metrics._prompt_tokens.labels(self.route).inc(self.num_prompt_tokens)
+        self.metrics._prompt_tokens.labels(self.route, *self._by).inc(self.num_prompt_tokens)
 
     def tokens(self, count: int, now: float | None = None, first_token_time: float | None = None) -> None:
         """`count` new tokens arrived at `now` (monotonic); the first call sets the time to first token."""
@@ -193,21 +218,27 @@ class RequestTracker:
         metrics = self.metrics
         if self.first_token_time is None:
             self.first_token_time = first_token_time if first_token_time is not None else now
-            metrics._ttft.observe(max(0.0, self.first_token_time - self.arrival_time))
+            self._hist(metrics._ttft).observe(max(0.0, self.first_token_time - self.arrival_time))
             metrics.window.note_first_token(self.first_token_time - self.arrival_time)
             gaps = count - 1  # tokens after the first in this same delta came with no gap we saw
             if gaps > 0:
                 per_token = max(0.0, now - self.first_token_time) / gaps
+                itl = self._hist(metrics._itl)
                 for _ in range(gaps):
-                    metrics._itl.observe(per_token)
+                    itl.observe(per_token)
         else:
             per_token = max(0.0, now - (self.last_token_time or now)) / count
+            itl = self._hist(metrics._itl)
             for _ in range(count):
-                metrics._itl.observe(per_token)
+                itl.observe(per_token)
         self.last_token_time = now
         self.num_output_tokens += count
-        metrics._generation_tokens.labels(self.route).inc(count)
+        metrics._generation_tokens.labels(self.route, *self._by).inc(count)
         metrics.window.note_tokens(count)
+
+    def _hist(self, histogram):
+        """The histogram's series of this request's model (the histogram itself with one model)."""
+        return histogram.labels(*self._by) if self._by else histogram
 
     def finish(self, finish_reason, *, num_output_tokens: int | None = None, num_prompt_tokens: int | None = None,
                queue_time: float | None = None, now: float | None = None, error: str | None = None) -> None:
@@ -228,15 +259,17 @@ class RequestTracker:
         reason = _reason_name(finish_reason)
         total = max(0.0, now - self.arrival_time)
         queue_time = queue_time if queue_time is not None else self.queue_time
-        metrics._e2e.observe(total)
+        self._hist(metrics._e2e).observe(total)
         if queue_time is not None:
-            metrics._queue_time.observe(max(0.0, queue_time))
-        metrics._prompt_len.observe(self.num_prompt_tokens)
-        metrics._output_len.observe(self.num_output_tokens)
-        metrics._finished.labels(self.route, reason).inc()
+            self._hist(metrics._queue_time).observe(max(0.0, queue_time))
+        self._hist(metrics._prompt_len).observe(self.num_prompt_tokens)
+        self._hist(metrics._output_len).observe(self.num_output_tokens)
+        metrics._finished.labels(self.route, reason, *self._by).inc()
         metrics.window.note_finished()
         ttft = None if self.first_token_time is None else self.first_token_time - self.arrival_time
-        extra = {"error": error} if error else {}
+        extra = {"model": self.model} if self.metrics.per_model else {}
+        if error:
+            extra["error"] = error
         log_request(request_id=self.request_id, route=self.route, prompt_tokens=self.num_prompt_tokens,
                     output_tokens=self.num_output_tokens, ttft_s=ttft, total_s=total, finish_reason=reason,
                     log_format=metrics.log_format, logger=metrics.logger, **extra)
@@ -244,50 +277,54 @@ class RequestTracker:
 
 class RequestMetrics:
     """The metrics of one app: its own registry, the per-request recorders, the recent window.
+    `models` (a ModelRegistry serving several models): every request series by `model` too.
 
     Thread-safe, though the routes, the page and MCP all record on the event loop.
     """
 
     def __init__(self, engine=None, *, registry: CollectorRegistry | None = None, log_format: str = "text",
-                 logger: logging.Logger | None = None, recent_window_s: float = 600.0):
+                 logger: logging.Logger | None = None, recent_window_s: float = 600.0, models=None):
         self.engine = engine
+        self.models = models if models is not None and models.several else None
+        self.per_model = self.models is not None  # a `model` label on the request series
+        by = ["model"] if self.per_model else []
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=False)
         self.log_format = log_format  # "json" -> one JSON object per finished request
         self.logger = logger or request_logger
         self.recent_window_s = recent_window_s
         reg = self.registry
         self._prompt_tokens = Counter("rill_prompt_tokens", "prompt tokens of requests, by route",
-                                      ["route"], registry=reg)
+                                      ["route", *by], registry=reg)
         self._generation_tokens = Counter("rill_generation_tokens", "tokens generated, by route",
-                                          ["route"], registry=reg)
+                                          ["route", *by], registry=reg)
         self._finished = Counter("rill_requests_finished", "finished requests by route and finish reason",
-                                 ["route", "finish_reason"], registry=reg)
+                                 ["route", "finish_reason", *by], registry=reg)
         self._errors = Counter("rill_request_errors", "requests refused or failed, by route and HTTP status",
                                ["route", "status"], registry=reg)
         self._ttft = Histogram("rill_time_to_first_token_seconds", "arrival to first generated token",
-                               buckets=TIME_TO_FIRST_TOKEN_BUCKETS, registry=reg)
+                               buckets=TIME_TO_FIRST_TOKEN_BUCKETS, labelnames=by, registry=reg)
         self._itl = Histogram("rill_inter_token_latency_seconds", "gap between consecutive generated tokens",
-                              buckets=INTER_TOKEN_BUCKETS, registry=reg)
+                              buckets=INTER_TOKEN_BUCKETS, labelnames=by, registry=reg)
         self._e2e = Histogram("rill_e2e_request_latency_seconds", "arrival to the end of the request",
-                              buckets=REQUEST_LATENCY_BUCKETS, registry=reg)
+                              buckets=REQUEST_LATENCY_BUCKETS, labelnames=by, registry=reg)
         self._queue_time = Histogram("rill_request_queue_time_seconds",
                                      "time waiting before the engine first scheduled the request",
-                                     buckets=TIME_TO_FIRST_TOKEN_BUCKETS, registry=reg)
+                                     buckets=TIME_TO_FIRST_TOKEN_BUCKETS, labelnames=by, registry=reg)
         self._prompt_len = Histogram("rill_request_prompt_tokens", "prompt length per request, in tokens",
-                                     buckets=TOKEN_COUNT_BUCKETS, registry=reg)
+                                     buckets=TOKEN_COUNT_BUCKETS, labelnames=by, registry=reg)
         self._output_len = Histogram("rill_request_generation_tokens", "output length per request, in tokens",
-                                     buckets=TOKEN_COUNT_BUCKETS, registry=reg)
+                                     buckets=TOKEN_COUNT_BUCKETS, labelnames=by, registry=reg)
         if engine is not None:
-            reg.register(_EngineCollector(engine))
+            reg.register(_EngineCollector(engine, self.models))
         self.window = RecentWindow(recent_window_s)  # the status panel's last minutes
 
     # --- recording -------------------------------------------------------------------------------
 
     def start(self, route: str, *, num_prompt_tokens: int | None = None, request_id: str | None = None,
-              arrival_time: float | None = None) -> RequestTracker:
-        """A tracker for one admitted request (`arrival_time`: monotonic; default now)."""
+              arrival_time: float | None = None, model: str | None = None) -> RequestTracker:
+        """A tracker for one admitted request (`arrival_time`: monotonic; default now; `model`: its name)."""
         return RequestTracker(self, route, request_id, num_prompt_tokens,
-                              time.monotonic() if arrival_time is None else arrival_time)
+                              time.monotonic() if arrival_time is None else arrival_time, model)
 
     def observe(self, route: str, *, arrival_time: float, first_token_time: float | None, finish_time: float,
                 num_prompt_tokens: int, num_output_tokens: int, finish_reason, queue_time: float | None = None,
@@ -307,14 +344,15 @@ class RequestMetrics:
         self._errors.labels(route, str(int(status))).inc()
 
     async def track(self, route: str, deltas: AsyncIterator, *, request_id: str | None = None,
-                    num_prompt_tokens: int | None = None, arrival_time: float | None = None) -> AsyncIterator:
+                    num_prompt_tokens: int | None = None, arrival_time: float | None = None,
+                    model: str | None = None) -> AsyncIterator:
         """Yields the `RequestOutput` deltas of `deltas` unchanged, recording the request.
 
         A consumer that stops early (break, cancellation, client gone) records finish reason
         "abort"; an exception from the iterator records "error" and propagates.
         """
         tracker = self.start(route, num_prompt_tokens=num_prompt_tokens, request_id=request_id,
-                             arrival_time=arrival_time)
+                             arrival_time=arrival_time, model=model)
         state = _DeltaState()
         try:
             async for out in deltas:

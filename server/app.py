@@ -123,7 +123,8 @@ def create_app(engine, settings: Settings, models: ModelRegistry | None = None) 
 
         install_test_routes(app, engine)
 
-    state.metrics = install_metrics(app, engine, log_format=settings.log_format)  # every entrance records there
+    state.metrics = install_metrics(app, engine, log_format=settings.log_format,  # every entrance records there
+                                    models=state.models)
 
     app.add_middleware(ApiGuard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
                        test_hooks=settings.test_hooks, page_closed=settings.ui_auth is not None)

@@ -56,6 +56,7 @@ def admission(request, route: str) -> dict:
         from testing.hooks import fault_hook  # never imported without --test-hooks
 
         on_admit = fault_hook(request)
+    entry = getattr(request.state, "model", None)  # the model server/streaming.py `use_model` took
     return dict(timeout=state.settings.request_timeout, on_admit=on_admit,
                 metrics=state.metrics, route=route, session=(session := session_from(request)),
-                client=client_of(request, session))
+                client=client_of(request, session), model=entry.name if entry is not None else None)

@@ -1,5 +1,6 @@
 """`GET /metrics`: the app's request metrics (frontend/telemetry.py) in the Prometheus text format,
-and, with several engine replicas (--backend ray), each replica's numbers under a `replica` label."""
+(a `model` label with several models), and, with several engine replicas (--backend ray), each
+replica's numbers under a `replica` label."""
 
 from __future__ import annotations
 
@@ -56,12 +57,13 @@ class _ReplicaCollector:
 
 
 def install_metrics(app, engine, *, log_format: str = "text", logger: logging.Logger | None = None,
-                    path: str = "/metrics") -> RequestMetrics:
+                    path: str = "/metrics", models=None) -> RequestMetrics:
     """Adds `GET /metrics` (Prometheus text format) to the FastAPI `app`; returns the recorder.
+    `models`: the app's ModelRegistry (several models: a `model` label on every request series).
 
     The recorder is also kept as `app.state.metrics`. Call it before mounting Gradio at "/".
     """
-    metrics = RequestMetrics(engine, log_format=log_format, logger=logger)
+    metrics = RequestMetrics(engine, log_format=log_format, logger=logger, models=models)
     if engine.backend == "ray":
         metrics.registry.register(_ReplicaCollector(engine))
 

@@ -68,9 +68,10 @@ async def get_model(model_id: str, request: Request):
 
 def _model_card(state, model: dict) -> dict:
     """A model as OpenAI lists it, with llama-server's router `status` ({"value": "loaded"|"loading"|
-    "unloaded"|"failed"}) and its size on disk."""
+    "unloaded"|"failed"}), its size on disk and the memory --models-memory counts for it (weights + KV pool)."""
     return {"id": model["id"], "object": "model", "created": state.started_at, "owned_by": "rill",
-            "max_model_len": model["max_model_len"], "status": model["status"], "size_bytes": model["size_bytes"]}
+            "max_model_len": model["max_model_len"], "status": model["status"], "size_bytes": model["size_bytes"],
+            "estimated_memory_bytes": model["estimated_memory_bytes"], "kv_cache_bytes": model["kv_cache_bytes"]}
 
 
 @router.post("/chat/completions")

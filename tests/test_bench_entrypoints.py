@@ -36,7 +36,7 @@ LEFT_OUT = {
 RUN_HERE = {"__main__", "plot", "profile_summary", "sampler", "divergence", "structured", "speculative",
             "spec_bound", "verify_cost", "stop_strings", "memory_bound", "quant_kinds", "peak_rates", "model",
             "suite", "fair_share", "server_share", "weights", "scaleout", "sse_cost", "peers", "gpu_check",
-            "qlinear_ab"}
+            "qlinear_ab", "models_switch"}
 TINY_SHAPE = "hidden=64,layers=2,ffn=128,heads=4,kv_heads=2,context=1024"
 
 
@@ -290,6 +290,21 @@ def test_weights(tiny_gguf, results, capsys):
     assert len(rows) == 1 and rows[0][0] == "1" and rows[0][3].endswith("x")
     doc = json.loads((results / "weights-short.json").read_text())
     assert doc["none"]["weights"] == "float" and doc["auto"]["weights"].startswith("q8_0 blocks from the GGUF")
+
+
+def test_models_switch(results, capsys):
+    from bench import models_switch
+
+    assert models_switch.main(["--shape", TINY_SHAPE, "--recipe", "q8_0", "--tokens", "6", "--idle-s", "0.5"]) == 0
+    text = capsys.readouterr().out
+    assert re.search(r"^\| switch to the unloaded model, first token \| [\d.]+ s \([\d.]+x cold\) \| <= 1.5x \|$",
+                     text, re.M), text
+    doc = json.loads(next(results.glob("models_switch-*.json")).read_text())
+    assert doc["cold"]["first_token_s"] > 0 and doc["switch"]["ttft_s"] > 0
+    assert doc["rss"]["loaded_mb"] > 0 and doc["rss"]["before_load_mb"] > 0
+    # the switch loaded the second model, the unload unloaded it
+    assert doc["states"] == {"before_switch": "unloaded", "after_switch": "loaded", "after_unload": "unloaded"}
+    assert len(doc["busy"]) == 2 and all(row["alone_tok_s"] and row["both_tok_s"] for row in doc["busy"].values())
 
 
 @pytest.mark.ray

@@ -121,3 +121,70 @@ def test_the_idle_timer_unloads_even_when_the_list_was_read_before_the_server_ra
         return loaded, reg.entries[1].state
 
     assert asyncio.run(run()) == ("loaded", "unloaded")
+
+
+SIZES = {"a": 300, "b": 500, "c": 400, "huge": 2000}  # each model's estimate in the tests below
+
+
+def measured(source, settings, engine=None) -> models.Footprint:
+    return models.Footprint(SIZES[source] - 100, 100)  # weights + KV pool
+
+
+def memory_registry(**flags) -> ModelRegistry:
+    entries = [ModelEntry(name, name) for name in ("a", "b", "c", "huge")]
+    return ModelRegistry(entries, Settings(**flags), build=FakeEngine, measure=measured)
+
+
+def test_models_memory_unloads_the_least_recently_used_idle_models_to_make_room():
+    async def run():
+        reg = memory_registry(models_max=4, models_memory=1000)
+        for name in ("a", "b"):  # 300 + 500: both fit
+            reg.release(await reg.acquire(name))
+        both = [e.state for e in reg.entries]
+        reg.entries[1].engine.running = 1  # b streams: it is never unloaded for room
+        reg.release(await reg.acquire("c"))  # 800 + 400 > 1000: a, the only idle one, goes
+        return both, [e.state for e in reg.entries]
+
+    both, after = asyncio.run(run())
+    assert both == ["loaded", "loaded", "unloaded", "unloaded"]
+    assert after == ["unloaded", "loaded", "loaded", "unloaded"]
+
+
+def test_a_model_that_cannot_fit_alone_is_a_503_saying_its_estimate_and_the_budget_without_retry_after():
+    async def run():
+        reg = memory_registry(models_max=4, models_memory=1000)
+        reg.release(await reg.acquire("a"))
+        with pytest.raises(ApiError) as refused:
+            await reg.acquire("huge")
+        return refused.value, [e.state for e in reg.entries]
+
+    refused, states = asyncio.run(run())
+    assert refused.status == 503 and not refused.headers
+    assert "`huge` cannot be loaded" in refused.message and "2,000 bytes" in refused.message
+    assert "--models-memory is 1,000 bytes" in refused.message and "not fit even alone" in refused.message
+    assert states == ["loaded", "unloaded", "unloaded", "unloaded"]  # nothing unloaded for it
+
+
+def test_a_model_that_fits_once_the_busy_ones_finish_is_a_503_with_retry_after(monkeypatch):
+    monkeypatch.setattr(models, "ROOM_WAIT_S", 0.2)
+
+    async def run():
+        reg = memory_registry(models_max=4, models_memory=1000)
+        for name in ("a", "b"):
+            reg.release(await reg.acquire(name))
+        for entry in reg.entries[:2]:
+            entry.engine.running = 1
+        with pytest.raises(ApiError) as refused:
+            await reg.acquire("c")  # 400 fits beside neither while both stream
+        return refused.value
+
+    refused = asyncio.run(run())
+    assert refused.status == 503 and refused.headers["Retry-After"]
+    assert "needs about 400 bytes" in refused.message and "take 800 bytes of --models-memory 1,000 bytes" \
+        in refused.message
+
+
+def test_models_memory_below_what_start_loads_is_refused_at_start():
+    reg = memory_registry(models_memory=700, pin=("b",))  # a (default, 300) + b (500)
+    with pytest.raises(ValueError, match="--models-memory 700 bytes cannot hold .*`a` 300 bytes, `b` 500 bytes"):
+        reg.start()

@@ -1,8 +1,9 @@
 """Several models behind one server (frontend/models.py), over HTTP against one real app.py:
-`--models-dir` with two tiny random-weight models and a bad .gguf, `--models-max 1` (every switch
-unloads the other), a short `--model-ttl`, an API key. Each model loads on its first request, answers
-as it does alone (greedy tokens), makes room by unloading the least recently used idle one, never
-while a stream of it runs; a bad file's error reaches its callers while the other model serves."""
+`--models-dir` with two tiny random-weight models, a bad .gguf and one too large for the budget,
+`--models-memory` that holds one tiny model but not two (every switch unloads the other), a short
+`--model-ttl`, an API key. Each model loads on its first request, answers as it does alone (greedy
+tokens), makes room by unloading the least recently used idle one, never while a stream of it runs;
+a bad file's error reaches its callers while the other model serves."""
 
 from __future__ import annotations
 
@@ -21,6 +22,22 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 TTL_S = 8  # --model-ttl: long beside one test's requests, short for the test that waits for it
 PROMPT = [5, 6, 7, 8, 9]  # token ids: the same prompt for the server and the reference
 MAX_TOKENS = 8
+KV_BLOCKS = 64  # --num-kv-blocks: each model's KV pool, of 16-token blocks
+
+
+def estimate(folder) -> int:
+    """What --models-memory counts for a float32 model folder: its files plus its KV pool
+    (keys and values of every layer, float32, for KV_BLOCKS blocks of 16 tokens)."""
+    config = json.loads((folder / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 4
+    return sum(p.stat().st_size for p in folder.resolve().iterdir()) + KV_BLOCKS * 16 * per_token
+
+
+def budget(models_dir) -> int:
+    """--models-memory: one tiny model fits, two do not."""
+    sizes = [estimate(models_dir / name) for name in ("llama", "qwen2")]
+    return max(sizes) + min(sizes) // 2
 
 
 @pytest.fixture(scope="module")
@@ -29,12 +46,18 @@ def models_dir(tmp_path_factory, tiny_model):
     (folder / "llama").symlink_to(tiny_model("llama"), target_is_directory=True)
     (folder / "qwen2").symlink_to(tiny_model("qwen2"), target_is_directory=True)
     (folder / "broken.gguf").write_bytes(b"this is not a GGUF file")
+    big = folder / "big"  # a model whose weights alone are past the budget (a sparse file: no disk taken)
+    big.mkdir()
+    (big / "config.json").write_bytes((tiny_model("llama") / "config.json").read_bytes())
+    with open(big / "model.safetensors", "wb") as weights:
+        weights.truncate(budget(folder) + 1)
     return folder
 
 
 @pytest.fixture(scope="module")
 def server(models_dir):
-    with run_server("--models-dir", str(models_dir), "--default-model", "llama", "--models-max", "1",
+    with run_server("--models-dir", str(models_dir), "--default-model", "llama", "--models-max", "3",
+                    "--models-memory", str(budget(models_dir)), "--num-kv-blocks", str(KV_BLOCKS),
                     "--model-ttl", str(TTL_S), "--api-key", KEY) as server:
         yield server
 
@@ -75,13 +98,28 @@ def complete(client, model: str, max_tokens: int = MAX_TOKENS) -> httpx.Response
 
 def test_models_are_listed_with_state_and_size(client, models_dir):
     listed = {m["id"]: m for m in client.get("/v1/models").json()["data"]}
-    assert set(listed) == {"llama", "qwen2", "broken"}
+    assert set(listed) == {"llama", "qwen2", "broken", "big"}
     assert listed["llama"]["status"] == {"value": "loaded"}  # the default, loaded at start
     assert listed["qwen2"]["status"] == {"value": "unloaded"}
     assert listed["qwen2"]["size_bytes"] == sum(p.stat().st_size for p in (models_dir / "qwen2").resolve().iterdir())
     assert listed["broken"]["size_bytes"] == len(b"this is not a GGUF file")
     one = client.get("/v1/models/qwen2")
     assert one.status_code == 200 and one.json()["id"] == "qwen2"
+    # the memory estimate: weights file plus KV pool, loaded (measured) or not (from its config)
+    for name in ("llama", "qwen2"):
+        assert listed[name]["estimated_memory_bytes"] == estimate(models_dir / name), name
+
+
+def test_a_model_too_large_for_the_budget_even_alone_is_a_503_saying_why(client, models_dir):
+    complete(client, "llama")
+    refused = complete(client, "big")
+    assert refused.status_code == 503 and "retry-after" not in refused.headers  # waiting would not help
+    message = refused.json()["error"]["message"]
+    need = next(m for m in client.get("/v1/models").json()["data"] if m["id"] == "big")["estimated_memory_bytes"]
+    assert need > budget(models_dir)
+    assert "`big` cannot be loaded" in message and f"{need:,} bytes" in message, message
+    assert f"--models-memory is {budget(models_dir):,} bytes" in message, message
+    assert states(client)["llama"] == "loaded"  # nothing was unloaded for it
 
 
 def test_each_model_loads_on_its_first_request_and_answers_as_it_does_alone(client, alone):
@@ -94,7 +132,7 @@ def test_each_model_loads_on_its_first_request_and_answers_as_it_does_alone(clie
     assert answer.json()["choices"][0]["text"] == alone["qwen2"]
     assert alone["qwen2"] != alone["llama"]  # the two models answer differently: routing shows
     now = states(client)
-    # --models-max 1: loading qwen2 unloaded llama, the least recently used idle model
+    # --models-memory holds one: loading qwen2 unloaded llama, the least recently used idle model
     assert (now["qwen2"], now["llama"]) == ("loaded", "unloaded")
     assert loads(client)["qwen2"] == before + 1
     # a request naming no model goes to the default, loaded again
@@ -117,7 +155,7 @@ def test_unknown_model_is_a_404_naming_the_models_served_on_every_route(client):
     for path, body in bodies.items():
         response = client.post(path, json=body)
         assert response.status_code == 404, (path, response.text)
-        assert "`nope` does not exist" in response.text and "`broken`, `llama`, `qwen2`" in response.text, path
+        assert "`nope` does not exist" in response.text and "`big`, `broken`, `llama`, `qwen2`" in response.text, path
     assert client.get("/v1/models/nope").status_code == 404
 
 
@@ -149,6 +187,39 @@ def test_load_and_unload_over_http_need_the_key(server, client):
     assert wrong.status_code == 400 and "`name` is not a known field. Allowed: model" in wrong.text
 
 
+def scrape(client) -> dict[tuple, float]:
+    """{(sample name, sorted labels): value} of GET /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(client.get("/metrics").text) for sample in family.samples}
+
+
+def test_metrics_count_each_models_requests_under_its_name_and_health_says_each_state(client):
+    def tokens(samples, model):
+        return samples.get(("rill_generation_tokens_total", (("model", model), ("route", "v1_completions"))), 0.0)
+
+    def finished(samples, model):
+        key = ("rill_requests_finished_total", (("finish_reason", "length"), ("model", model),
+                                                ("route", "v1_completions")))
+        return samples.get(key, 0.0)
+
+    complete(client, "llama")
+    before = scrape(client)
+    assert complete(client, "qwen2").status_code == 200
+    after = scrape(client)
+    assert tokens(after, "qwen2") - tokens(before, "qwen2") == MAX_TOKENS
+    assert tokens(after, "llama") == tokens(before, "llama")  # the other model's count stays
+    assert finished(after, "qwen2") - finished(before, "qwen2") == 1
+    assert after[("rill_request_generation_tokens_count", (("model", "qwen2"),))] - before.get(
+        ("rill_request_generation_tokens_count", (("model", "qwen2"),)), 0.0) == 1
+    # the engine's gauges come per loaded model: qwen2's pool, nothing of the unloaded llama
+    assert after[("rill_kv_cache_blocks", (("model", "qwen2"),))] == KV_BLOCKS
+    assert ("rill_kv_cache_blocks", (("model", "llama"),)) not in after
+    health = {m["id"]: m["status"]["value"] for m in client.get("/health").json()["models"]}
+    assert (health["qwen2"], health["llama"], health["big"]) == ("loaded", "unloaded", "unloaded")
+
+
 def test_a_bad_file_answers_its_callers_with_the_load_error_while_the_other_model_serves(client, alone):
     before = loads(client)["broken"]
     for attempt in (1, 2):  # a later request tries the load again
@@ -164,7 +235,7 @@ def test_a_bad_file_answers_its_callers_with_the_load_error_while_the_other_mode
 
 
 def test_concurrent_first_requests_load_the_model_once(client, alone):
-    complete(client, "llama")  # qwen2 unloaded to make room (--models-max 1)
+    complete(client, "llama")  # qwen2 unloaded to make room (--models-memory)
     assert states(client)["qwen2"] == "unloaded"
     before = loads(client)["qwen2"]
     with ThreadPoolExecutor(4) as pool:
@@ -193,7 +264,10 @@ def test_a_model_is_not_unloaded_while_its_stream_runs(server, client, alone):
             thread = threading.Thread(target=ask_other)
             thread.start()
             time.sleep(0.5)
-            assert states(client) == {"llama": "loaded", "qwen2": "loading", "broken": states(client)["broken"]}
+            now = states(client)
+            assert (now["llama"], now["qwen2"]) == ("loaded", "loading")
+            listed = {m["id"]: m for m in client.get("/v1/models").json()["data"]}
+            assert listed["qwen2"]["status"] == {"value": "loading", "waiting": 1}  # the request of ask_other
             rest = list(chunks)
             ended_at = time.monotonic()
         thread.join(120)

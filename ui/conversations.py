@@ -1,8 +1,10 @@
 """A visitor's conversations, kept in their browser (`gr.BrowserState`, encrypted localStorage) across
 reloads: a list to switch, new, rename, delete, and export one as JSON.
 
-The store is plain data: {"current": id, "items": [{"id", "title", "messages"}]}, the messages as
-the Chatbot holds them (HTML-escaped text). Every handler takes the store and gives back a new one.
+The store is plain data: {"current": id, "items": [{"id", "title", "messages", "model"?}]}, the
+messages as the Chatbot holds them (HTML-escaped text), "model" the one that last answered when the
+server serves several (switching back to a conversation picks it again). Every handler takes the
+store and gives back a new one.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ def _valid_item(item) -> dict | None:
         return None
     title = item["title"] if isinstance(item["title"], str) else NEW_TITLE
     messages = item["messages"] if isinstance(item["messages"], list) else []
+    if "model" in item and not isinstance(item["model"], str):
+        item = {k: v for k, v in item.items() if k != "model"}
     if isinstance(item["id"], str) and _ID.match(item["id"]) and title is item["title"] and messages is item["messages"]:
         return item
     return {**item, "id": item["id"] if isinstance(item["id"], str) and _ID.match(item["id"]) else secrets.token_hex(6),
@@ -180,11 +184,13 @@ def restore(store, request: gr.Request = None):
     return _shown(_valid(store), request)
 
 
-def _saved(history, store) -> tuple[dict, dict]:
+def _saved(history, store, model: str | None = None) -> tuple[dict, dict]:
     """The store with the current conversation's messages (its title from its first message while
-    it has none of its own), and that conversation."""
+    it has none of its own; `model`: the one picked when it was saved), and that conversation."""
     store = _valid(store)
     item = dict(_current(store), messages=list(history) if isinstance(history, list) else [])
+    if model:
+        item["model"] = model
     if item["title"] == NEW_TITLE:
         item["title"] = _title_of(item["messages"])
     return {**store, "items": [item if i["id"] == item["id"] else i for i in store["items"]]}, item
@@ -269,16 +275,50 @@ def conversation_bar():
     return bar
 
 
-def wire_conversations(demo, bar, chatbot, answer_stats) -> dict:
+def _model_shown(outputs: tuple, served) -> tuple:
+    """`_shown`'s outputs and the model picker's: the shown conversation's model when it has one the
+    server still serves, else the picker as it is."""
+    store = outputs[1]
+    if not isinstance(store, dict) or "items" not in store:  # every output skipped (gr.skip())
+        return (*outputs, gr.skip())
+    model = _current(store).get("model")
+    return (*outputs, gr.update(value=model) if model in served() else gr.skip())
+
+
+def wire_conversations(demo, bar, chatbot, answer_stats, model=None, served=None) -> dict:
     """Load, switch, new, rename, delete; returns the `save` step's kwargs, for page.py to run after
-    every change to the chat (an answer, undo, clear)."""
+    every change to the chat (an answer, undo, clear). `model`: the page's model picker (several
+    models; `served()` their names): each conversation saves the model picked and selects it again
+    when shown."""
     private = dict(api_visibility="private", queue=False)
     shown = [chatbot, bar.store, bar.picker, bar.title, bar.export, answer_stats]
-    demo.load(restore, [bar.store], shown, **private)
-    bar.picker.input(switch, [bar.picker, chatbot, bar.store], shown, **private)
-    bar.new.click(new, [chatbot, bar.store], shown, **private)
-    bar.delete.click(delete, [bar.store], shown, **private)
+    saved = [bar.store, bar.picker, bar.title, bar.export]
+    if model is None:
+        on_load, on_switch, on_new, on_delete, on_save = restore, switch, new, delete, save
+    else:
+        shown.append(model)
+
+        def on_load(store, request: gr.Request = None):
+            return _model_shown(restore(store, request), served)
+
+        def on_switch(chosen, history, store, request: gr.Request = None):
+            return _model_shown(switch(chosen, history, store, request), served)
+
+        def on_new(history, store, request: gr.Request = None):
+            return _model_shown(new(history, store, request), served)
+
+        def on_delete(store, request: gr.Request = None):
+            return _model_shown(delete(store, request), served)
+
+        def on_save(history, store, picked, request: gr.Request = None):
+            store, item = _saved(history, store, picked)
+            return store, picker_update(store), item["title"], gr.update(value=_export_file(item, request))
+
+    demo.load(on_load, [bar.store], shown, **private)
+    bar.picker.input(on_switch, [bar.picker, chatbot, bar.store], shown, **private)
+    bar.new.click(on_new, [chatbot, bar.store], shown, **private)
+    bar.delete.click(on_delete, [bar.store], shown, **private)
     bar.rename.click(rename, [bar.title, bar.store], [bar.store, bar.picker], **private)
     bar.title.submit(rename, [bar.title, bar.store], [bar.store, bar.picker], **private)
-    return dict(fn=save, inputs=[chatbot, bar.store], outputs=[bar.store, bar.picker, bar.title, bar.export],
-                **private)
+    inputs = [chatbot, bar.store] if model is None else [chatbot, bar.store, model]
+    return dict(fn=on_save, inputs=inputs, outputs=saved, **private)

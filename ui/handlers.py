@@ -123,21 +123,24 @@ class PageHandlers:
         tokenizer = engine.tokenizer
         self.calls_format = tool_format(tokenizer).name if tokenizer is not None else None  # calls as tool messages
 
-    def admission(self, request, route: str = ROUTE) -> dict:
-        """`Generation`'s keywords for a page request, as server/headers.py `admission` gives a route's."""
-        return dict(timeout=self.request_timeout, metrics=self.metrics, route=route, client=page_client(request))
+    def admission(self, request, route: str = ROUTE, model: str | None = None) -> dict:
+        """`Generation`'s keywords for a page request, as server/headers.py `admission` gives a route's
+        (`model`: the name of the model answering, for the metrics)."""
+        return dict(timeout=self.request_timeout, metrics=self.metrics, route=route, client=page_client(request),
+                    model=model)
 
     async def answer(self, messages: list[dict], message: str, settings: ChatSettings, request, *,
                      route: str = ROUTE, warn=None, watch=None, model: str | None = None):
         """(text so far, stats) of the answer; every refusal or failure raised as `page_error` has it."""
         held = None
         try:
-            engine = self.engine
+            engine, defaults, name = self.engine, self.defaults, None
             if self.models is not None:  # the model picked (None: the default), loaded if it is not
                 held = await self.models.acquire(model)
-                engine = held.engine
-            async for update in stream_answer(engine, self.defaults, messages, message, settings,
-                                              admission=self.admission(request, route), warn=warn, watch=watch):
+                engine, defaults, name = held.engine, held.defaults, held.name
+            async for update in stream_answer(engine, defaults, messages, message, settings,
+                                              admission=self.admission(request, route, name), warn=warn,
+                                              watch=watch):
                 yield update
         except Exception as exc:
             raise page_error(exc, self.metrics, route) from None
@@ -163,6 +166,13 @@ class PageHandlers:
                                      thinking_budget or None, cache_salt=self.session_salt(request))
         fmt = self.calls_format if chat_settings.output_format == "Text" else None  # JSON mode: the JSON as it is
         shown: list[dict] = []
+        if self.models is not None:  # a model not loaded yet: say so while its load is awaited
+            try:
+                entry = self.models.resolve(model or None)
+            except ApiError as exc:
+                raise page_error(exc, self.metrics) from None
+            if entry.state != "loaded":
+                yield history, f"Loading model `{entry.name}`…"
         try:
             async for text, stats in self.answer(messages, message, chat_settings, request, warn=gr.Warning,
                                                  watch=self.visitors.watcher(request), model=model or None):

@@ -194,7 +194,8 @@ def build_demo(engine, settings=None, metrics: RequestMetrics | None = None,
                                     feedback is not None, models)
             with gr.Tab("Status", id="status") as status_tab:
                 status_ui = _status_tab()
-        save = wire_conversations(demo, chat_ui.conversations, chat_ui.chatbot, chat_ui.answer_stats)
+        save = wire_conversations(demo, chat_ui.conversations, chat_ui.chatbot, chat_ui.answer_stats, chat_ui.model,
+                                  served=(lambda: {e.name for e in models.entries}) if models is not None else None)
         _wire_chat(chat_ui, handlers, concurrency, save)
         if models is not None:  # the states as they are now whenever the list is opened
             chat_ui.model.focus(lambda: gr.Dropdown(choices=model_choices(models)), None, [chat_ui.model],
