@@ -11,7 +11,7 @@ from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.model.loading import load_model
 from engine.request import SamplingParams
-from tests.tiny_vision import test_image, tiny_vlm  # noqa: F401 (tiny_vlm: the session fixture)
+from tests.tiny_vision import test_image  # tiny_vlm: the session fixture (a plugin, conftest.py)
 
 MAX_NEW = 12
 
