@@ -102,6 +102,27 @@ def test_prefix_cache_hits_the_same_picture_and_misses_another(loaded):
     assert loaded.vision.images_encoded == encoded  # a whole hit on the image runs no encoder
 
 
+def test_two_pictures_share_the_first_ones_blocks_and_part_at_the_second(loaded, reference):
+    """Each block's hash takes the digests of the images whose tokens it holds: [picture 1, picture 2]
+    then [picture 1, picture 3] (picture 3 of picture 2's size: the same tokens, other pixels) share
+    every block before the one where picture 2's tokens start, and none from there on; the second
+    answer, computed on the first one's blocks, is still `generate`'s."""
+    bs = 4
+    llm = LLM(loaded, EngineConfig(block_size=bs))
+    alloc = llm.core.allocator
+    pictures = [test_image(1), test_image(2, (30, 70)), test_image(3, (30, 70))]
+    first_ids, first = loaded.vision.prepare(_messages("Compare them.", 2), pictures[:2])
+    ids, images = loaded.vision.prepare(_messages("Compare them.", 2), [pictures[0], pictures[2]])
+    assert ids == first_ids and images.spans[0].digest == first.spans[0].digest != first.spans[1].digest
+    second_start = images.spans[1].first
+    assert second_start // bs > images.spans[0].last // bs  # picture 1's blocks lie wholly before picture 2's
+    llm.generate([first_ids], _greedy(), images=[first])
+    before = alloc.hit_tokens
+    out = llm.generate([ids], _greedy(), images=[images])
+    assert alloc.hit_tokens - before == second_start // bs * bs  # up to the block where picture 2 starts
+    assert out[0].token_ids == reference([pictures[0], pictures[2]], "Compare them.")[1]
+
+
 def test_text_only_model_refuses_images(tiny_model, loaded):
     """An image request to a text model is refused (never served without its image)."""
     from engine.request import InvalidRequest

@@ -22,11 +22,24 @@ log = logging.getLogger("rill.engine")
 
 # model_type -> what the split needs: the attribute of the language model inside `composite.model`
 FAMILIES = {"idefics3": "text_model", "smolvlm": "text_model"}
+# model_type -> the token just before each image's last run of image tokens (Idefics3 splits an image
+# into tiles, one run each, its global view last); a family without one has one run per image
+LAST_TILE_MARKERS = {"idefics3": "<global-img>", "smolvlm": "<global-img>"}
 
 
 def is_vision_config(config) -> bool:
     """A checkpoint with a vision tower (its config names one)."""
     return getattr(config, "vision_config", None) is not None
+
+
+@dataclass(frozen=True, slots=True)
+class ImageSpan:
+    """One image of a prompt: its image tokens' positions, its tiles and the digest of its pixels."""
+
+    first: int  # the prompt position of its first image token
+    last: int  # of its last one
+    tiles: tuple[int, int]  # [start, stop) of its tiles in `PromptImages.pixel_values`
+    digest: bytes  # 16 bytes of its processed pixels: the prefix cache's key of the blocks holding its tokens
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -36,8 +49,17 @@ class PromptImages:
     pixel_values: torch.Tensor  # [tiles, 3, H, W]: every image's tiles, in prompt order
     pixel_attention_mask: torch.Tensor | None  # [tiles, H, W] bool: the real (unpadded) pixels
     positions: torch.Tensor  # [image tokens] int64: the prompt positions the features replace, in order
-    digest: bytes  # 16 bytes of the pixels: the prefix cache's key of the positions from `first` on
-    count: int  # images in the prompt
+    spans: tuple[ImageSpan, ...]  # each image, in prompt order
+
+    @property
+    def count(self) -> int:
+        """Images in the prompt."""
+        return len(self.spans)
+
+    def digests_within(self, start: int, stop: int) -> bytes:
+        """The digests of the images with image tokens in positions [start, stop), in order: what the
+        prefix cache adds to the hash of a block holding those positions (engine/kv_cache.py)."""
+        return b"".join(span.digest for span in self.spans if span.first < stop and span.last >= start)
 
     @property
     def first(self) -> int:
@@ -46,6 +68,36 @@ class PromptImages:
     @property
     def last(self) -> int:
         return int(self.positions[-1])
+
+
+def image_spans(input_ids: torch.Tensor, image_token_id: int, marker_id: int | None, pixels: torch.Tensor,
+                mask: torch.Tensor | None, count: int) -> tuple[ImageSpan, ...]:
+    """Each of `count` images' span in a prompt (`input_ids` [tokens]): its runs of image tokens (a
+    tile each) up to the run after `marker_id` (its last tile), or one run when there is no marker."""
+    positions = (input_ids == image_token_id).nonzero().flatten().tolist()
+    runs: list[list[int]] = []  # [first, last] of each run of consecutive image tokens
+    for p in positions:
+        if runs and runs[-1][1] == p - 1:
+            runs[-1][1] = p
+        else:
+            runs.append([p, p])
+    groups: list[list[list[int]]] = [[]]
+    for run in runs:
+        groups[-1].append(run)
+        if marker_id is None or (run[0] > 0 and int(input_ids[run[0] - 1]) == marker_id):
+            groups.append([])
+    groups = [g for g in groups if g]
+    tiles_per_run = pixels.shape[0] // max(1, len(runs))  # each run one tile (Idefics3), or one image
+    if len(groups) != count or tiles_per_run * len(runs) != pixels.shape[0]:
+        raise RuntimeError(f"the processor's prompt has {len(runs)} runs of image tokens in {len(groups)} "
+                           f"images for {count} images and {pixels.shape[0]} tiles")
+    spans, tile = [], 0
+    for group in groups:
+        stop = tile + tiles_per_run * len(group)
+        spans.append(ImageSpan(group[0][0], group[-1][1], (tile, stop),
+                               pixel_digest(pixels[tile:stop], mask[tile:stop] if mask is not None else None)))
+        tile = stop
+    return tuple(spans)
 
 
 def pixel_digest(pixel_values: torch.Tensor, mask: torch.Tensor | None) -> bytes:
@@ -65,6 +117,8 @@ class ImageEncoder:
         self.processor = processor
         self.family = family  # the config's model_type
         self.image_token_id = int(composite.config.image_token_id)
+        marker = LAST_TILE_MARKERS.get(family)
+        self.marker_id = processor.tokenizer.convert_tokens_to_ids(marker) if marker is not None else None
         self.encoder_calls = 0  # vision forwards run (one per step that brings new images)
         self.images_encoded = 0  # prompts whose images went through the encoder
 
@@ -90,7 +144,8 @@ class ImageEncoder:
         mask = out.get("pixel_attention_mask")
         mask = mask[0].bool() if mask is not None else None
         positions = (out["input_ids"][0] == self.image_token_id).nonzero().flatten()
-        return ids, PromptImages(pixels, mask, positions, pixel_digest(pixels, mask), len(images))
+        spans = image_spans(out["input_ids"][0], self.image_token_id, self.marker_id, pixels, mask, len(images))
+        return ids, PromptImages(pixels, mask, positions, spans)
 
     @torch.inference_mode()
     def features(self, batch: list[PromptImages]) -> list[torch.Tensor]:
