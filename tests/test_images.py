@@ -123,6 +123,36 @@ def test_two_pictures_share_the_first_ones_blocks_and_part_at_the_second(loaded,
     assert out[0].token_ids == reference([pictures[0], pictures[2]], "Compare them.")[1]
 
 
+def test_encoder_cache_skips_a_repeated_picture_without_its_blocks(loaded, reference):
+    """With no prefix cache (every KV block computed again), a picture seen before is not encoded
+    again: its features come from the encoder cache; a new picture beside it is, alone; another
+    caller's cache_salt encodes its own. Answers stay `generate`'s. A cache too small for one
+    picture's features keeps none."""
+    vision = loaded.vision
+    llm = LLM(loaded, EngineConfig(prefix_caching=False))
+    pictures = [test_image(11), test_image(12, (30, 70))]
+
+    def run(images: list, question: str, salt=None) -> int:
+        """Images encoded for the request; its answer checked against generate's."""
+        ids, prompt_images = vision.prepare(_messages(question, len(images)), images)
+        before = vision.images_encoded
+        out = llm.generate([ids], _greedy(cache_salt=salt), images=[prompt_images])
+        assert out[0].token_ids == reference(images, question)[1]
+        return vision.images_encoded - before
+
+    assert run([pictures[0]], "What is this?") == 1
+    assert run([pictures[0]], "And now?") == 0  # its blocks were not kept, its features were
+    assert run([pictures[0], pictures[1]], "Compare them.") == 1  # only the new one
+    assert run([pictures[0]], "What is this?", salt="another caller") == 1
+    kept = vision.cache.max_bytes
+    try:
+        vision.cache = type(vision.cache)(16)  # bytes: no picture's features fit
+        assert run([pictures[0]], "What is this?") == 1
+        assert run([pictures[0]], "What is this?") == 1 and vision.cache.bytes == 0
+    finally:
+        vision.cache = type(vision.cache)(kept)
+
+
 def test_text_only_model_refuses_images(tiny_model, loaded):
     """An image request to a text model is refused (never served without its image)."""
     from engine.request import InvalidRequest

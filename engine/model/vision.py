@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -109,10 +110,45 @@ def pixel_digest(pixel_values: torch.Tensor, mask: torch.Tensor | None) -> bytes
     return h.digest()
 
 
+ENCODER_CACHE_BYTES = 128 * 2**20  # the features of recent images kept (SmolVLM-256M: about 2 MB a picture)
+
+
+class EncoderCache:
+    """Recent images' features by (cache_salt, pixel digest), least recently used dropped past `max_bytes`:
+    the same picture in a later request is not encoded again, even once its KV blocks are evicted. The
+    salt keeps callers apart, as in the prefix cache. Used on the engine thread only."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.entries: OrderedDict[tuple, torch.Tensor] = OrderedDict()  # least recently used first
+        self.bytes = 0  # of the entries' tensors
+        self.hits = 0  # images found
+        self.misses = 0  # images looked up and not found
+
+    def get(self, key: tuple) -> torch.Tensor | None:
+        feats = self.entries.get(key)
+        if feats is None:
+            self.misses += 1
+            return None
+        self.entries.move_to_end(key)
+        self.hits += 1
+        return feats
+
+    def put(self, key: tuple, feats: torch.Tensor) -> None:
+        size = feats.numel() * feats.element_size()
+        if size > self.max_bytes or key in self.entries:
+            return
+        while self.bytes + size > self.max_bytes:
+            _, old = self.entries.popitem(last=False)
+            self.bytes -= old.numel() * old.element_size()
+        self.entries[key] = feats
+        self.bytes += size
+
+
 class ImageEncoder:
     """The vision half of a loaded vision-language model and its processor."""
 
-    def __init__(self, composite, processor, family: str):
+    def __init__(self, composite, processor, family: str, cache_bytes: int = ENCODER_CACHE_BYTES):
         self.composite = composite  # the whole model: its vision tower and connector run here
         self.processor = processor
         self.family = family  # the config's model_type
@@ -120,12 +156,16 @@ class ImageEncoder:
         marker = LAST_TILE_MARKERS.get(family)
         self.marker_id = processor.tokenizer.convert_tokens_to_ids(marker) if marker is not None else None
         self.encoder_calls = 0  # vision forwards run (one per step that brings new images)
-        self.images_encoded = 0  # prompts whose images went through the encoder
+        self.images_encoded = 0  # images that went through the encoder (not found in `cache`)
+        self.cache = EncoderCache(cache_bytes)  # recent images' features
 
     def describe(self) -> dict:
         """What /health says of the vision half."""
+        cache = self.cache
         return {"family": self.family, "image_token": self.processor.image_token,
-                "encoder": "transformers' modules (float32, on the engine thread at prefill)"}
+                "encoder": "transformers' modules (float32, on the engine thread at prefill)",
+                "encoder_cache": {"max_bytes": cache.max_bytes, "bytes": cache.bytes, "images": len(cache.entries),
+                                  "hits": cache.hits, "misses": cache.misses}}
 
     def prepare(self, messages: list[dict], images: list, template_kwargs: dict | None = None) -> tuple[list[int], PromptImages | None]:
         """Blocking (a worker thread): the conversation through the processor's chat template (an
@@ -148,44 +188,72 @@ class ImageEncoder:
         return ids, PromptImages(pixels, mask, positions, spans)
 
     @torch.inference_mode()
-    def features(self, batch: list[PromptImages]) -> list[torch.Tensor]:
-        """[image tokens, hidden] per prompt: the vision tower and connector once over the prompts
-        whose tiles have one shape (padded with the all-zero tiles `get_image_features` drops)."""
+    def features(self, images: list[tuple[torch.Tensor, torch.Tensor | None]]) -> list[torch.Tensor]:
+        """[image tokens, hidden] per image ((its tiles [tiles, 3, H, W], their mask or None)): the vision
+        tower and connector once over the images whose tiles have one shape (padded with the all-zero
+        tiles `get_image_features` drops)."""
         model = self.composite.model
         out: dict[int, torch.Tensor] = {}
         groups: dict[tuple, list[int]] = {}
-        for i, images in enumerate(batch):
-            groups.setdefault(tuple(images.pixel_values.shape[1:]), []).append(i)
+        for i, (pixels, _) in enumerate(images):
+            groups.setdefault(tuple(pixels.shape[1:]), []).append(i)
         for members in groups.values():
-            most = max(batch[i].pixel_values.shape[0] for i in members)
-            pixels = torch.zeros(len(members), most, *batch[members[0]].pixel_values.shape[1:])
+            most = max(images[i][0].shape[0] for i in members)
+            pixels = torch.zeros(len(members), most, *images[members[0]][0].shape[1:])
             masks = torch.zeros(len(members), most, *pixels.shape[-2:], dtype=torch.bool)
             for row, i in enumerate(members):
-                images = batch[i]
-                pixels[row, :images.pixel_values.shape[0]] = images.pixel_values
-                masks[row, :images.pixel_values.shape[0]] = (images.pixel_attention_mask
-                                                            if images.pixel_attention_mask is not None else True)
+                tiles, mask = images[i]
+                pixels[row, :tiles.shape[0]] = tiles
+                masks[row, :tiles.shape[0]] = mask if mask is not None else True
             dev = self.composite.device
             pooled = model.get_image_features(pixels.to(dev), masks.to(dev), return_dict=True).pooler_output
             for row, i in enumerate(members):
-                feats = pooled[row].reshape(-1, pooled[row].shape[-1])
-                if feats.shape[0] != batch[i].positions.numel():
-                    raise RuntimeError(f"the vision encoder gave {feats.shape[0]} image features for "
-                                       f"{batch[i].positions.numel()} image tokens")
-                out[i] = feats
+                out[i] = pooled[row].reshape(-1, pooled[row].shape[-1]).clone()  # its own storage (cached alone)
             self.encoder_calls += 1
-        self.images_encoded += len(batch)
-        return [out[i] for i in range(len(batch))]
+        self.images_encoded += len(images)
+        return [out[i] for i in range(len(images))]
+
+    def prompt_features(self, seqs: list) -> list[torch.Tensor]:
+        """[image tokens, hidden] per sequence: each image's features from the encoder cache (by its
+        caller's cache_salt and its digest), the rest through one `features` call, then cached."""
+        found: dict[tuple, torch.Tensor] = {}
+        missing: dict[tuple, tuple] = {}  # key -> (tiles, mask) of an image not in the cache
+        for seq in seqs:
+            images = seq.images
+            for span in images.spans:
+                key = (seq.params.cache_salt, span.digest)
+                if key in found or key in missing:
+                    continue
+                feats = self.cache.get(key)
+                if feats is not None:
+                    found[key] = feats
+                else:
+                    start, stop = span.tiles
+                    mask = images.pixel_attention_mask
+                    missing[key] = (images.pixel_values[start:stop], mask[start:stop] if mask is not None else None)
+        if missing:
+            for key, feats in zip(missing, self.features(list(missing.values()))):
+                found[key] = feats
+                self.cache.put(key, feats)
+        result = []
+        for seq in seqs:
+            feats = torch.cat([found[(seq.params.cache_salt, span.digest)] for span in seq.images.spans])
+            if feats.shape[0] != seq.images.positions.numel():
+                raise RuntimeError(f"the vision encoder gave {feats.shape[0]} image features for "
+                                   f"{seq.images.positions.numel()} image tokens")
+            result.append(feats)
+        return result
 
     def embed(self, embeddings, plan, input_ids: torch.Tensor) -> torch.Tensor:
         """The step's input embeddings [1, tokens, hidden]: the tokens' own, with the image features
         at the image positions each chunk covers. A sequence's features are computed at its first
         chunk that covers one (several sequences in one encoder call) and kept on it until its
         prefill passed its last image token (engine/core.py drops them), so a chunk boundary
-        inside an image takes its slice of the same features."""
+        inside an image takes its slice of the same features; an image's features come from the
+        encoder cache when the same picture (same caller's salt) was encoded before."""
         todo = [c.seq for c in plan if covers_images(c) and c.seq.image_features is None]
         if todo:
-            for seq, feats in zip(todo, self.features([s.images for s in todo])):
+            for seq, feats in zip(todo, self.prompt_features(todo)):
                 seq.image_features = feats
         embeds = embeddings(input_ids)  # [1, tokens, hidden]
         offset = 0
