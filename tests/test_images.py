@@ -153,6 +153,34 @@ def test_encoder_cache_skips_a_repeated_picture_without_its_blocks(loaded, refer
         vision.cache = type(vision.cache)(kept)
 
 
+@pytest.mark.parametrize("budget", [128, 7], ids=["whole-prompt", "chunked-inside-an-image"])
+def test_llava_greedy_equals_generate(tiny_llava, budget):
+    """LLaVA (a CLIP tower and projector, one tile a picture) through the same split and ImageEncoder:
+    two pictures whose image tokens touch, beside a text request, answer as `generate` with the
+    processor's inputs; with 7 tokens a step the pictures' 32 tokens span several chunks."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(tiny_llava)
+    model = AutoModelForImageTextToText.from_pretrained(tiny_llava, dtype=torch.float32).eval()
+    pictures = [test_image(1), test_image(2, (30, 70))]
+    text = processor.apply_chat_template(_messages("Compare them.", 2), add_generation_prompt=True)
+    inputs = processor(text=text, images=pictures, return_tensors="pt")
+    n = inputs["input_ids"].shape[1]
+    want = model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)[0, n:].tolist()
+    plain = torch.tensor([processor.tokenizer.encode("the sun and the moon", add_special_tokens=False)])
+    want_text = model.generate(input_ids=plain, max_new_tokens=MAX_NEW, do_sample=False)[0, plain.shape[1]:].tolist()
+
+    llava = load_model(str(tiny_llava))
+    assert llava.vision.family == "llava" and type(llava.model).__name__ == "LlamaForCausalLM"
+    llm = LLM(llava, EngineConfig(max_num_batched_tokens=budget))
+    assert llm.core.attention_path == "paged"
+    ids, images = llava.vision.prepare(_messages("Compare them.", 2), pictures)
+    assert ids == inputs["input_ids"][0].tolist() and images.count == 2
+    assert images.spans[1].first == images.spans[0].last + 1  # the two pictures' tokens touch
+    results = llm.generate([ids, plain[0].tolist()], _greedy(), images=[images, None])
+    assert [r.token_ids for r in results] == [want, want_text]
+
+
 def test_text_only_model_refuses_images(tiny_model, loaded):
     """An image request to a text model is refused (never served without its image)."""
     from engine.request import InvalidRequest

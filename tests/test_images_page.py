@@ -7,6 +7,7 @@ model, are refused with what was wrong."""
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -111,7 +112,8 @@ def test_mcp_chat_takes_image_data_urls(vlm_server, picture_file):
         refused = await session.call_tool("chat", {"message": QUESTION, "images": ["https://example.com/a.png"]})
         return good, refused
 
-    good, refused = run_mcp(vlm_server.url, work)
+    with ThreadPoolExecutor(1) as thread:  # a loop of its own: Playwright's sync API holds this thread's
+        good, refused = thread.submit(run_mcp, vlm_server.url, work).result()
     assert not good.isError, good.content
     assert "".join(part.text for part in good.content if part.type == "text") == route_answer(vlm_server.url, png)
     assert refused.isError and "--allowed-media-domains" in json.dumps([p.text for p in refused.content])

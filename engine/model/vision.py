@@ -1,6 +1,6 @@
 """Vision-language checkpoints: the text half served as a causal LM, the vision half as an encoder.
 
-A composite model (`Idefics3ForConditionalGeneration`, SmolVLM's) is split at load: its language
+A composite model (`Idefics3ForConditionalGeneration`, SmolVLM's; `LlavaForConditionalGeneration`) is split at load: its language
 model and head become a plain `LlamaForCausalLM` sharing their modules, which the engine runs as
 any text model (paged KV cache, packed linears, the native decode step); the vision encoder and its
 connector stay in the composite and run at prefill (`ImageEncoder.embed`, on the engine thread):
@@ -22,9 +22,10 @@ from engine.model.errors import ModelLoadError
 log = logging.getLogger("rill.engine")
 
 # model_type -> what the split needs: the attribute of the language model inside `composite.model`
-FAMILIES = {"idefics3": "text_model", "smolvlm": "text_model"}
+FAMILIES = {"idefics3": "text_model", "smolvlm": "text_model", "llava": "language_model"}
 # model_type -> the token just before each image's last run of image tokens (Idefics3 splits an image
-# into tiles, one run each, its global view last); a family without one has one run per image
+# into tiles, one run each, its global view last); in a family without one every image has one tile
+# and the same number of tokens (LLaVA), whose runs may touch
 LAST_TILE_MARKERS = {"idefics3": "<global-img>", "smolvlm": "<global-img>"}
 
 
@@ -76,6 +77,14 @@ def image_spans(input_ids: torch.Tensor, image_token_id: int, marker_id: int | N
     """Each of `count` images' span in a prompt (`input_ids` [tokens]): its runs of image tokens (a
     tile each) up to the run after `marker_id` (its last tile), or one run when there is no marker."""
     positions = (input_ids == image_token_id).nonzero().flatten().tolist()
+    if marker_id is None:  # one tile an image, the same tokens each
+        if pixels.shape[0] != count or len(positions) % max(1, count):
+            raise RuntimeError(f"the processor's prompt has {len(positions)} image tokens and {pixels.shape[0]} "
+                               f"images' pixels for {count} images")
+        each = len(positions) // max(1, count)
+        return tuple(ImageSpan(positions[i * each], positions[(i + 1) * each - 1], (i, i + 1),
+                               pixel_digest(pixels[i:i + 1], mask[i:i + 1] if mask is not None else None))
+                     for i in range(count))
     runs: list[list[int]] = []  # [first, last] of each run of consecutive image tokens
     for p in positions:
         if runs and runs[-1][1] == p - 1:
@@ -88,7 +97,7 @@ def image_spans(input_ids: torch.Tensor, image_token_id: int, marker_id: int | N
         if marker_id is None or (run[0] > 0 and int(input_ids[run[0] - 1]) == marker_id):
             groups.append([])
     groups = [g for g in groups if g]
-    tiles_per_run = pixels.shape[0] // max(1, len(runs))  # each run one tile (Idefics3), or one image
+    tiles_per_run = 1  # each run one tile
     if len(groups) != count or tiles_per_run * len(runs) != pixels.shape[0]:
         raise RuntimeError(f"the processor's prompt has {len(runs)} runs of image tokens in {len(groups)} "
                            f"images for {count} images and {pixels.shape[0]} tiles")
@@ -180,7 +189,8 @@ class ImageEncoder:
         ids = out["input_ids"][0].tolist()
         if not images:
             return ids, None
-        pixels = out["pixel_values"][0]  # [tiles, 3, H, W]
+        pixels = out["pixel_values"]  # [1, tiles, 3, H, W] (Idefics3) or [images, 3, H, W] (LLaVA)
+        pixels = pixels[0] if pixels.dim() == 5 else pixels  # [tiles, 3, H, W]
         mask = out.get("pixel_attention_mask")
         mask = mask[0].bool() if mask is not None else None
         positions = (out["input_ids"][0] == self.image_token_id).nonzero().flatten()
@@ -206,7 +216,10 @@ class ImageEncoder:
                 pixels[row, :tiles.shape[0]] = tiles
                 masks[row, :tiles.shape[0]] = mask if mask is not None else True
             dev = self.composite.device
-            pooled = model.get_image_features(pixels.to(dev), masks.to(dev), return_dict=True).pooler_output
+            if self.family == "llava":  # one tile an image: [images, 3, H, W] -> a [tokens, hidden] per image
+                pooled = model.get_image_features(pixel_values=pixels[:, 0].to(dev), return_dict=True).pooler_output
+            else:  # [images, tiles, ...] with the real pixels' mask -> [images, tiles, tokens, hidden]
+                pooled = model.get_image_features(pixels.to(dev), masks.to(dev), return_dict=True).pooler_output
             for row, i in enumerate(members):
                 out[i] = pooled[row].reshape(-1, pooled[row].shape[-1]).clone()  # its own storage (cached alone)
             self.encoder_calls += 1
