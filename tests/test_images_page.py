@@ -118,3 +118,22 @@ def test_mcp_chat_takes_image_data_urls(vlm_server, picture_file):
     assert "".join(part.text for part in good.content if part.type == "text") == route_answer(vlm_server.url, png)
     assert refused.isError and "--allowed-media-domains" in json.dumps([p.text for p in refused.content])
 
+
+
+def test_editing_a_message_keeps_its_pictures(tmp_path):
+    """The Chatbot's edit of a user message with a picture: the new text after the same picture (the
+    answer is generated again about it), as the page's history then sends it to the model."""
+    from types import SimpleNamespace
+
+    from gradio.utils import get_upload_folder
+
+    from ui.conversations import edited
+    from ui.history import to_engine_messages
+
+    upload = f"{get_upload_folder()}/rill-test/picture.png"
+    history = [{"role": "user", "content": [{"type": "file", "file": {"path": upload}},
+                                            {"type": "text", "text": "What is this?"}]},
+               {"role": "assistant", "content": [{"type": "text", "text": "a cat"}]}]
+    new = edited(history, SimpleNamespace(index=0, value="And the colour?"))[0]
+    assert to_engine_messages(new, escaped=True, images=True) == [
+        {"role": "user", "content": [{"type": "image_file", "path": upload}, {"type": "text", "text": "And the colour?"}]}]
