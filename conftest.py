@@ -12,7 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
-pytest_plugins = ["tests.tiny_models", "tests.servers"]
+pytest_plugins = ["tests.tiny_models", "tests.tiny_vision", "tests.servers"]
 
 
 @pytest.fixture(scope="session")

@@ -15,9 +15,11 @@ A request's `cache_salt` seeds its chain: requests with different salts never sh
 so one client cannot learn from the hit counters (or the time to first token) whether another
 client's prompt is cached. Requests without a salt share with each other only.
 
-A prompt with images (engine/model/vision.py `PromptImages`) adds its pixels' digest to the hash of
-every block holding one of its image tokens: the same picture under a new question finds those
-blocks (and the text before them), a different picture never does.
+A prompt with images (engine/model/vision.py `PromptImages`) adds to the hash of every block holding
+image tokens the digest of each image whose tokens it holds (the images before it are in the chain):
+the same picture under a new question finds those blocks (and the text before them), a different
+picture never does, and two prompts sharing their first picture share its blocks and part ways at
+the block where their second one starts.
 """
 
 from __future__ import annotations
@@ -106,7 +108,7 @@ class BlockAllocator:
             previous = hashes[-1] if hashes else _salt_digest(salt)
             tokens = array("q", token_ids[i * bs:(i + 1) * bs]).tobytes()
             if images is not None and i * bs <= images.last and (i + 1) * bs > images.first:
-                tokens += images.digest
+                tokens += images.digests_within(i * bs, (i + 1) * bs)
             hashes.append(hashlib.blake2b(previous + tokens, digest_size=16).digest())
 
     def match_prefix(self, token_ids: list[int], hashes: list[bytes], block_table: list[int],

@@ -1,6 +1,7 @@
 """The images a request brings, whichever route it came by: each route turns its own image parts
 into `{"type": "image_url", "url": ...}` or `{"type": "image_base64", "data": ..., "media_type": ...}`
-content parts, and `take_images` (at the edge, cheap: counts, URL rules, sizes) turns them into
+content parts (the page: `{"type": "image_file", "path": ...}`, a file Gradio's upload route wrote,
+its folder checked by ui/ before), and `take_images` (at the edge, cheap: counts, URL rules, sizes) turns them into
 `ImageRef`s and the messages into the processor's shape (`{"type": "image"}` where each was);
 `load_images` (a worker thread, in `prepare`) decodes them, every image's pixel count read from
 its header before any decoding. Each limit is a 400 that names it and what was given.
@@ -11,6 +12,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import os
 import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -33,6 +35,12 @@ class ImageLimits:
     max_bytes: int = MAX_IMAGE_BYTES
     max_pixels: int = MAX_IMAGE_PIXELS
 
+    @classmethod
+    def from_settings(cls, settings) -> ImageLimits:
+        """The limits of a server's settings (frontend/settings.py; the defaults where one is missing)."""
+        return cls(int(getattr(settings, "limit_images", 4)), tuple(getattr(settings, "allowed_media_domains", ())),
+                   int(getattr(settings, "max_image_bytes", MAX_IMAGE_BYTES)))
+
 
 @dataclass(frozen=True, slots=True)
 class ImageRef:
@@ -42,6 +50,7 @@ class ImageRef:
     url: str | None
     param: str  # the request field a refusal names
     limits: ImageLimits
+    path: str | None = None  # a page upload's file (read in the worker thread)
 
 
 def _too_big(size: int, limits: ImageLimits, param: str) -> InvalidRequest:
@@ -74,6 +83,15 @@ def image_ref(part: dict, limits: ImageLimits, param: str) -> ImageRef:
     """A route's image part -> an `ImageRef` (400: a URL scheme or host not allowed, bad base64, too many bytes)."""
     if part["type"] == "image_base64":
         return ImageRef(_decoded(part["data"], limits, param), None, param, limits)
+    if part["type"] == "image_file":
+        try:
+            size = os.stat(part["path"]).st_size
+        except OSError:
+            raise InvalidRequest(f"The uploaded image in `{param}` is gone (uploads are kept an hour): "
+                                 "attach it again.", param) from None
+        if size > limits.max_bytes:
+            raise _too_big(size, limits, param)
+        return ImageRef(None, None, param, limits, path=part["path"])
     url = part["url"].strip()
     data_url = _DATA_URL.fullmatch(url) if url[:5].lower() == "data:" else None
     if data_url is not None:
@@ -144,6 +162,19 @@ def _fetch(ref: ImageRef) -> bytes:
                              f"{type(exc).__name__}.", ref.param) from None
 
 
+def _read(ref: ImageRef) -> bytes:
+    """A page upload's bytes, at most the limit (the file may have grown since it was checked)."""
+    try:
+        with open(ref.path, "rb") as file:
+            data = file.read(ref.limits.max_bytes + 1)
+    except OSError:
+        raise InvalidRequest(f"The uploaded image in `{ref.param}` is gone (uploads are kept an hour): "
+                             "attach it again.", ref.param) from None
+    if len(data) > ref.limits.max_bytes:
+        raise _too_big(len(data), ref.limits, ref.param)
+    return data
+
+
 def _too_many_pixels(ref: ImageRef, given: str) -> InvalidRequest:
     return InvalidRequest(f"An image may have at most {ref.limits.max_pixels} pixels. Given: {given} in "
                           f"`{ref.param}`.", ref.param)
@@ -154,7 +185,7 @@ def load_image(ref: ImageRef):
     limit (read from the header before decoding: a decompression bomb is never decoded) or a broken file."""
     from PIL import Image, UnidentifiedImageError
 
-    data = ref.data if ref.data is not None else _fetch(ref)
+    data = ref.data if ref.data is not None else _read(ref) if ref.path is not None else _fetch(ref)
     try:
         image = Image.open(io.BytesIO(data), formats=FORMATS)  # reads the header only
     except Image.DecompressionBombError as exc:  # past twice Pillow's own bound (beyond ours): its count

@@ -23,7 +23,7 @@ CAPITAL = "What is the capital of France?"
 GREEDY = dict(system_prompt="", temperature=0.0, top_p=1.0, top_k=0, repetition_penalty=1.0)
 KEY = "edge-test-key-5b1e9c"  # the same flags as tests/test_access.py: one server for both
 INPUTS = ["message", "history", "system_prompt", "temperature", "top_p", "top_k", "max_new_tokens",
-          "repetition_penalty"]
+          "repetition_penalty", "images"]
 
 
 @pytest.fixture(scope="module")

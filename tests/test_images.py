@@ -11,7 +11,7 @@ from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.model.loading import load_model
 from engine.request import SamplingParams
-from tests.tiny_vision import test_image, tiny_vlm  # noqa: F401 (tiny_vlm: the session fixture)
+from tests.tiny_vision import test_image  # tiny_vlm: the session fixture (a plugin, conftest.py)
 
 MAX_NEW = 12
 
@@ -100,6 +100,85 @@ def test_prefix_cache_hits_the_same_picture_and_misses_another(loaded):
     encoded = loaded.vision.images_encoded
     hit(test_image(1), "Anything else?")
     assert loaded.vision.images_encoded == encoded  # a whole hit on the image runs no encoder
+
+
+def test_two_pictures_share_the_first_ones_blocks_and_part_at_the_second(loaded, reference):
+    """Each block's hash takes the digests of the images whose tokens it holds: [picture 1, picture 2]
+    then [picture 1, picture 3] (picture 3 of picture 2's size: the same tokens, other pixels) share
+    every block before the one where picture 2's tokens start, and none from there on; the second
+    answer, computed on the first one's blocks, is still `generate`'s."""
+    bs = 4
+    llm = LLM(loaded, EngineConfig(block_size=bs))
+    alloc = llm.core.allocator
+    pictures = [test_image(1), test_image(2, (30, 70)), test_image(3, (30, 70))]
+    first_ids, first = loaded.vision.prepare(_messages("Compare them.", 2), pictures[:2])
+    ids, images = loaded.vision.prepare(_messages("Compare them.", 2), [pictures[0], pictures[2]])
+    assert ids == first_ids and images.spans[0].digest == first.spans[0].digest != first.spans[1].digest
+    second_start = images.spans[1].first
+    assert second_start // bs > images.spans[0].last // bs  # picture 1's blocks lie wholly before picture 2's
+    llm.generate([first_ids], _greedy(), images=[first])
+    before = alloc.hit_tokens
+    out = llm.generate([ids], _greedy(), images=[images])
+    assert alloc.hit_tokens - before == second_start // bs * bs  # up to the block where picture 2 starts
+    assert out[0].token_ids == reference([pictures[0], pictures[2]], "Compare them.")[1]
+
+
+def test_encoder_cache_skips_a_repeated_picture_without_its_blocks(loaded, reference):
+    """With no prefix cache (every KV block computed again), a picture seen before is not encoded
+    again: its features come from the encoder cache; a new picture beside it is, alone; another
+    caller's cache_salt encodes its own. Answers stay `generate`'s. A cache too small for one
+    picture's features keeps none."""
+    vision = loaded.vision
+    llm = LLM(loaded, EngineConfig(prefix_caching=False))
+    pictures = [test_image(11), test_image(12, (30, 70))]
+
+    def run(images: list, question: str, salt=None) -> int:
+        """Images encoded for the request; its answer checked against generate's."""
+        ids, prompt_images = vision.prepare(_messages(question, len(images)), images)
+        before = vision.images_encoded
+        out = llm.generate([ids], _greedy(cache_salt=salt), images=[prompt_images])
+        assert out[0].token_ids == reference(images, question)[1]
+        return vision.images_encoded - before
+
+    assert run([pictures[0]], "What is this?") == 1
+    assert run([pictures[0]], "And now?") == 0  # its blocks were not kept, its features were
+    assert run([pictures[0], pictures[1]], "Compare them.") == 1  # only the new one
+    assert run([pictures[0]], "What is this?", salt="another caller") == 1
+    kept = vision.cache.max_bytes
+    try:
+        vision.cache = type(vision.cache)(16)  # bytes: no picture's features fit
+        assert run([pictures[0]], "What is this?") == 1
+        assert run([pictures[0]], "What is this?") == 1 and vision.cache.bytes == 0
+    finally:
+        vision.cache = type(vision.cache)(kept)
+
+
+@pytest.mark.parametrize("budget", [128, 7], ids=["whole-prompt", "chunked-inside-an-image"])
+def test_llava_greedy_equals_generate(tiny_llava, budget):
+    """LLaVA (a CLIP tower and projector, one tile a picture) through the same split and ImageEncoder:
+    two pictures whose image tokens touch, beside a text request, answer as `generate` with the
+    processor's inputs; with 7 tokens a step the pictures' 32 tokens span several chunks."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(tiny_llava)
+    model = AutoModelForImageTextToText.from_pretrained(tiny_llava, dtype=torch.float32).eval()
+    pictures = [test_image(1), test_image(2, (30, 70))]
+    text = processor.apply_chat_template(_messages("Compare them.", 2), add_generation_prompt=True)
+    inputs = processor(text=text, images=pictures, return_tensors="pt")
+    n = inputs["input_ids"].shape[1]
+    want = model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)[0, n:].tolist()
+    plain = torch.tensor([processor.tokenizer.encode("the sun and the moon", add_special_tokens=False)])
+    want_text = model.generate(input_ids=plain, max_new_tokens=MAX_NEW, do_sample=False)[0, plain.shape[1]:].tolist()
+
+    llava = load_model(str(tiny_llava))
+    assert llava.vision.family == "llava" and type(llava.model).__name__ == "LlamaForCausalLM"
+    llm = LLM(llava, EngineConfig(max_num_batched_tokens=budget))
+    assert llm.core.attention_path == "paged"
+    ids, images = llava.vision.prepare(_messages("Compare them.", 2), pictures)
+    assert ids == inputs["input_ids"][0].tolist() and images.count == 2
+    assert images.spans[1].first == images.spans[0].last + 1  # the two pictures' tokens touch
+    results = llm.generate([ids, plain[0].tolist()], _greedy(), images=[images, None])
+    assert [r.token_ids for r in results] == [want, want_text]
 
 
 def test_text_only_model_refuses_images(tiny_model, loaded):

@@ -291,12 +291,12 @@ def test_chat_api_lists_named_parameters_with_defaults(page):
     info = page.client.view_api(print_info=False, return_format="dict")["named_endpoints"]["/chat"]
     params = {p["parameter_name"]: p for p in info["parameters"]}
     assert list(params) == ["message", "history", "system_prompt", "temperature", "top_p", "top_k",
-                            "max_new_tokens", "repetition_penalty"]
+                            "max_new_tokens", "repetition_penalty", "images"]
     assert not params["message"]["parameter_has_default"]
     rill = RequestDefaults().resolved()  # the fake model has no sampling of its own: rill's, as on every route
     assert {name: params[name]["parameter_default"] for name in list(params)[2:]} == {
         "system_prompt": "", "temperature": rill["temperature"], "top_p": rill["top_p"], "top_k": rill["top_k"],
-        "max_new_tokens": 64, "repetition_penalty": rill["repetition_penalty"]}
+        "max_new_tokens": 64, "repetition_penalty": rill["repetition_penalty"], "images": None}
     assert info["returns"][0]["type"] == {"type": "string"}
 
 

@@ -4,7 +4,8 @@
 SigLIP encoder, a pixel-shuffle connector, a Llama text model) saved with its `Idefics3Processor`:
 the tiny tests' tokenizer with Idefics3's image tokens added, images split into 32x32 tiles of 4
 image tokens each, and a ChatML template whose image parts render as `<image>`. `test_image(seed)`:
-a small random RGB picture (PIL). As a pytest plugin it provides the session fixture `tiny_vlm`.
+a small random RGB picture (PIL). `build_tiny_llava(out_dir)`: a LLaVA of the same text model, one
+tile a picture. As a pytest plugin it provides the session fixtures `tiny_vlm` and `tiny_llava`.
 """
 
 from __future__ import annotations
@@ -56,6 +57,40 @@ def build_tiny_idefics3(out_dir: str | Path, seed: int = 0) -> Path:
     return out_dir
 
 
+def build_tiny_llava(out_dir: str | Path, seed: int = 0) -> Path:
+    """Write a tiny `LlavaForConditionalGeneration` (a CLIP vision tower, the two-layer projector, a
+    Llama text model) and its `LlavaProcessor` into `out_dir`: the tiny tokenizer with `<image>`
+    added, each picture resized and cropped to one 32x32 tile of 16 image tokens (the CLS position
+    dropped, "default")."""
+    import torch
+    import transformers as tf
+
+    from tests.tiny_models import CONTEXT, _special_ids, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    ids = _special_ids(tokenizer)
+    text = tf.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CONTEXT,
+                          initializer_range=0.2, **ids)
+    vision = tf.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                 image_size=TILE, patch_size=PATCH, projection_dim=32, initializer_range=0.2)
+    config = tf.LlavaConfig(vision_config=vision, text_config=text, image_token_id=tokenizer.convert_tokens_to_ids(
+        "<image>"), tie_word_embeddings=False, **ids)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = tf.LlavaForConditionalGeneration(config).eval()
+    model.generation_config = tf.GenerationConfig(**ids)
+    images = tf.CLIPImageProcessorPil(size={"shortest_edge": TILE}, crop_size={"height": TILE, "width": TILE})
+    processor = tf.LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=PATCH,
+                                  vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                                  chat_template=VLM_TEMPLATE)
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir)
+    processor.save_pretrained(out_dir)
+    return out_dir
+
+
 def test_image(seed: int = 0, size: tuple[int, int] = (50, 40)):
     """A random RGB picture of `size` (width, height)."""
     import numpy as np
@@ -78,3 +113,8 @@ if pytest is not None:
     def tiny_vlm(tmp_path_factory) -> Path:
         """The folder of the tiny Idefics3 model, built once per run."""
         return build_tiny_idefics3(tmp_path_factory.mktemp("tiny_vlm") / "idefics3")
+
+    @pytest.fixture(scope="session")
+    def tiny_llava(tmp_path_factory) -> Path:
+        """The folder of the tiny LLaVA model, built once per run."""
+        return build_tiny_llava(tmp_path_factory.mktemp("tiny_llava") / "llava")

@@ -17,9 +17,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from engine.request import Constraint, new_request_id
+from frontend.images import ImageLimits, take_images
 from frontend.request import ChatJob, RequestDefaults, Sampling, prepare, start_job
 from frontend.tool_parsers import HermesParser, Llama3Parser
-from ui.history import ChatError, check_history
+from ui.history import ChatError, check_history, content_text
 from ui.markup import escape_html
 
 OUTPUT_FORMATS = ("Text", "JSON object", "JSON schema")  # the page's "JSON mode / schema" choice
@@ -40,6 +41,7 @@ class ChatSettings:
     json_schema: str = ""  # the schema (JSON text) when output_format is "JSON schema"
     max_reasoning_tokens: int | None = None  # the thought's budget (None or 0: no limit but max_new_tokens)
     cache_salt: str | None = None  # the page session's prefix-cache salt (--cache-salt-per-session)
+    image_limits: ImageLimits = ImageLimits()  # --limit-images, --max-image-bytes, ... (frontend/images.py)
 
     def constraint(self) -> Constraint | None:
         if self.output_format not in OUTPUT_FORMATS:
@@ -56,10 +58,15 @@ class ChatSettings:
 
     def job(self, history: list[dict], message) -> ChatJob:
         """The one request record of `message` after `history` (the page's own fields checked here;
-        the sampling fields by `SamplingParams`, once, before any tokenizing)."""
+        the sampling fields by `SamplingParams`, once, before any tokenizing). `message`: its text, or
+        a list of parts with images (ui/history.py); images anywhere in the conversation go through
+        frontend/images.py's `take_images`, as every route's do (its limits, its 400s)."""
+        parts = message if isinstance(message, list) else None
+        if parts is not None:
+            message = content_text(parts)
         if not isinstance(message, str):
             raise ChatError(f"`message` must be a string. Given: {type(message).__name__}")
-        if not message.strip():
+        if not message.strip() and not parts:
             raise ChatError("The message is empty: type something to send.")
         if not isinstance(self.system_prompt, str):
             raise ChatError(f"`system_prompt` must be a string. Given: {type(self.system_prompt).__name__}")
@@ -78,9 +85,12 @@ class ChatSettings:
                             repetition_penalty=self.repetition_penalty, max_reasoning_tokens=budget,
                             cache_salt=self.cache_salt)
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt.strip() else []
-        return ChatJob(system + [m for m in history if m["role"] != "system"] + [{"role": "user", "content": message}],
-                       sampling=sampling, max_tokens=max_new_tokens, constraint=self.constraint(), fit_context=True,
-                       param="message", max_tokens_param="max_new_tokens")
+        messages = system + [m for m in history if m["role"] != "system"] + [{"role": "user", "content": parts or message}]
+        job = ChatJob(messages, sampling=sampling, max_tokens=max_new_tokens, constraint=self.constraint(),
+                      fit_context=True, param="message", max_tokens_param="max_new_tokens")
+        if any(isinstance(m["content"], list) for m in messages):
+            job.messages, job.images = take_images(messages, self.image_limits, "message")
+        return job
 
 
 def _whole(value):

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import gradio as gr
 
-from ui.history import ChatError, content_text, to_engine_messages
+from ui.history import ChatError, content_text, file_path, to_engine_messages
 from ui.markup import unescape_html
 
 NEW_TITLE = "New chat"
@@ -244,7 +244,7 @@ def delete(store, request: gr.Request = None):
 
 def edited(history, event: gr.EditData):
     """The Chatbot's `edit` event on a user message: the conversation up to it, with its new text
-    (escaped, as sent messages are); the answer is generated again from there."""
+    (escaped, as sent messages are) and its pictures; the answer is generated again from there."""
     from ui.handlers import GENERATING
     from ui.markup import escape_html
 
@@ -253,7 +253,10 @@ def edited(history, event: gr.EditData):
     text = content_text(event.value)
     if not isinstance(index, int) or not 0 <= index < len(history) or not text.strip():
         raise gr.Error("That message cannot be edited: give it some text.")
-    return (history[:index] + [{"role": "user", "content": escape_html(unescape_html(text))}],) + GENERATING
+    parts = history[index].get("content") if isinstance(history[index], dict) else None
+    files = [{"path": file_path(part)} for part in (parts if isinstance(parts, list) else [parts]) if file_path(part)]
+    text = escape_html(unescape_html(text))  # its pictures stay before the new text
+    return (history[:index] + [{"role": "user", "content": files + [text] if files else text}],) + GENERATING
 
 
 def conversation_bar():

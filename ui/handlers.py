@@ -9,16 +9,18 @@ import secrets
 import threading
 
 import gradio as gr
+from gradio.data_classes import FileData
 
 from engine.request import InvalidRequest
 from frontend.admission import RequestFailed
 from frontend.errors import ApiError
+from frontend.images import ImageLimits
 from frontend.request import RequestDefaults
 from frontend.telemetry import RequestMetrics
 from frontend.tools import tool_format
 from ui import status
 from ui.chat import ChatSettings, answer_messages, stream_answer
-from ui.history import ChatError, to_engine_messages
+from ui.history import ChatError, content_text, file_path, to_engine_messages, upload_part
 from ui.markup import escape_html
 
 ROUTE = "gradio"  # the page's requests in the metrics
@@ -106,13 +108,29 @@ def session_salts():
     return salt
 
 
+def api_images(images) -> list[dict]:
+    """The `/chat` API's `images` (gradio_client `handle_file`s, uploaded before the call) -> image parts."""
+    if not isinstance(images, (list, tuple)):
+        images = [images]
+    parts = []
+    for image in images:
+        path = file_path(image)
+        if path is None:
+            raise ChatError("Each of `images` must be a file: gradio_client.handle_file(path or URL). "
+                            f"Given: {type(image).__name__}.")
+        parts.append(upload_part(path))
+    return parts
+
+
 class PageHandlers:
     """The page's event handlers for one engine; the page's requests are recorded under "gradio" and
     admitted as the routes admit theirs (--request-timeout, fair share, metrics)."""
 
     def __init__(self, engine, metrics: RequestMetrics, defaults: RequestDefaults, request_timeout: float = 0.0,
-                 salt_sessions: bool = False, served=None, models=None):
+                 salt_sessions: bool = False, served=None, models=None, image_limits: ImageLimits = ImageLimits()):
         self.engine, self.metrics = engine, metrics
+        self.image_limits = image_limits  # what a page or API message's images may be (frontend/images.py)
+        self.takes_images = getattr(engine, "vision", None) is not None  # the input takes uploads
         self.models = models  # frontend/models.py ModelRegistry: the default model is held while it answers
         self.served = served  # ui/feedback.py ServedAnswers: what each session was streamed (kept for ratings)
         self.defaults = defaults  # what unset fields take; the sliders and the `/chat` API start there
@@ -155,7 +173,7 @@ class PageHandlers:
         if not history or not isinstance(history[-1], dict) or history[-1].get("role") != "user":
             return
         try:
-            messages = to_engine_messages(history, escaped=True)
+            messages = to_engine_messages(history, escaped=True, images=True)
         except ChatError as exc:
             raise page_error(exc, self.metrics) from None
         if not messages or messages[-1]["role"] != "user":
@@ -163,7 +181,8 @@ class PageHandlers:
         message = messages.pop()["content"]
         chat_settings = ChatSettings(system_prompt or "", temperature, top_p, top_k, max_new_tokens,
                                      repetition_penalty, output_format or "Text", json_schema or "",
-                                     thinking_budget or None, cache_salt=self.session_salt(request))
+                                     thinking_budget or None, cache_salt=self.session_salt(request),
+                                     image_limits=self.image_limits)
         fmt = self.calls_format if chat_settings.output_format == "Text" else None  # JSON mode: the JSON as it is
         shown: list[dict] = []
         if self.models is not None:  # a model not loaded yet: say so while its load is awaited
@@ -181,20 +200,24 @@ class PageHandlers:
         finally:  # also when Stop closed it: what was streamed so far is what the visitor may rate
             if self.served is not None and shown:
                 self.served.add(getattr(request, "session_hash", None), len(history), shown,
-                                messages + [{"role": "user", "content": message}])
+                                [{"role": m["role"], "content": content_text(m["content"])}
+                                 for m in messages + [{"role": "user", "content": message}]])
 
     def api_chat(self):
         """The `/chat` API function (its signature and docstring are what gradio_client shows); with
         several models it takes `model` last (a name of GET /v1/models; empty: the default)."""
         defaults, session_salt, answer = self.defaults.resolved(), self.session_salt, self.answer
-        metrics, max_new = self.metrics, self.defaults.max_new_tokens
+        metrics, max_new, limits = self.metrics, self.defaults.max_new_tokens, self.image_limits
 
         async def run(message, history, system_prompt, temperature, top_p, top_k, max_new_tokens, repetition_penalty,
-                      request, model=None):
+                      request, model=None, images=None):
             chat_settings = ChatSettings(system_prompt or "", temperature, top_p, top_k, max_new_tokens,
-                                         repetition_penalty, cache_salt=session_salt(request))
+                                         repetition_penalty, cache_salt=session_salt(request), image_limits=limits)
             try:
-                messages = to_engine_messages(history, escaped=False)
+                messages = to_engine_messages(history, escaped=False, images=True)
+                if images:  # the uploaded files (handle_file) before the message's text
+                    message = api_images(images) + [{"type": "text", "text": message}] \
+                        if isinstance(message, str) else message
             except ChatError as exc:
                 raise page_error(exc, metrics) from None
             async for text, _stats in answer(messages, message, chat_settings, request, warn=gr.Warning,
@@ -204,15 +227,18 @@ class PageHandlers:
         async def chat(message: str, history: list[dict] | None = None, system_prompt: str = "",
                        temperature: float = defaults["temperature"], top_p: float = defaults["top_p"],
                        top_k: int = defaults["top_k"], max_new_tokens: int = max_new,
-                       repetition_penalty: float = defaults["repetition_penalty"], request: gr.Request = None) -> str:
+                       repetition_penalty: float = defaults["repetition_penalty"],
+                       images: list[FileData] | None = None, request: gr.Request = None) -> str:
             """Streams the assistant's answer to `message` (the text so far on each update).
 
             history: earlier messages, [{"role": "user" | "assistant", "content": "..."}] (oldest first).
             system_prompt: empty = the model's default. temperature: 0 = greedy. top_k: 0 = off.
+            images: pictures for the message, each `gradio_client.handle_file(path or URL)` (a
+            vision-language model; to a text model a refusal).
             Conversations longer than the context lose their oldest turns (a warning says so).
             """
             async for text in run(message, history, system_prompt, temperature, top_p, top_k, max_new_tokens,
-                                  repetition_penalty, request):
+                                  repetition_penalty, request, images=images):
                 yield text
 
         if self.models is None:
@@ -223,16 +249,18 @@ class PageHandlers:
                                   temperature: float = defaults["temperature"], top_p: float = defaults["top_p"],
                                   top_k: int = defaults["top_k"], max_new_tokens: int = max_new,
                                   repetition_penalty: float = defaults["repetition_penalty"],
-                                  model: str = default_model, request: gr.Request = None) -> str:
+                                  images: list[FileData] | None = None, model: str = default_model,
+                                  request: gr.Request = None) -> str:
             """Streams the assistant's answer to `message` from `model` (the text so far on each update).
 
             history: earlier messages, [{"role": "user" | "assistant", "content": "..."}] (oldest first).
             system_prompt: empty = the model's default. temperature: 0 = greedy. top_k: 0 = off.
+            images: pictures for the message, each `gradio_client.handle_file(path or URL)`.
             model: a model this server serves (GET /v1/models); it loads on its first message.
             Conversations longer than the context lose their oldest turns (a warning says so).
             """
             async for text in run(message, history, system_prompt, temperature, top_p, top_k, max_new_tokens,
-                                  repetition_penalty, request, model):
+                                  repetition_penalty, request, model, images):
                 yield text
 
         chat_with_model.__name__ = "chat"
@@ -240,10 +268,18 @@ class PageHandlers:
 
     @staticmethod
     def add_user_message(message, history):
-        if not message or not message.strip():
+        """Send: the message (a MultimodalTextbox's {"text", "files"} on a vision model's page) into the
+        chat, its pictures shown before its text; the input emptied."""
+        files, multimodal = [], isinstance(message, dict)
+        if multimodal:  # the multimodal input
+            files = [f if isinstance(f, str) else file_path(f) for f in message.get("files") or []]
+            message = message.get("text") or ""
+        if not files and (not message or not message.strip()):
             raise gr.Error("The message is empty: type something to send.")
-        history = list(history or []) + [{"role": "user", "content": escape_html(message)}]
-        return (history,) + GENERATING[:2] + (gr.update(value="", interactive=False),)
+        content = [{"path": path} for path in files if path] + ([escape_html(message)] if message.strip() else [])
+        history = list(history or []) + [{"role": "user", "content": content if files else escape_html(message)}]
+        empty = {"text": "", "files": []} if multimodal else ""
+        return (history,) + GENERATING[:2] + (gr.update(value=empty, interactive=False),)
 
     @staticmethod
     def add_example(history, event: gr.SelectData):
@@ -258,17 +294,20 @@ class PageHandlers:
             history.pop()
         return (history,) + GENERATING
 
-    @staticmethod
-    def undo(history):
-        """Undo: remove the last user message and its answer; its text goes back to the input."""
+    def undo(self, history):
+        """Undo: remove the last user message and its answer; its text (and its pictures, on a page
+        that takes them) goes back to the input."""
         history = list(history or [])
         while history and history[-1].get("role") != "user":
             history.pop()
-        message = ""
+        message, files = "", []
         if history:
-            message = to_engine_messages([history.pop()], escaped=True)
-            message = message[0]["content"] if message else ""
-        return history, message, ""
+            last = history.pop()
+            message = to_engine_messages([last], escaped=True)
+            message = content_text(message[0]["content"]) if message else ""
+            parts = last.get("content") if isinstance(last, dict) else None
+            files = [file_path(p) for p in (parts if isinstance(parts, list) else [parts]) if file_path(p)]
+        return history, {"text": message, "files": files} if self.takes_images else message, ""
 
     @staticmethod
     def after_answer(stats_text):

@@ -1,7 +1,8 @@
 """The page's MCP tools: Gradio's MCP server (mounted with `mcp_server=True`, at
 `/gradio_api/mcp/`) lists every public API endpoint of the page as a tool named after its function.
 
-- `chat`: one message (with an optional system prompt) -> the model's whole answer.
+- `chat`: one message (with an optional system prompt, and image URLs for a vision-language model:
+  data: URLs, or http(s) from --allowed-media-domains, through frontend/images.py) -> the whole answer.
 - `generate_json`: a prompt and a JSON schema -> JSON text that matches the schema (the engine's
   grammar constraint, as the page's "JSON schema" output format).
 
@@ -43,14 +44,14 @@ def register_mcp_tools(handlers) -> None:
     (ui/handlers.py `PageHandlers`), whose request path and defaults they take."""
     defaults = handlers.defaults.resolved()
 
-    async def answer(message: str, settings: ChatSettings) -> str:
+    async def answer(message, settings: ChatSettings) -> str:
         text = ""
         async for text, _stats in handlers.answer([], message, settings, None, route=ROUTE):
             pass
         return text
 
     async def chat(message: str, system_prompt: str = "", temperature: float = defaults["temperature"],
-                   max_new_tokens: int = handlers.defaults.max_new_tokens) -> str:
+                   max_new_tokens: int = handlers.defaults.max_new_tokens, images: list[str] | None = None) -> str:
         """Answers one chat message with the model this server runs.
 
         Args:
@@ -58,10 +59,19 @@ def register_mcp_tools(handlers) -> None:
             system_prompt: instructions put before the message; empty = the model's default.
             temperature: 0 = greedy (deterministic); higher is more varied.
             max_new_tokens: the answer's length limit in tokens.
+            images: pictures the message is about (a vision-language model), each a data URL
+                (data:image/png;base64,...) or an http(s) URL of a domain the server allows.
         Returns:
             the model's answer.
         """
-        return await answer(message, ChatSettings(system_prompt or "", temperature, max_new_tokens=max_new_tokens))
+        if images:  # as /chat's `images`: before the message's text, parsed by frontend/images.py
+            urls = [images] if isinstance(images, str) else images
+            if not isinstance(urls, list) or not all(isinstance(url, str) for url in urls):
+                raise gr.Error("`images` must be a list of image URLs (data:image/png;base64,...). "
+                               f"Given: {type(images).__name__}.")
+            message = [{"type": "image_url", "url": url} for url in urls] + [{"type": "text", "text": message}]
+        return await answer(message, ChatSettings(system_prompt or "", temperature, max_new_tokens=max_new_tokens,
+                                                  image_limits=handlers.image_limits))
 
     async def generate_json(prompt: str, json_schema: str, system_prompt: str = "", temperature: float = 0.0,
                             max_new_tokens: int = handlers.defaults.max_new_tokens) -> str:

@@ -7,6 +7,7 @@ import gradio as gr
 
 from dataclasses import replace
 
+from frontend.images import ImageLimits
 from frontend.request import RequestDefaults
 from frontend.sampling_defaults import model_sampling_defaults
 from frontend.telemetry import RequestMetrics
@@ -37,9 +38,10 @@ def _header(engine, model_name: str) -> str:
 
 
 def _chat_tab(model_name: str, context: int, default_max_new: int, thinks: bool,
-              defaults: dict, feedback: bool, models=None) -> SimpleNamespace:
+              defaults: dict, feedback: bool, models=None, takes_images: bool = False) -> SimpleNamespace:
     """The chat tab's components (inside an open `gr.Tab`); thumbs on answers when `feedback` is kept;
-    a model picker when `models` (frontend/models.py's registry) serves several."""
+    a model picker when `models` (frontend/models.py's registry) serves several; an input that takes
+    pictures (upload, paste, drag) when the model takes images."""
     ui = SimpleNamespace(conversations=conversation_bar())
     ui.model = None  # one model: no picker, and the page's events take the inputs they always took
     if models is not None:  # each model with its state; the conversation goes to the one picked
@@ -53,9 +55,15 @@ def _chat_tab(model_name: str, context: int, default_max_new: int, thinks: bool,
         sanitize_html=True, render_markdown=True,
     )
     with gr.Row(equal_height=True):
-        ui.textbox = gr.Textbox(show_label=False, placeholder="Type a message and press Enter",
-                                scale=8, lines=1, max_lines=8, autofocus=True, elem_id="rill-input",
-                                submit_btn=False)
+        if takes_images:  # its value: {"text", "files"}; the files uploaded to Gradio's upload folder
+            ui.textbox = gr.MultimodalTextbox(show_label=False, file_types=["image"], file_count="multiple",
+                                              placeholder="Type a message, attach pictures, press Enter",
+                                              scale=8, lines=1, max_lines=8, autofocus=True, elem_id="rill-input",
+                                              submit_btn=False, sources=["upload"])
+        else:
+            ui.textbox = gr.Textbox(show_label=False, placeholder="Type a message and press Enter",
+                                    scale=8, lines=1, max_lines=8, autofocus=True, elem_id="rill-input",
+                                    submit_btn=False)
         ui.send = gr.Button("Send", variant="primary", scale=1, min_width=80, elem_id="rill-send")
         ui.stop = gr.Button("Stop", variant="stop", scale=1, min_width=80, visible=False, elem_id="rill-stop")
     ui.answer_stats = gr.Markdown("", elem_id="rill-answer-stats")
@@ -183,7 +191,8 @@ def build_demo(engine, settings=None, metrics: RequestMetrics | None = None,
     feedback = FeedbackLog(folder, model_name) if folder is not None else None
     handlers = PageHandlers(engine, metrics, defaults, float(getattr(settings, "request_timeout", 0.0) or 0.0),
                             salt_sessions=bool(getattr(settings, "cache_salt_per_session", False)),
-                            served=feedback.served if feedback is not None else None, models=models)
+                            served=feedback.served if feedback is not None else None, models=models,
+                            image_limits=ImageLimits.from_settings(settings))
 
     # delete_cache: files in Gradio's cache (uploads) older than an hour are deleted every hour
     with gr.Blocks(title=f"rill · {model_name}", fill_height=False, delete_cache=(3600, 3600)) as demo:
@@ -191,7 +200,7 @@ def build_demo(engine, settings=None, metrics: RequestMetrics | None = None,
         with gr.Tabs():
             with gr.Tab("Chat", id="chat") as chat_tab:
                 chat_ui = _chat_tab(model_name, context, default_max_new, handlers.thinks, defaults.resolved(),
-                                    feedback is not None, models)
+                                    feedback is not None, models, handlers.takes_images)
             with gr.Tab("Status", id="status") as status_tab:
                 status_ui = _status_tab()
         save = wire_conversations(demo, chat_ui.conversations, chat_ui.chatbot, chat_ui.answer_stats, chat_ui.model,
@@ -218,4 +227,8 @@ def build_demo(engine, settings=None, metrics: RequestMetrics | None = None,
         demo.unload(session_ended)
 
     demo.queue(max_size=concurrency + max_queue, default_concurrency_limit=concurrency)
+    # Mounted (gr.mount_gradio_app), a Blocks never launches, and Gradio skips its check that a file an
+    # input names was uploaded (processing_utils._check_allowed): any path a caller put in a chat
+    # history or an API call's FileData was copied into its cache, then served. Marked launched, it checks.
+    demo.has_launched = True
     return demo

@@ -1,6 +1,6 @@
 """Vision-language checkpoints: the text half served as a causal LM, the vision half as an encoder.
 
-A composite model (`Idefics3ForConditionalGeneration`, SmolVLM's) is split at load: its language
+A composite model (`Idefics3ForConditionalGeneration`, SmolVLM's; `LlavaForConditionalGeneration`) is split at load: its language
 model and head become a plain `LlamaForCausalLM` sharing their modules, which the engine runs as
 any text model (paged KV cache, packed linears, the native decode step); the vision encoder and its
 connector stay in the composite and run at prefill (`ImageEncoder.embed`, on the engine thread):
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -21,12 +22,26 @@ from engine.model.errors import ModelLoadError
 log = logging.getLogger("rill.engine")
 
 # model_type -> what the split needs: the attribute of the language model inside `composite.model`
-FAMILIES = {"idefics3": "text_model", "smolvlm": "text_model"}
+FAMILIES = {"idefics3": "text_model", "smolvlm": "text_model", "llava": "language_model"}
+# model_type -> the token just before each image's last run of image tokens (Idefics3 splits an image
+# into tiles, one run each, its global view last); in a family without one every image has one tile
+# and the same number of tokens (LLaVA), whose runs may touch
+LAST_TILE_MARKERS = {"idefics3": "<global-img>", "smolvlm": "<global-img>"}
 
 
 def is_vision_config(config) -> bool:
     """A checkpoint with a vision tower (its config names one)."""
     return getattr(config, "vision_config", None) is not None
+
+
+@dataclass(frozen=True, slots=True)
+class ImageSpan:
+    """One image of a prompt: its image tokens' positions, its tiles and the digest of its pixels."""
+
+    first: int  # the prompt position of its first image token
+    last: int  # of its last one
+    tiles: tuple[int, int]  # [start, stop) of its tiles in `PromptImages.pixel_values`
+    digest: bytes  # 16 bytes of its processed pixels: the prefix cache's key of the blocks holding its tokens
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -36,8 +51,17 @@ class PromptImages:
     pixel_values: torch.Tensor  # [tiles, 3, H, W]: every image's tiles, in prompt order
     pixel_attention_mask: torch.Tensor | None  # [tiles, H, W] bool: the real (unpadded) pixels
     positions: torch.Tensor  # [image tokens] int64: the prompt positions the features replace, in order
-    digest: bytes  # 16 bytes of the pixels: the prefix cache's key of the positions from `first` on
-    count: int  # images in the prompt
+    spans: tuple[ImageSpan, ...]  # each image, in prompt order
+
+    @property
+    def count(self) -> int:
+        """Images in the prompt."""
+        return len(self.spans)
+
+    def digests_within(self, start: int, stop: int) -> bytes:
+        """The digests of the images with image tokens in positions [start, stop), in order: what the
+        prefix cache adds to the hash of a block holding those positions (engine/kv_cache.py)."""
+        return b"".join(span.digest for span in self.spans if span.first < stop and span.last >= start)
 
     @property
     def first(self) -> int:
@@ -46,6 +70,44 @@ class PromptImages:
     @property
     def last(self) -> int:
         return int(self.positions[-1])
+
+
+def image_spans(input_ids: torch.Tensor, image_token_id: int, marker_id: int | None, pixels: torch.Tensor,
+                mask: torch.Tensor | None, count: int) -> tuple[ImageSpan, ...]:
+    """Each of `count` images' span in a prompt (`input_ids` [tokens]): its runs of image tokens (a
+    tile each) up to the run after `marker_id` (its last tile), or one run when there is no marker."""
+    positions = (input_ids == image_token_id).nonzero().flatten().tolist()
+    if marker_id is None:  # one tile an image, the same tokens each
+        if pixels.shape[0] != count or len(positions) % max(1, count):
+            raise RuntimeError(f"the processor's prompt has {len(positions)} image tokens and {pixels.shape[0]} "
+                               f"images' pixels for {count} images")
+        each = len(positions) // max(1, count)
+        return tuple(ImageSpan(positions[i * each], positions[(i + 1) * each - 1], (i, i + 1),
+                               pixel_digest(pixels[i:i + 1], mask[i:i + 1] if mask is not None else None))
+                     for i in range(count))
+    runs: list[list[int]] = []  # [first, last] of each run of consecutive image tokens
+    for p in positions:
+        if runs and runs[-1][1] == p - 1:
+            runs[-1][1] = p
+        else:
+            runs.append([p, p])
+    groups: list[list[list[int]]] = [[]]
+    for run in runs:
+        groups[-1].append(run)
+        if marker_id is None or (run[0] > 0 and int(input_ids[run[0] - 1]) == marker_id):
+            groups.append([])
+    groups = [g for g in groups if g]
+    tiles_per_run = 1  # each run one tile
+    if len(groups) != count or tiles_per_run * len(runs) != pixels.shape[0]:
+        raise RuntimeError(f"the processor's prompt has {len(runs)} runs of image tokens in {len(groups)} "
+                           f"images for {count} images and {pixels.shape[0]} tiles")
+    spans, tile = [], 0
+    for group in groups:
+        stop = tile + tiles_per_run * len(group)
+        spans.append(ImageSpan(group[0][0], group[-1][1], (tile, stop),
+                               pixel_digest(pixels[tile:stop], mask[tile:stop] if mask is not None else None)))
+        tile = stop
+    return tuple(spans)
 
 
 def pixel_digest(pixel_values: torch.Tensor, mask: torch.Tensor | None) -> bytes:
@@ -57,21 +119,62 @@ def pixel_digest(pixel_values: torch.Tensor, mask: torch.Tensor | None) -> bytes
     return h.digest()
 
 
+ENCODER_CACHE_BYTES = 128 * 2**20  # the features of recent images kept (SmolVLM-256M: about 2 MB a picture)
+
+
+class EncoderCache:
+    """Recent images' features by (cache_salt, pixel digest), least recently used dropped past `max_bytes`:
+    the same picture in a later request is not encoded again, even once its KV blocks are evicted. The
+    salt keeps callers apart, as in the prefix cache. Used on the engine thread only."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.entries: OrderedDict[tuple, torch.Tensor] = OrderedDict()  # least recently used first
+        self.bytes = 0  # of the entries' tensors
+        self.hits = 0  # images found
+        self.misses = 0  # images looked up and not found
+
+    def get(self, key: tuple) -> torch.Tensor | None:
+        feats = self.entries.get(key)
+        if feats is None:
+            self.misses += 1
+            return None
+        self.entries.move_to_end(key)
+        self.hits += 1
+        return feats
+
+    def put(self, key: tuple, feats: torch.Tensor) -> None:
+        size = feats.numel() * feats.element_size()
+        if size > self.max_bytes or key in self.entries:
+            return
+        while self.bytes + size > self.max_bytes:
+            _, old = self.entries.popitem(last=False)
+            self.bytes -= old.numel() * old.element_size()
+        self.entries[key] = feats
+        self.bytes += size
+
+
 class ImageEncoder:
     """The vision half of a loaded vision-language model and its processor."""
 
-    def __init__(self, composite, processor, family: str):
+    def __init__(self, composite, processor, family: str, cache_bytes: int = ENCODER_CACHE_BYTES):
         self.composite = composite  # the whole model: its vision tower and connector run here
         self.processor = processor
         self.family = family  # the config's model_type
         self.image_token_id = int(composite.config.image_token_id)
+        marker = LAST_TILE_MARKERS.get(family)
+        self.marker_id = processor.tokenizer.convert_tokens_to_ids(marker) if marker is not None else None
         self.encoder_calls = 0  # vision forwards run (one per step that brings new images)
-        self.images_encoded = 0  # prompts whose images went through the encoder
+        self.images_encoded = 0  # images that went through the encoder (not found in `cache`)
+        self.cache = EncoderCache(cache_bytes)  # recent images' features
 
     def describe(self) -> dict:
         """What /health says of the vision half."""
+        cache = self.cache
         return {"family": self.family, "image_token": self.processor.image_token,
-                "encoder": "transformers' modules (float32, on the engine thread at prefill)"}
+                "encoder": "transformers' modules (float32, on the engine thread at prefill)",
+                "encoder_cache": {"max_bytes": cache.max_bytes, "bytes": cache.bytes, "images": len(cache.entries),
+                                  "hits": cache.hits, "misses": cache.misses}}
 
     def prepare(self, messages: list[dict], images: list, template_kwargs: dict | None = None) -> tuple[list[int], PromptImages | None]:
         """Blocking (a worker thread): the conversation through the processor's chat template (an
@@ -86,51 +189,84 @@ class ImageEncoder:
         ids = out["input_ids"][0].tolist()
         if not images:
             return ids, None
-        pixels = out["pixel_values"][0]  # [tiles, 3, H, W]
+        pixels = out["pixel_values"]  # [1, tiles, 3, H, W] (Idefics3) or [images, 3, H, W] (LLaVA)
+        pixels = pixels[0] if pixels.dim() == 5 else pixels  # [tiles, 3, H, W]
         mask = out.get("pixel_attention_mask")
         mask = mask[0].bool() if mask is not None else None
         positions = (out["input_ids"][0] == self.image_token_id).nonzero().flatten()
-        return ids, PromptImages(pixels, mask, positions, pixel_digest(pixels, mask), len(images))
+        spans = image_spans(out["input_ids"][0], self.image_token_id, self.marker_id, pixels, mask, len(images))
+        return ids, PromptImages(pixels, mask, positions, spans)
 
     @torch.inference_mode()
-    def features(self, batch: list[PromptImages]) -> list[torch.Tensor]:
-        """[image tokens, hidden] per prompt: the vision tower and connector once over the prompts
-        whose tiles have one shape (padded with the all-zero tiles `get_image_features` drops)."""
+    def features(self, images: list[tuple[torch.Tensor, torch.Tensor | None]]) -> list[torch.Tensor]:
+        """[image tokens, hidden] per image ((its tiles [tiles, 3, H, W], their mask or None)): the vision
+        tower and connector once over the images whose tiles have one shape (padded with the all-zero
+        tiles `get_image_features` drops)."""
         model = self.composite.model
         out: dict[int, torch.Tensor] = {}
         groups: dict[tuple, list[int]] = {}
-        for i, images in enumerate(batch):
-            groups.setdefault(tuple(images.pixel_values.shape[1:]), []).append(i)
+        for i, (pixels, _) in enumerate(images):
+            groups.setdefault(tuple(pixels.shape[1:]), []).append(i)
         for members in groups.values():
-            most = max(batch[i].pixel_values.shape[0] for i in members)
-            pixels = torch.zeros(len(members), most, *batch[members[0]].pixel_values.shape[1:])
+            most = max(images[i][0].shape[0] for i in members)
+            pixels = torch.zeros(len(members), most, *images[members[0]][0].shape[1:])
             masks = torch.zeros(len(members), most, *pixels.shape[-2:], dtype=torch.bool)
             for row, i in enumerate(members):
-                images = batch[i]
-                pixels[row, :images.pixel_values.shape[0]] = images.pixel_values
-                masks[row, :images.pixel_values.shape[0]] = (images.pixel_attention_mask
-                                                            if images.pixel_attention_mask is not None else True)
+                tiles, mask = images[i]
+                pixels[row, :tiles.shape[0]] = tiles
+                masks[row, :tiles.shape[0]] = mask if mask is not None else True
             dev = self.composite.device
-            pooled = model.get_image_features(pixels.to(dev), masks.to(dev), return_dict=True).pooler_output
+            if self.family == "llava":  # one tile an image: [images, 3, H, W] -> a [tokens, hidden] per image
+                pooled = model.get_image_features(pixel_values=pixels[:, 0].to(dev), return_dict=True).pooler_output
+            else:  # [images, tiles, ...] with the real pixels' mask -> [images, tiles, tokens, hidden]
+                pooled = model.get_image_features(pixels.to(dev), masks.to(dev), return_dict=True).pooler_output
             for row, i in enumerate(members):
-                feats = pooled[row].reshape(-1, pooled[row].shape[-1])
-                if feats.shape[0] != batch[i].positions.numel():
-                    raise RuntimeError(f"the vision encoder gave {feats.shape[0]} image features for "
-                                       f"{batch[i].positions.numel()} image tokens")
-                out[i] = feats
+                out[i] = pooled[row].reshape(-1, pooled[row].shape[-1]).clone()  # its own storage (cached alone)
             self.encoder_calls += 1
-        self.images_encoded += len(batch)
-        return [out[i] for i in range(len(batch))]
+        self.images_encoded += len(images)
+        return [out[i] for i in range(len(images))]
+
+    def prompt_features(self, seqs: list) -> list[torch.Tensor]:
+        """[image tokens, hidden] per sequence: each image's features from the encoder cache (by its
+        caller's cache_salt and its digest), the rest through one `features` call, then cached."""
+        found: dict[tuple, torch.Tensor] = {}
+        missing: dict[tuple, tuple] = {}  # key -> (tiles, mask) of an image not in the cache
+        for seq in seqs:
+            images = seq.images
+            for span in images.spans:
+                key = (seq.params.cache_salt, span.digest)
+                if key in found or key in missing:
+                    continue
+                feats = self.cache.get(key)
+                if feats is not None:
+                    found[key] = feats
+                else:
+                    start, stop = span.tiles
+                    mask = images.pixel_attention_mask
+                    missing[key] = (images.pixel_values[start:stop], mask[start:stop] if mask is not None else None)
+        if missing:
+            for key, feats in zip(missing, self.features(list(missing.values()))):
+                found[key] = feats
+                self.cache.put(key, feats)
+        result = []
+        for seq in seqs:
+            feats = torch.cat([found[(seq.params.cache_salt, span.digest)] for span in seq.images.spans])
+            if feats.shape[0] != seq.images.positions.numel():
+                raise RuntimeError(f"the vision encoder gave {feats.shape[0]} image features for "
+                                   f"{seq.images.positions.numel()} image tokens")
+            result.append(feats)
+        return result
 
     def embed(self, embeddings, plan, input_ids: torch.Tensor) -> torch.Tensor:
         """The step's input embeddings [1, tokens, hidden]: the tokens' own, with the image features
         at the image positions each chunk covers. A sequence's features are computed at its first
         chunk that covers one (several sequences in one encoder call) and kept on it until its
         prefill passed its last image token (engine/core.py drops them), so a chunk boundary
-        inside an image takes its slice of the same features."""
+        inside an image takes its slice of the same features; an image's features come from the
+        encoder cache when the same picture (same caller's salt) was encoded before."""
         todo = [c.seq for c in plan if covers_images(c) and c.seq.image_features is None]
         if todo:
-            for seq, feats in zip(todo, self.features([s.images for s in todo])):
+            for seq, feats in zip(todo, self.prompt_features(todo)):
                 seq.image_features = feats
         embeds = embeddings(input_ids)  # [1, tokens, hidden]
         offset = 0
