@@ -30,9 +30,10 @@ SINGLE = {"prompt": "Say hello.", "max_tokens": 8, "temperature": 0, "ignore_eos
 
 
 async def _stream(client: httpx.AsyncClient, url: str, body: dict, session: str, gaps: list | None = None):
-    """(status, seconds to the first chunk with text or None); `gaps`: the seconds between chunks."""
+    """(status, seconds to the first chunk with text, or to the first chunk when no token printed any
+    text, e.g. a random model's special tokens; None when none came); `gaps`: the seconds between chunks."""
     sent = time.monotonic()
-    first, last = None, None
+    first, first_chunk, last = None, None, None
     async with client.stream("POST", f"{url}/v1/completions", json=body, headers={"x-session-id": session}) as r:
         if r.status_code != 200:
             await r.aread()
@@ -42,13 +43,15 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict, session: str,
                 continue
             now = time.monotonic()
             choices = json.loads(line[6:]).get("choices", ())
+            if first_chunk is None and choices:
+                first_chunk = now - sent
             if first is None and any(c.get("text") for c in choices):
                 first = now - sent
             if any(c.get("index") == 0 for c in choices):  # one sample's chunks: one a step
                 if gaps is not None and last is not None:
                     gaps.append(now - last)
                 last = now
-    return r.status_code, first
+    return r.status_code, first if first is not None else first_chunk
 
 
 async def _flood(client: httpx.AsyncClient, url: str, stop: asyncio.Event, gaps: list) -> None:
