@@ -123,7 +123,7 @@ def _data(*items: str) -> bytes:
 
 
 GOOD = dict(message='"Hi"', history="[]", system_prompt='""', temperature="0", top_p="1", top_k="0",
-            max_new_tokens="3", repetition_penalty="1")
+            max_new_tokens="3", repetition_penalty="1", images="null")
 
 
 def _inputs(**changes: str) -> bytes:
@@ -185,11 +185,11 @@ small_tokens = st.sampled_from(["1", "2", "3", '"3"', "0", "-1", "NaN", "Infinit
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(message=st.one_of(st.just('"Hi"'), raw_junk), history=st.one_of(st.just("[]"), raw_junk),
        system_prompt=st.one_of(st.just('""'), raw_junk), temperature=raw_junk, top_p=raw_junk, top_k=raw_junk,
-       max_new_tokens=small_tokens, repetition_penalty=raw_junk)
+       max_new_tokens=small_tokens, repetition_penalty=raw_junk, images=st.one_of(st.just("null"), raw_junk))
 def test_fuzz_the_gradio_api_with_raw_bodies(url, message, history, system_prompt, temperature, top_p, top_k,
-                                            max_new_tokens, repetition_penalty):
+                                            max_new_tokens, repetition_penalty, images):
     status, event, data = gradio_call(url, _data(message, history, system_prompt, temperature, top_p, top_k,
-                                                 max_new_tokens, repetition_penalty))
+                                                 max_new_tokens, repetition_penalty, images))
     assert status == 200 and event in ("complete", "error"), (status, event, data)
     if event == "error":  # a message for the client, never Gradio's bare "Error" of an uncaught exception
         assert isinstance(data, dict) and isinstance(data.get("error"), str) and data["error"], data
@@ -204,7 +204,7 @@ def test_after_the_fuzz_the_page_api_still_answers(url):
 def test_a_gradio_api_body_past_the_body_limit_is_a_413_before_gradio_parses_it(url):
     """Over HTTP the body limit (1 MB) comes before the history's character bound (unit-tested in test_limits)."""
     huge_history = json.dumps([{"role": "user", "content": "y" * 1000}] * 2100)  # about 2.1 MB
-    raw = _data('"Hi"', huge_history, '""', "0", "1", "0", "4", "1") + b"}"
+    raw = _data('"Hi"', huge_history, '""', "0", "1", "0", "4", "1", "null") + b"}"
     declared = httpx.post(f"{url}/gradio_api/call/chat", content=raw, timeout=60,
                           headers={"content-type": "application/json"})
 
