@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vnni256", action="store_true", help="AVX2 with AVX-VNNI instead of AVX-512")
     parser.add_argument("--types", default=",".join(GGUF_TYPES), help="the GGUF types checked (default: every one)")
     parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="the rows of each check")
-    parser.add_argument("--opt-level", type=int, default=3, choices=(1, 2, 3),
+    parser.add_argument("--opt-level", type=int, default=3, choices=(0, 1, 2, 3),
                         help="the build's -O level (3: the kernels' own build)")
     args = parser.parse_args(argv)
     types = [t.strip() for t in args.types.split(",") if t.strip()]
