@@ -83,9 +83,12 @@ static inline __attribute__((always_inline)) void weights16(const void *panel, i
  * before the next), their 16-bit panel's lines asked for ahead. */
 static inline __attribute__((always_inline)) void tile(const float *x, int64_t x_row, const void *panel,
                                                        int64_t in, const float *bias, float *y, int64_t y_row,
-                                                       int cols, const int MR, const int wt) {
+                                                       int cols, const int MR, const int wt, int from_y) {
     v8 acc[6][2], odd[2][2];
-    for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = (v8){0};
+    for (int i = 0; i < MR; i++) {  /* from_y: go on from the sums y holds (16 columns), else from zero */
+        acc[i][0] = from_y ? load8(y + i * y_row) : (v8){0};
+        acc[i][1] = from_y ? load8(y + i * y_row + 8) : (v8){0};
+    }
     for (int i = 0; i < 2; i++) odd[i][0] = odd[i][1] = (v8){0};
     int64_t k = 0;
     if (MR <= 2) {
@@ -135,10 +138,49 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t x
     }
 }
 
-/* every panel's tiles, the weights' type `wt` a constant in each copy */
-static inline __attribute__((always_inline)) void panels_times(const float *x, int64_t x_row, const void *panels,
-                                                               const float *bias, float *y, int64_t rows,
-                                                               int64_t out, int64_t in, int threads, const int wt) {
+/* A few rows (a decode batch) take the inputs KC at a time: each tile of rows finds that stretch of
+ * the panel (and of x) in L1 where the tile before it left it, so the panel comes from memory once. */
+enum { KC = 256, BLOCK_ROWS = 64 };
+
+/* one panel's outputs for `rows` rows over `in` inputs: tiles of 6 rows, then the rest */
+static inline __attribute__((always_inline)) void tiles(const float *x, int64_t x_row, const void *panel,
+                                                        const float *b, float *yp, int64_t y_row, int64_t rows,
+                                                        int64_t in, int cols, const int wt, int from_y) {
+    int64_t m = 0;
+    for (; m + 6 <= rows; m += 6) tile(x + m * x_row, x_row, panel, in, b, yp + m * y_row, y_row, cols, 6, wt, from_y);
+    const float *xm = x + m * x_row;
+    float *ym = yp + m * y_row;
+    switch (rows - m) {
+        case 5: tile(xm, x_row, panel, in, b, ym, y_row, cols, 5, wt, from_y); break;
+        case 4: tile(xm, x_row, panel, in, b, ym, y_row, cols, 4, wt, from_y); break;
+        case 3: tile(xm, x_row, panel, in, b, ym, y_row, cols, 3, wt, from_y); break;
+        case 2: tile(xm, x_row, panel, in, b, ym, y_row, cols, 2, wt, from_y); break;
+        case 1: tile(xm, x_row, panel, in, b, ym, y_row, cols, 1, wt, from_y); break;
+        default: break;
+    }
+}
+
+static inline __attribute__((always_inline)) void panel_rows(const float *x, int64_t x_row, const void *panel,
+                                                             const float *b, float *yp, int64_t rows, int64_t out,
+                                                             int64_t in, int cols, const int wt) {
+    if (rows <= 6 || rows > BLOCK_ROWS || in <= KC) {  /* one tile, or enough tiles to be bound by multiply-adds */
+        tiles(x, x_row, panel, b, yp, out, rows, in, cols, wt, 0);
+        return;
+    }
+    float acc[BLOCK_ROWS * 16] __attribute__((aligned(32)));
+    const int64_t size = wt == W_F32 ? 4 : 2;
+    for (int64_t k0 = 0; k0 < in; k0 += KC) {
+        const int64_t kn = in - k0 < KC ? in - k0 : KC;
+        tiles(x + k0, x_row, (const uint8_t *)panel + k0 * 16 * size, k0 + kn == in ? b : 0, acc, 16, rows, kn, 16,
+              wt, k0 > 0);
+    }
+    for (int64_t i = 0; i < rows; i++) memcpy(yp + i * out, acc + i * 16, (size_t)cols * sizeof(float));
+}
+
+/* every panel's tiles. The parallel region is outlined before this is inlined into its callers, so
+ * `wt` is a variable inside it: each type is named as a constant below, one specialized copy each. */
+static void panels_times(const float *x, int64_t x_row, const void *panels, const float *bias, float *y,
+                         int64_t rows, int64_t out, int64_t in, int threads, const int wt) {
     const int64_t num_panels = (out + 15) / 16, size = wt == W_F32 ? 4 : 2;
     #pragma omp parallel for schedule(guided) num_threads(threads)
     for (int64_t p = 0; p < num_panels; p++) {
@@ -146,18 +188,9 @@ static inline __attribute__((always_inline)) void panels_times(const float *x, i
         const float *b = bias ? bias + p * 16 : 0;
         const int cols = out - p * 16 < 16 ? (int)(out - p * 16) : 16;
         float *yp = y + p * 16;
-        int64_t m = 0;
-        for (; m + 6 <= rows; m += 6) tile(x + m * x_row, x_row, panel, in, b, yp + m * out, out, cols, 6, wt);
-        const float *xm = x + m * x_row;
-        float *ym = yp + m * out;
-        switch (rows - m) {
-            case 5: tile(xm, x_row, panel, in, b, ym, out, cols, 5, wt); break;
-            case 4: tile(xm, x_row, panel, in, b, ym, out, cols, 4, wt); break;
-            case 3: tile(xm, x_row, panel, in, b, ym, out, cols, 3, wt); break;
-            case 2: tile(xm, x_row, panel, in, b, ym, out, cols, 2, wt); break;
-            case 1: tile(xm, x_row, panel, in, b, ym, out, cols, 1, wt); break;
-            default: break;
-        }
+        if (wt == W_BF16) panel_rows(x, x_row, panel, b, yp, rows, out, in, cols, W_BF16);
+        else if (wt == W_F16) panel_rows(x, x_row, panel, b, yp, rows, out, in, cols, W_F16);
+        else panel_rows(x, x_row, panel, b, yp, rows, out, in, cols, W_F32);
     }
 }
 
