@@ -55,6 +55,8 @@ class ModelEntry:
     loads: int = 0  # loads started, failed ones included
     max_model_len: int | None = None  # known once loaded (kept after an unload, for /v1/models)
     footprint: "Footprint | None" = None  # its memory estimate: computed when first needed, measured once loaded
+    overrides: tuple[tuple[str, object], ...] = ()  # its own settings (--models-preset): Settings field -> value
+    shown: tuple[tuple[str, object], ...] = ()  # those settings as the preset file wrote them (/v1/models)
 
     def names(self) -> set[str]:
         names = {self.name, *self.aliases}
@@ -151,6 +153,13 @@ def measure_footprint(source: str | None, settings, engine=None) -> Footprint:
     return Footprint(weights, blocks * config.block_size * per_token)
 
 
+def settings_of(settings, entry: ModelEntry):
+    """The settings `entry`'s engine is built with: the server's, its source, its preset's own."""
+    if not hasattr(settings, "model_id"):  # a registry around one running engine (`single`): nothing to build
+        return settings
+    return dataclasses.replace(settings, model_id=entry.source, **dict(entry.overrides))
+
+
 def _bytes(n: int) -> str:
     """1234567 -> "1,234,567 bytes (1.2 MiB)": exact, and readable."""
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
@@ -160,8 +169,9 @@ def _bytes(n: int) -> str:
 
 
 def discover(settings) -> list[ModelEntry]:
-    """The models the settings name, in order: each --model, then each .gguf file and model folder
-    (with a config.json) of --models-dir by name; the embedded model when none is named."""
+    """The models the settings name, in order: each --model, then each table of --models-preset (with
+    its own settings), then each .gguf file and model folder (with a config.json) of --models-dir by
+    name; the embedded model when none is named."""
     entries: list[ModelEntry] = []
     for source in settings.models or ((settings.model_id,) if settings.model_id else ()):
         path = Path(source).expanduser()
@@ -170,6 +180,18 @@ def discover(settings) -> list[ModelEntry]:
             entries.append(ModelEntry(name, source, aliases=tuple({source, path.name} - {name})))
         else:  # a Hub id is its own name
             entries.append(ModelEntry(source, source))
+    if settings.models_preset:
+        from frontend.options import engine_config
+        from frontend.presets import read_presets
+
+        for preset in read_presets(settings.models_preset):
+            entry = ModelEntry(preset.name, preset.source, pinned=preset.pinned, overrides=preset.settings,
+                               shown=preset.shown, max_model_len=dict(preset.settings).get("max_model_len"))
+            try:  # its engine's settings together (a draft model without speculative = "draft", ...)
+                engine_config(settings_of(settings, entry))
+            except ValueError as exc:
+                raise ValueError(f"--models-preset {settings.models_preset}: [{preset.name}] {exc}") from None
+            entries.append(entry)
     if settings.models_dir:
         folder = Path(settings.models_dir).expanduser()
         if not folder.is_dir():
@@ -255,7 +277,7 @@ class ModelRegistry:
         for entry in self.entries:
             if entry is self.default or entry.pinned:
                 entry.loads += 1
-                self._loaded(entry, self._build(dataclasses.replace(self.settings, model_id=entry.source)))
+                self._loaded(entry, self._build(settings_of(self.settings, entry)))
         if not self.several and not self.ttl:
             self.default.pinned = True  # nothing else could take its place
             return self.default.engine
@@ -342,7 +364,7 @@ class ModelRegistry:
         try:
             await self._make_room(entry)
             started = time.monotonic()
-            engine = await asyncio.to_thread(self._build, dataclasses.replace(self.settings, model_id=entry.source))
+            engine = await asyncio.to_thread(self._build, settings_of(self.settings, entry))
             log.info("model %s loaded in %.1f s", entry.name, time.monotonic() - started)
             self._loaded(entry, engine)
         except BaseException as exc:
@@ -371,7 +393,7 @@ class ModelRegistry:
         entry.max_model_len = engine.max_model_len
         entry.last_used = time.monotonic()
         if self.memory is not None or entry.footprint is not None:  # the pool it really has
-            entry.footprint = self._measure(entry.source, self.settings, engine)
+            entry.footprint = self._measure(entry.source, settings_of(self.settings, entry), engine)
         if not self.several and entry.name != engine.model_name:  # one model goes by its own name, as before
             entry.aliases, entry.name = (*entry.aliases, *(() if entry.source is None else (entry.name,))), \
                 engine.model_name
@@ -380,7 +402,7 @@ class ModelRegistry:
         """The model's memory estimate (computed once; measured again when it loads)."""
         if entry.footprint is None:
             try:
-                entry.footprint = self._measure(entry.source, self.settings, entry.engine)
+                entry.footprint = self._measure(entry.source, settings_of(self.settings, entry), entry.engine)
             except Exception:  # noqa: BLE001 - an engine that cannot say (a remote one): its size on disk alone
                 log.debug("no KV estimate for %s", entry.name, exc_info=True)
                 entry.footprint = Footprint(disk_size(entry.source), None)
@@ -391,7 +413,8 @@ class ModelRegistry:
         --models-memory; wait for a busy one to finish (ROOM_WAIT_S at most, then a 503 with
         Retry-After). A model that cannot fit even beside the pinned ones alone: a 503 at once."""
         if self.memory is not None and entry.footprint is None:
-            entry.footprint = await asyncio.to_thread(self._measure, entry.source, self.settings, None)
+            entry.footprint = await asyncio.to_thread(self._measure, entry.source, settings_of(self.settings, entry),
+                                                      None)
         need = self.footprint(entry).total if self.memory is not None else 0
         if self.memory is not None and need > self.memory:
             raise ApiError(503, f"The model `{entry.name}` cannot be loaded: it needs about {_bytes(need)} (its "
@@ -509,7 +532,7 @@ class ModelRegistry:
             out.append({"id": entry.name, "status": status, "size_bytes": disk_size(entry.source),
                         "estimated_memory_bytes": footprint.total, "kv_cache_bytes": footprint.kv_cache_bytes,
                         "max_model_len": entry.max_model_len, "loads": entry.loads, "pinned": entry.pinned,
-                        "default": entry is self.default})
+                        "default": entry is self.default, **({"settings": dict(entry.shown)} if entry.shown else {})})
         return out
 
 
