@@ -55,6 +55,8 @@ class ModelEntry:
     loads: int = 0  # loads started, failed ones included
     max_model_len: int | None = None  # known once loaded (kept after an unload, for /v1/models)
     footprint: "Footprint | None" = None  # its memory estimate: computed when first needed, measured once loaded
+    line: list = field(default_factory=list)  # the requests waiting for it to load, first come first
+    waits_for: str | None = None  # while its load waits for room: what it waits for ("`a` to finish 2 requests")
     overrides: tuple[tuple[str, object], ...] = ()  # its own settings (--models-preset): Settings field -> value
     shown: tuple[tuple[str, object], ...] = ()  # those settings as the preset file wrote them (/v1/models)
 
@@ -158,6 +160,16 @@ def settings_of(settings, entry: ModelEntry):
     if not hasattr(settings, "model_id"):  # a registry around one running engine (`single`): nothing to build
         return settings
     return dataclasses.replace(settings, model_id=entry.source, **dict(entry.overrides))
+
+
+def _ordinal(n: int) -> str:
+    """1 -> "1st", 2 -> "2nd", 11 -> "11th", 23 -> "23rd"."""
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+def _requests(n: int) -> str:
+    return f"{n} request" + ("" if n == 1 else "s")
 
 
 def _bytes(n: int) -> str:
@@ -312,14 +324,18 @@ class ModelRegistry:
                                 "(see GET /v1/models).", param="model", code="model_not_found")
         return entry
 
-    async def acquire(self, name: str | None, *, load: bool | None = None) -> ModelEntry:
+    async def acquire(self, name: str | None, *, load: bool | None = None, ticket: object = None) -> ModelEntry:
         """The loaded entry of `name`, held (never unloaded) until `release`. Loads it first (`load`, by
-        default --models-autoload), making room under --models-max; the load's failure as an ApiError."""
+        default --models-autoload), making room under --models-max; the load's failure as an ApiError.
+        While it waits for the load it holds a place in the model's line (`ticket`: see `place`)."""
         entry = self.resolve(name)
         self._start_sweeper()
         entry.leases += 1
+        ticket = object() if ticket is None else ticket
         try:
             while entry.state != "loaded":
+                if ticket not in entry.line:
+                    entry.line.append(ticket)
                 if entry.loading is None:
                     if not (self.autoload if load is None else load):
                         raise ApiError(400, f"The model `{entry.name}` is not loaded and this server loads models "
@@ -331,8 +347,24 @@ class ModelRegistry:
         except BaseException:
             entry.leases -= 1
             raise
+        finally:
+            if ticket in entry.line:
+                entry.line.remove(ticket)
         entry.last_used = time.monotonic()
         return entry
+
+    def place(self, name: str | None, ticket: object) -> str | None:
+        """Where the request holding `ticket` waits for `name`'s load, as the page shows it ("Loading model
+        `a` · 2nd in line · waiting for `b` to finish 1 request"); None once it no longer waits."""
+        entry = self.resolve(name)
+        if entry.state == "loaded" and ticket not in entry.line:
+            return None
+        text = f"Loading model `{entry.name}`"
+        if ticket in entry.line:
+            text += f" · {_ordinal(entry.line.index(ticket) + 1)} in line"
+        if entry.waits_for:
+            text += f" · waiting for {entry.waits_for}"
+        return text
 
     def release(self, entry: ModelEntry) -> None:
         entry.leases -= 1
@@ -362,7 +394,10 @@ class ModelRegistry:
         entry.state, entry.error, entry.has_room = "loading", None, False
         entry.loads += 1
         try:
-            await self._make_room(entry)
+            try:
+                await self._make_room(entry)
+            finally:
+                entry.waits_for = None
             started = time.monotonic()
             engine = await asyncio.to_thread(self._build, settings_of(self.settings, entry))
             log.info("model %s loaded in %.1f s", entry.name, time.monotonic() - started)
@@ -444,6 +479,8 @@ class ModelRegistry:
                 if idle:
                     await self._unload(min(idle, key=lambda e: e.last_used))
                     continue
+                entry.waits_for = " and ".join(f"`{e.name}` to finish {_requests(self.busy(e))}"
+                                               for e in others if not e.pinned and self.busy(e)) or None
                 if time.monotonic() > deadline:
                     busy = ", ".join(f"`{e.name}` ({self.busy(e)} requests)" for e in others)
                     bound = (f"--models-max {self.max_loaded} models are loaded" if not count_ok else
