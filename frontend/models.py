@@ -427,8 +427,9 @@ class ModelRegistry:
                                                      self.settings.default_max_new_tokens)
         entry.max_model_len = engine.max_model_len
         entry.last_used = time.monotonic()
-        if self.memory is not None or entry.footprint is not None:  # the pool it really has
-            entry.footprint = self._measure(entry.source, settings_of(self.settings, entry), engine)
+        if self.memory is not None or entry.footprint is not None:  # the pool it really has (where it can say)
+            entry.footprint = None
+            self.footprint(entry)
         if not self.several and entry.name != engine.model_name:  # one model goes by its own name, as before
             entry.aliases, entry.name = (*entry.aliases, *(() if entry.source is None else (entry.name,))), \
                 engine.model_name
@@ -637,12 +638,15 @@ class ModelView:
 
     def health_info(self) -> dict:
         engine = self._entry.engine
-        return {"backend": "local", "loaded": False} if engine is None else engine.health_info()
+        return {"backend": self.backend, "loaded": False} if engine is None else engine.health_info()
 
-    backend = "local"  # several models run on the local backend only (frontend/options.py)
+    @property
+    def backend(self) -> str:  # local or ray (frontend/options.py refuses several models on openai)
+        return getattr(self._registry.settings, "backend", "local")
 
-    def replica_stats(self) -> list[dict]:
-        return []
+    def replica_stats(self) -> list[dict]:  # --backend ray: the replicas of this model's own replica set
+        engine = self._entry.engine
+        return [] if engine is None else engine.replica_stats()
 
     def _engine(self):
         engine = self._entry.engine

@@ -342,8 +342,9 @@ def parse_settings(argv: list[str] | None = None, environ: dict[str, str] | None
     if not 0 < settings.port < 65536:
         parser.error(f"--port must be between 1 and 65535. Given: {settings.port}")
     _check_backend(parser, settings)
-    if (len(settings.models) > 1 or settings.models_dir or settings.models_preset) and settings.backend != "local":
-        parser.error(f"several models (--model given again, --models-dir, --models-preset) run on --backend local only. "
+    if (len(settings.models) > 1 or settings.models_dir or settings.models_preset) and settings.backend == "openai":
+        parser.error(f"several models (--model given again, --models-dir, --models-preset) run on --backend local or "
+                     f"ray (the remote of --backend openai serves its own). "
                      f"Given: --backend {settings.backend}")
     return settings
 
