@@ -29,7 +29,8 @@ class Option:
 
 
 MODEL_OPTIONS = ("model_id", "dtype", "device", "quantize", "activations", "trust_remote_code", "models_dir",
-                 "models_preset", "default_model", "models_autoload", "models_max", "models_memory", "model_ttl", "pin")  # --help's groups
+                 "models_preset", "default_model", "models_autoload", "models_max", "models_memory", "model_ttl",
+                 "pin")  # --help's groups
 OPTIONS: tuple[Option, ...] = (
     # model
     Option("--model", ("MODEL_ID",), "model_id", "append", None,

@@ -154,14 +154,17 @@ def test_a_message_waiting_for_its_model_sees_its_place_in_line(browser, two_mod
             thread.start()
             until(lambda: waiting() == 1, message="the API request waiting for qwen2's load")
             visitor.send(QUESTION)
-            until(lambda: any("2nd in line" in text for text in visitor.page.evaluate("() => window.rillStatsSeen")),
-                  message=lambda: f"the page's place in line (seen: {visitor.page.evaluate('() => window.rillStatsSeen')})")
+            def seen() -> list[str]:
+                return visitor.page.evaluate("() => window.rillStatsSeen")
+
+            until(lambda: any("2nd in line" in text for text in seen()),
+                  message=lambda: f"the page's place in line (seen: {seen()})")
         # the stream closed: llama idle, unloaded; qwen2 loads and answers both
         until(lambda: visitor.bot_text() and visitor.idle(), message="the page's answer once qwen2 loaded")
         thread.join(120)
-        seen = visitor.page.evaluate("() => window.rillStatsSeen")
-        place = next(text for text in seen if "2nd in line" in text)
-        assert place.startswith(f"Loading model {qwen2} · 2nd in line · waiting for {llama} to finish 1 request"), seen
+        place = next(text for text in seen() if "2nd in line" in text)
+        assert place.startswith(f"Loading model {qwen2} · 2nd in line · waiting for {llama} to finish 1 request"), \
+            seen()
         assert words(visitor.bot_text()) == words(expected)
         assert first["response"].status_code == 200, first["response"].text
         assert first["response"].json()["choices"][0]["message"]["content"] == expected

@@ -172,7 +172,8 @@ def test_unknown_model_is_a_404_naming_the_models_served_on_every_route(client):
     for path, body in bodies.items():
         response = client.post(path, json=body)
         assert response.status_code == 404, (path, response.text)
-        assert "`nope` does not exist" in response.text and "`short`, `long`, `big`, `broken`, `llama`, `qwen2`" in response.text, path
+        assert "`nope` does not exist" in response.text, path
+        assert "`short`, `long`, `big`, `broken`, `llama`, `qwen2`" in response.text, path
     assert client.get("/v1/models/nope").status_code == 404
 
 
