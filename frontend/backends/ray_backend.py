@@ -180,7 +180,7 @@ class RayEngine(RemoteEngine):
         now = time.time()
         entries = []
         for replica, entry in sorted(self._entries.items(), key=lambda item: item[1].get("started", 0)):
-            if entry.get("app", APP_NAME) != self._app:  # another model's replicas
+            if (entry.get("app") or APP_NAME) != self._app:  # another model's replicas
                 continue
             age = now - entry.get("time", 0)
             if age > FORGET_S:
