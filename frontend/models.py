@@ -55,6 +55,10 @@ class ModelEntry:
     loads: int = 0  # loads started, failed ones included
     max_model_len: int | None = None  # known once loaded (kept after an unload, for /v1/models)
     footprint: "Footprint | None" = None  # its memory estimate: computed when first needed, measured once loaded
+    line: list = field(default_factory=list)  # the requests waiting for it to load, first come first
+    waits_for: str | None = None  # while its load waits for room: what it waits for ("`a` to finish 2 requests")
+    overrides: tuple[tuple[str, object], ...] = ()  # its own settings (--models-preset): Settings field -> value
+    shown: tuple[tuple[str, object], ...] = ()  # those settings as the preset file wrote them (/v1/models)
 
     def names(self) -> set[str]:
         names = {self.name, *self.aliases}
@@ -151,6 +155,23 @@ def measure_footprint(source: str | None, settings, engine=None) -> Footprint:
     return Footprint(weights, blocks * config.block_size * per_token)
 
 
+def settings_of(settings, entry: ModelEntry):
+    """The settings `entry`'s engine is built with: the server's, its source, its preset's own."""
+    if not hasattr(settings, "model_id"):  # a registry around one running engine (`single`): nothing to build
+        return settings
+    return dataclasses.replace(settings, model_id=entry.source, **dict(entry.overrides))
+
+
+def _ordinal(n: int) -> str:
+    """1 -> "1st", 2 -> "2nd", 11 -> "11th", 23 -> "23rd"."""
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+def _requests(n: int) -> str:
+    return f"{n} request" + ("" if n == 1 else "s")
+
+
 def _bytes(n: int) -> str:
     """1234567 -> "1,234,567 bytes (1.2 MiB)": exact, and readable."""
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
@@ -160,8 +181,9 @@ def _bytes(n: int) -> str:
 
 
 def discover(settings) -> list[ModelEntry]:
-    """The models the settings name, in order: each --model, then each .gguf file and model folder
-    (with a config.json) of --models-dir by name; the embedded model when none is named."""
+    """The models the settings name, in order: each --model, then each table of --models-preset (with
+    its own settings), then each .gguf file and model folder (with a config.json) of --models-dir by
+    name; the embedded model when none is named."""
     entries: list[ModelEntry] = []
     for source in settings.models or ((settings.model_id,) if settings.model_id else ()):
         path = Path(source).expanduser()
@@ -170,6 +192,18 @@ def discover(settings) -> list[ModelEntry]:
             entries.append(ModelEntry(name, source, aliases=tuple({source, path.name} - {name})))
         else:  # a Hub id is its own name
             entries.append(ModelEntry(source, source))
+    if settings.models_preset:
+        from frontend.options import engine_config
+        from frontend.presets import read_presets
+
+        for preset in read_presets(settings.models_preset):
+            entry = ModelEntry(preset.name, preset.source, pinned=preset.pinned, overrides=preset.settings,
+                               shown=preset.shown, max_model_len=dict(preset.settings).get("max_model_len"))
+            try:  # its engine's settings together (a draft model without speculative = "draft", ...)
+                engine_config(settings_of(settings, entry))
+            except ValueError as exc:
+                raise ValueError(f"--models-preset {settings.models_preset}: [{preset.name}] {exc}") from None
+            entries.append(entry)
     if settings.models_dir:
         folder = Path(settings.models_dir).expanduser()
         if not folder.is_dir():
@@ -255,7 +289,7 @@ class ModelRegistry:
         for entry in self.entries:
             if entry is self.default or entry.pinned:
                 entry.loads += 1
-                self._loaded(entry, self._build(dataclasses.replace(self.settings, model_id=entry.source)))
+                self._loaded(entry, self._build(settings_of(self.settings, entry)))
         if not self.several and not self.ttl:
             self.default.pinned = True  # nothing else could take its place
             return self.default.engine
@@ -290,14 +324,18 @@ class ModelRegistry:
                                 "(see GET /v1/models).", param="model", code="model_not_found")
         return entry
 
-    async def acquire(self, name: str | None, *, load: bool | None = None) -> ModelEntry:
+    async def acquire(self, name: str | None, *, load: bool | None = None, ticket: object = None) -> ModelEntry:
         """The loaded entry of `name`, held (never unloaded) until `release`. Loads it first (`load`, by
-        default --models-autoload), making room under --models-max; the load's failure as an ApiError."""
+        default --models-autoload), making room under --models-max; the load's failure as an ApiError.
+        While it waits for the load it holds a place in the model's line (`ticket`: see `place`)."""
         entry = self.resolve(name)
         self._start_sweeper()
         entry.leases += 1
+        ticket = object() if ticket is None else ticket
         try:
             while entry.state != "loaded":
+                if ticket not in entry.line:
+                    entry.line.append(ticket)
                 if entry.loading is None:
                     if not (self.autoload if load is None else load):
                         raise ApiError(400, f"The model `{entry.name}` is not loaded and this server loads models "
@@ -309,8 +347,24 @@ class ModelRegistry:
         except BaseException:
             entry.leases -= 1
             raise
+        finally:
+            if ticket in entry.line:
+                entry.line.remove(ticket)
         entry.last_used = time.monotonic()
         return entry
+
+    def place(self, name: str | None, ticket: object) -> str | None:
+        """Where the request holding `ticket` waits for `name`'s load, as the page shows it ("Loading model
+        `a` · 2nd in line · waiting for `b` to finish 1 request"); None once it no longer waits."""
+        entry = self.resolve(name)
+        if entry.state == "loaded" and ticket not in entry.line:
+            return None
+        text = f"Loading model `{entry.name}`"
+        if ticket in entry.line:
+            text += f" · {_ordinal(entry.line.index(ticket) + 1)} in line"
+        if entry.waits_for:
+            text += f" · waiting for {entry.waits_for}"
+        return text
 
     def release(self, entry: ModelEntry) -> None:
         entry.leases -= 1
@@ -340,9 +394,12 @@ class ModelRegistry:
         entry.state, entry.error, entry.has_room = "loading", None, False
         entry.loads += 1
         try:
-            await self._make_room(entry)
+            try:
+                await self._make_room(entry)
+            finally:
+                entry.waits_for = None
             started = time.monotonic()
-            engine = await asyncio.to_thread(self._build, dataclasses.replace(self.settings, model_id=entry.source))
+            engine = await asyncio.to_thread(self._build, settings_of(self.settings, entry))
             log.info("model %s loaded in %.1f s", entry.name, time.monotonic() - started)
             self._loaded(entry, engine)
         except BaseException as exc:
@@ -370,8 +427,9 @@ class ModelRegistry:
                                                      self.settings.default_max_new_tokens)
         entry.max_model_len = engine.max_model_len
         entry.last_used = time.monotonic()
-        if self.memory is not None or entry.footprint is not None:  # the pool it really has
-            entry.footprint = self._measure(entry.source, self.settings, engine)
+        if self.memory is not None or entry.footprint is not None:  # the pool it really has (where it can say)
+            entry.footprint = None
+            self.footprint(entry)
         if not self.several and entry.name != engine.model_name:  # one model goes by its own name, as before
             entry.aliases, entry.name = (*entry.aliases, *(() if entry.source is None else (entry.name,))), \
                 engine.model_name
@@ -380,7 +438,7 @@ class ModelRegistry:
         """The model's memory estimate (computed once; measured again when it loads)."""
         if entry.footprint is None:
             try:
-                entry.footprint = self._measure(entry.source, self.settings, entry.engine)
+                entry.footprint = self._measure(entry.source, settings_of(self.settings, entry), entry.engine)
             except Exception:  # noqa: BLE001 - an engine that cannot say (a remote one): its size on disk alone
                 log.debug("no KV estimate for %s", entry.name, exc_info=True)
                 entry.footprint = Footprint(disk_size(entry.source), None)
@@ -391,7 +449,8 @@ class ModelRegistry:
         --models-memory; wait for a busy one to finish (ROOM_WAIT_S at most, then a 503 with
         Retry-After). A model that cannot fit even beside the pinned ones alone: a 503 at once."""
         if self.memory is not None and entry.footprint is None:
-            entry.footprint = await asyncio.to_thread(self._measure, entry.source, self.settings, None)
+            entry.footprint = await asyncio.to_thread(self._measure, entry.source, settings_of(self.settings, entry),
+                                                      None)
         need = self.footprint(entry).total if self.memory is not None else 0
         if self.memory is not None and need > self.memory:
             raise ApiError(503, f"The model `{entry.name}` cannot be loaded: it needs about {_bytes(need)} (its "
@@ -421,6 +480,8 @@ class ModelRegistry:
                 if idle:
                     await self._unload(min(idle, key=lambda e: e.last_used))
                     continue
+                entry.waits_for = " and ".join(f"`{e.name}` to finish {_requests(self.busy(e))}"
+                                               for e in others if not e.pinned and self.busy(e)) or None
                 if time.monotonic() > deadline:
                     busy = ", ".join(f"`{e.name}` ({self.busy(e)} requests)" for e in others)
                     bound = (f"--models-max {self.max_loaded} models are loaded" if not count_ok else
@@ -509,7 +570,7 @@ class ModelRegistry:
             out.append({"id": entry.name, "status": status, "size_bytes": disk_size(entry.source),
                         "estimated_memory_bytes": footprint.total, "kv_cache_bytes": footprint.kv_cache_bytes,
                         "max_model_len": entry.max_model_len, "loads": entry.loads, "pinned": entry.pinned,
-                        "default": entry is self.default})
+                        "default": entry is self.default, **({"settings": dict(entry.shown)} if entry.shown else {})})
         return out
 
 
@@ -577,12 +638,15 @@ class ModelView:
 
     def health_info(self) -> dict:
         engine = self._entry.engine
-        return {"backend": "local", "loaded": False} if engine is None else engine.health_info()
+        return {"backend": self.backend, "loaded": False} if engine is None else engine.health_info()
 
-    backend = "local"  # several models run on the local backend only (frontend/options.py)
+    @property
+    def backend(self) -> str:  # local or ray (frontend/options.py refuses several models on openai)
+        return getattr(self._registry.settings, "backend", "local")
 
-    def replica_stats(self) -> list[dict]:
-        return []
+    def replica_stats(self) -> list[dict]:  # --backend ray: the replicas of this model's own replica set
+        engine = self._entry.engine
+        return [] if engine is None else engine.replica_stats()
 
     def _engine(self):
         engine = self._entry.engine

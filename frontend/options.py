@@ -29,7 +29,8 @@ class Option:
 
 
 MODEL_OPTIONS = ("model_id", "dtype", "device", "quantize", "activations", "trust_remote_code", "models_dir",
-                 "default_model", "models_autoload", "models_max", "models_memory", "model_ttl", "pin")  # --help's groups
+                 "models_preset", "default_model", "models_autoload", "models_max", "models_memory", "model_ttl",
+                 "pin")  # --help's groups
 OPTIONS: tuple[Option, ...] = (
     # model
     Option("--model", ("MODEL_ID",), "model_id", "append", None,
@@ -48,6 +49,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("--models-dir", ("MODELS_DIR",), "models_dir", str, None,
            "a folder whose .gguf files and model folders are served too, each by its file or folder name "
            "(loaded when a request names it)", "DIR"),
+    Option("--models-preset", ("MODELS_PRESET",), "models_preset", str, None,
+           "a TOML file of one [table] per model: its `model` (file, folder or hub id) and its own settings "
+           "(max-model-len, kv-cache-memory, quantize, speculative, ...: the flags without --)", "FILE"),
     Option("--default-model", ("DEFAULT_MODEL",), "default_model", str, None,
            "the model that answers requests naming none (default: the first --model, else the first in "
            "--models-dir)", "NAME"),
@@ -339,8 +343,9 @@ def parse_settings(argv: list[str] | None = None, environ: dict[str, str] | None
     if not 0 < settings.port < 65536:
         parser.error(f"--port must be between 1 and 65535. Given: {settings.port}")
     _check_backend(parser, settings)
-    if (len(settings.models) > 1 or settings.models_dir) and settings.backend != "local":
-        parser.error(f"several models (--model given again, --models-dir) run on --backend local only. "
+    if (len(settings.models) > 1 or settings.models_dir or settings.models_preset) and settings.backend == "openai":
+        parser.error(f"several models (--model given again, --models-dir, --models-preset) run on --backend local or "
+                     f"ray (the remote of --backend openai serves its own). "
                      f"Given: --backend {settings.backend}")
     return settings
 

@@ -19,6 +19,7 @@ class Settings:
     # several models (frontend/models.py)
     models: tuple[str, ...] = ()  # every --model given, in order (model_id is the first)
     models_dir: str | None = None  # each .gguf file and model folder in it is a model, named by its name
+    models_preset: str | None = None  # a TOML file of one table per model with its own settings (frontend/presets.py)
     default_model: str | None = None  # the model of requests that name none; None = the first
     models_autoload: bool = True  # a request naming an unloaded model loads it
     models_max: int = 4  # models loaded at once at most (the least recently used idle one makes room)

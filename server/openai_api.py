@@ -71,7 +71,8 @@ def _model_card(state, model: dict) -> dict:
     "unloaded"|"failed"}), its size on disk and the memory --models-memory counts for it (weights + KV pool)."""
     return {"id": model["id"], "object": "model", "created": state.started_at, "owned_by": "rill",
             "max_model_len": model["max_model_len"], "status": model["status"], "size_bytes": model["size_bytes"],
-            "estimated_memory_bytes": model["estimated_memory_bytes"], "kv_cache_bytes": model["kv_cache_bytes"]}
+            "estimated_memory_bytes": model["estimated_memory_bytes"], "kv_cache_bytes": model["kv_cache_bytes"],
+            **({"settings": model["settings"]} if "settings" in model else {})}  # its own (--models-preset)
 
 
 @router.post("/chat/completions")

@@ -188,3 +188,26 @@ def test_models_memory_below_what_start_loads_is_refused_at_start():
     reg = memory_registry(models_memory=700, pin=("b",))  # a (default, 300) + b (500)
     with pytest.raises(ValueError, match="--models-memory 700 bytes cannot hold .*`a` 300 bytes, `b` 500 bytes"):
         reg.start()
+
+
+def test_requests_waiting_for_a_load_see_their_place_in_line_and_what_the_load_waits_for():
+    async def run():
+        reg = registry(models_max=1)
+        a = await reg.acquire("a")  # a stream of a runs: b's load waits for room
+        first, second = object(), object()
+        waiting = [asyncio.ensure_future(reg.acquire("b", ticket=t)) for t in (first, second)]
+        await asyncio.sleep(0.2)
+        places = reg.place("b", first), reg.place("b", second)
+        waiting[0].cancel()  # the first leaves (a closed tab): the second moves up
+        await asyncio.sleep(0.1)
+        moved = reg.place("b", second)
+        reg.release(a)  # a idle: unloaded, b loads
+        b = await waiting[1]
+        reg.release(b)
+        return places, moved, reg.place("b", second), b.state
+
+    places, moved, after, state = asyncio.run(run())
+    assert places == ("Loading model `b` · 1st in line · waiting for `a` to finish 1 request",
+                      "Loading model `b` · 2nd in line · waiting for `a` to finish 1 request")
+    assert moved == "Loading model `b` · 1st in line · waiting for `a` to finish 1 request"
+    assert (after, state) == (None, "loaded")

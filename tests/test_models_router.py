@@ -1,7 +1,8 @@
 """Several models behind one server (frontend/models.py), over HTTP against one real app.py:
 `--models-dir` with two tiny random-weight models, a bad .gguf and one too large for the budget,
 `--models-memory` that holds one tiny model but not two (every switch unloads the other), a short
-`--model-ttl`, an API key. Each model loads on its first request, answers as it does alone (greedy
+`--model-ttl`, an API key, and a `--models-preset` file serving the tiny llama twice with its own
+context and KV pool each (`short`, `long`). Each model loads on its first request, answers as it does alone (greedy
 tokens), makes room by unloading the least recently used idle one, never while a stream of it runs;
 a bad file's error reaches its callers while the other model serves."""
 
@@ -54,9 +55,25 @@ def models_dir(tmp_path_factory, tiny_model):
     return folder
 
 
+SHORT, LONG = 24, 64  # the preset models' contexts (--max-model-len of each)
+
+
 @pytest.fixture(scope="module")
-def server(models_dir):
-    with run_server("--models-dir", str(models_dir), "--default-model", "llama", "--models-max", "3",
+def preset(tmp_path_factory, models_dir):
+    """Two models of one preset file, the same tiny llama with its own context and KV pool each (the model
+    paths relative to the file's folder)."""
+    folder = tmp_path_factory.mktemp("preset")
+    (folder / "weights").symlink_to(models_dir / "llama", target_is_directory=True)
+    path = folder / "models.toml"
+    path.write_text(f'[short]\nmodel = "weights"\nmax-model-len = {SHORT}\nnum-kv-blocks = 4\n\n'
+                    f'[long]\nmodel = "weights"\nmax-model-len = {LONG}\nnum-kv-blocks = 16\n')
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(models_dir, preset):
+    with run_server("--models-dir", str(models_dir), "--models-preset", str(preset), "--default-model", "llama",
+                    "--models-max", "3",
                     "--models-memory", str(budget(models_dir)), "--num-kv-blocks", str(KV_BLOCKS),
                     "--model-ttl", str(TTL_S), "--api-key", KEY) as server:
         yield server
@@ -98,7 +115,7 @@ def complete(client, model: str, max_tokens: int = MAX_TOKENS) -> httpx.Response
 
 def test_models_are_listed_with_state_and_size(client, models_dir):
     listed = {m["id"]: m for m in client.get("/v1/models").json()["data"]}
-    assert set(listed) == {"llama", "qwen2", "broken", "big"}
+    assert set(listed) == {"llama", "qwen2", "broken", "big", "short", "long"}
     assert listed["llama"]["status"] == {"value": "loaded"}  # the default, loaded at start
     assert listed["qwen2"]["status"] == {"value": "unloaded"}
     assert listed["qwen2"]["size_bytes"] == sum(p.stat().st_size for p in (models_dir / "qwen2").resolve().iterdir())
@@ -155,7 +172,8 @@ def test_unknown_model_is_a_404_naming_the_models_served_on_every_route(client):
     for path, body in bodies.items():
         response = client.post(path, json=body)
         assert response.status_code == 404, (path, response.text)
-        assert "`nope` does not exist" in response.text and "`big`, `broken`, `llama`, `qwen2`" in response.text, path
+        assert "`nope` does not exist" in response.text, path
+        assert "`short`, `long`, `big`, `broken`, `llama`, `qwen2`" in response.text, path
     assert client.get("/v1/models/nope").status_code == 404
 
 
@@ -310,3 +328,23 @@ def test_gradio_client_picks_the_model_by_its_model_argument(server, client):
     assert answer == chat and answer != default
     assert page.predict(message="Tell me a joke.", history=[], **greedy, max_new_tokens=6,
                         api_name="/chat") == default  # no model: the default
+
+
+def test_each_preset_model_is_built_with_its_own_context_and_kv_pool(client, models_dir):
+    listed = {m["id"]: m for m in client.get("/v1/models").json()["data"]}
+    assert listed["short"]["settings"] == {"max-model-len": SHORT, "num-kv-blocks": 4}
+    assert (listed["short"]["max_model_len"], listed["long"]["max_model_len"]) == (SHORT, LONG)  # before loading
+    prompt = list(range(5, 35))  # 30 tokens: past short's context, within long's
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    refused = client.post("/v1/completions", json={**body, "model": "short"})
+    assert refused.status_code == 400, refused.text
+    assert f"beyond this model's context of {SHORT} tokens" in refused.json()["error"]["message"]
+    answered = client.post("/v1/completions", json={**body, "model": "long"})
+    assert answered.status_code == 200, answered.text
+    assert answered.json()["usage"] == {"prompt_tokens": 30, "completion_tokens": 4, "total_tokens": 34}
+    assert complete(client, "short").status_code == 200  # its own prompts fit
+    listed = {m["id"]: m for m in client.get("/v1/models").json()["data"]}
+    per_block = (estimate(models_dir / "llama") - sum(p.stat().st_size for p in (models_dir / "llama").resolve()
+                                                        .iterdir())) // KV_BLOCKS  # --num-kv-blocks 64 elsewhere
+    assert (listed["short"]["kv_cache_bytes"], listed["long"]["kv_cache_bytes"]) == (4 * per_block, 16 * per_block)
+    assert (listed["short"]["max_model_len"], listed["long"]["max_model_len"]) == (SHORT, LONG)  # the engines'

@@ -3,6 +3,8 @@ answering (the page's generator and the `/chat` API for gradio_client), the chat
 history edits, and the answers each browser session streams (a closed tab aborts them). Every
 refusal or failure becomes what the visitor sees in one place, `page_error`."""
 
+import asyncio
+import contextlib
 import hashlib
 import hmac
 import secrets
@@ -24,6 +26,7 @@ from ui.history import ChatError, content_text, file_path, to_engine_messages, u
 from ui.markup import escape_html
 
 ROUTE = "gradio"  # the page's requests in the metrics
+PLACE_POLL_S = 0.25  # how often a message waiting for its model's load looks at its place in line again
 # (send, stop, textbox) while an answer streams and after
 GENERATING = (gr.update(visible=False), gr.update(visible=True), gr.update(interactive=False))
 IDLE = (gr.update(visible=True), gr.update(visible=False), gr.update(interactive=True))
@@ -148,13 +151,13 @@ class PageHandlers:
                     model=model)
 
     async def answer(self, messages: list[dict], message: str, settings: ChatSettings, request, *,
-                     route: str = ROUTE, warn=None, watch=None, model: str | None = None):
-        """(text so far, stats) of the answer; every refusal or failure raised as `page_error` has it."""
-        held = None
+                     route: str = ROUTE, warn=None, watch=None, model: str | None = None, held=None):
+        """(text so far, stats) of the answer; every refusal or failure raised as `page_error` has it.
+        `held`: the model's entry already acquired (`wait_for_model`), released here."""
         try:
             engine, defaults, name = self.engine, self.defaults, None
             if self.models is not None:  # the model picked (None: the default), loaded if it is not
-                held = await self.models.acquire(model)
+                held = held or await self.models.acquire(model)
                 engine, defaults, name = held.engine, held.defaults, held.name
             async for update in stream_answer(engine, defaults, messages, message, settings,
                                               admission=self.admission(request, route, name), warn=warn,
@@ -185,16 +188,18 @@ class PageHandlers:
                                      image_limits=self.image_limits)
         fmt = self.calls_format if chat_settings.output_format == "Text" else None  # JSON mode: the JSON as it is
         shown: list[dict] = []
-        if self.models is not None:  # a model not loaded yet: say so while its load is awaited
-            try:
-                entry = self.models.resolve(model or None)
-            except ApiError as exc:
-                raise page_error(exc, self.metrics) from None
-            if entry.state != "loaded":
-                yield history, f"Loading model `{entry.name}`…"
+        held = None
+        if self.models is not None:  # the model held first; while its load is awaited, the place in line shown
+            async with contextlib.aclosing(self.wait_for_model(model or None)) as waiting:
+                async for place in waiting:
+                    if not isinstance(place, str):
+                        held = place
+                        break
+                    yield history, place
         try:
             async for text, stats in self.answer(messages, message, chat_settings, request, warn=gr.Warning,
-                                                 watch=self.visitors.watcher(request), model=model or None):
+                                                 watch=self.visitors.watcher(request), model=model or None,
+                                                 held=held):
                 shown = answer_messages(text, stats, fmt)
                 yield history + shown, stats.markdown()
         finally:  # also when Stop closed it: what was streamed so far is what the visitor may rate
@@ -202,6 +207,29 @@ class PageHandlers:
                 self.served.add(getattr(request, "session_hash", None), len(history), shown,
                                 [{"role": m["role"], "content": content_text(m["content"])}
                                  for m in messages + [{"role": "user", "content": message}]])
+
+    async def wait_for_model(self, model: str | None):
+        """The status line's text each time the message's place changes while it waits for its model to
+        load ("Loading model `a` · 2nd in line…"), then the model's entry, held (`answer` releases it)."""
+        ticket, shown = object(), None
+        acquiring = asyncio.ensure_future(self.models.acquire(model, ticket=ticket))
+        held = None
+        try:
+            while not acquiring.done():
+                place = self.models.place(model, ticket)
+                if place is not None and place != shown:
+                    shown = place
+                    yield place + "…"
+                await asyncio.wait({acquiring}, timeout=PLACE_POLL_S)
+            held = acquiring.result()
+        except Exception as exc:
+            raise page_error(exc, self.metrics) from None
+        finally:
+            if held is None:  # the visitor left (Stop, a closed tab) or it failed: nothing stays held
+                acquiring.cancel()
+                if acquiring.done() and not acquiring.cancelled() and acquiring.exception() is None:
+                    self.models.release(acquiring.result())
+        yield held
 
     def api_chat(self):
         """The `/chat` API function (its signature and docstring are what gradio_client shows); with

@@ -14,13 +14,19 @@ twice that to a replica (`max_ongoing_requests`), so it never holds a request ba
 could refuse it, and its own bound (`max_queued_requests`, a BackPressureError) is a 429 too. A request whose replica died before it was taken is sent again (another
 replica takes it); one that dies mid-stream ends with an error event. Ray Serve replaces the
 dead replica (its health check and its actor's death).
+
+Several models (`--model` again, `--models-dir`, `--models-preset`): one replica set per model, each
+its own Serve application (`app_name`), deployed when the model loads and deleted when it unloads;
+the replicas post to one board, each entry marked with its application.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
+import re
 import time
 from pathlib import Path
 
@@ -45,6 +51,24 @@ STALE_S = 10.0  # a replica that has not posted for this long counts as dead (a 
 FORGET_S = 60.0  # and is dropped from /health after this long
 FRESH_S = 3.0  # the test hook waits only for replicas that posted this recently (a killed one's entry lingers)
 ADMIT_RETRIES = 3  # a replica that died before taking a request: try this many times in all
+_live: set = set()  # the RayEngines of this process (one per loaded model)
+_ray_started_here = False  # this process started the local Ray instance: the last engine closed stops it
+
+
+def several_models(settings) -> bool:
+    return len(getattr(settings, "models", ())) > 1 or bool(settings.models_dir) or bool(settings.models_preset)
+
+
+def app_name(settings) -> str:
+    """The Serve application of the model the settings load: `rill` for a server of one model (what a
+    RayService deploys), else one per model and its own settings (a preset may load one file twice)."""
+    if not several_models(settings):
+        return APP_NAME
+    from frontend.backends import iter_engine_fields
+
+    digest = hashlib.sha256(repr(sorted(iter_engine_fields(settings))).encode()).hexdigest()[:8]
+    stem = re.sub(r"[^A-Za-z0-9_-]+", "-", Path(str(settings.model_id or "embedded")).name)[:40]
+    return f"{APP_NAME}-{stem}-{digest}"
 
 
 def _start_ray(settings) -> bool:
@@ -66,7 +90,8 @@ def _start_ray(settings) -> bool:
             return False
         # A local instance: its workers inherit this environment, so they find rill on PYTHONPATH.
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-        cpus = max(1, round(settings.replicas * settings.replica_cpus))
+        sets = settings.models_max if several_models(settings) else 1  # a replica set per loaded model
+        cpus = max(1, round(settings.replicas * settings.replica_cpus * sets))
         ray.init(num_cpus=cpus, **quiet)
         return True
     except Exception as exc:  # noqa: BLE001 - one line for the operator
@@ -77,11 +102,11 @@ def _start_ray(settings) -> bool:
                            f"{str(exc).splitlines()[0] if str(exc) else ''}{hint}") from exc
 
 
-def _existing_app():
+def _existing_app(app: str = APP_NAME):
     """The handle of a `rill` application already deployed on the cluster (by a RayService), or None."""
     try:
-        if APP_NAME in serve.status().applications:
-            return serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=APP_NAME)
+        if app in serve.status().applications:
+            return serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=app)
     except Exception:  # noqa: BLE001 - no Serve on the cluster yet
         log.debug("no Serve application on the cluster", exc_info=True)
     return None
@@ -98,7 +123,11 @@ class RayEngine(RemoteEngine):
     backend = "ray"
     continuable = True  # replicas return token ids: a resumed stream continues from them
 
-    def __init__(self, handle, board, info: dict, started_ray: bool):
+    def __init__(self, handle, board, info: dict, started_ray: bool, app: str = APP_NAME):
+        global _ray_started_here
+        _ray_started_here = _ray_started_here or started_ray
+        self._app = app
+        _live.add(self)
         self._handle = handle
         self._stream_handle = handle.options(stream=True)
         self._board = board
@@ -114,22 +143,28 @@ class RayEngine(RemoteEngine):
     @classmethod
     def from_settings(cls, settings) -> "RayEngine":
         started = _start_ray(settings)
+        app = app_name(settings)
         try:
             board = stats_board()
-            handle = None if started else _existing_app()
+            handle = None if started else _existing_app(app)
             if handle is None:
                 serve.start(proxy_location="Disabled")
-                log.info("starting %d engine replica(s) on Ray Serve", settings.replicas)
-                handle = serve.run(build_app(vars_of(settings)), name=APP_NAME, route_prefix=None)
+                log.info("starting %d engine replica(s) of %s on Ray Serve", settings.replicas, app)
+                handle = serve.run(build_app(vars_of(settings)), name=app, route_prefix=None)
             else:
-                log.info("using the engine replicas of the Serve application %r already on the cluster", APP_NAME)
+                log.info("using the engine replicas of the Serve application %r already on the cluster", app)
             info = handle.info.remote().result()
         except Exception as exc:
             if started:
                 ray.shutdown()
+            elif app != APP_NAME:  # a model's replicas that did not start: nothing of it stays deployed
+                try:
+                    serve.delete(app)
+                except Exception:  # noqa: BLE001 - the error below says why it failed
+                    log.debug("deleting %s failed", app, exc_info=True)
             raise BackendError(f"the engine replicas did not start on Ray Serve: {type(exc).__name__}: "
                                f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}") from exc
-        return cls(handle, board, info, started)
+        return cls(handle, board, info, started, app)
 
     # ---- state of the replicas ------------------------------------------------------------
 
@@ -145,6 +180,8 @@ class RayEngine(RemoteEngine):
         now = time.time()
         entries = []
         for replica, entry in sorted(self._entries.items(), key=lambda item: item[1].get("started", 0)):
+            if (entry.get("app") or APP_NAME) != self._app:  # another model's replicas
+                continue
             age = now - entry.get("time", 0)
             if age > FORGET_S:
                 continue
@@ -225,11 +262,14 @@ class RayEngine(RemoteEngine):
     def _close(self) -> None:
         if self._poller is not None:
             self._poller.cancel()
+        global _ray_started_here
+        _live.discard(self)
         try:
-            if self._started_ray:
+            if _ray_started_here and not _live:  # the last model's replicas: the local instance goes too
                 serve.shutdown()
                 ray.shutdown()
-            else:
-                serve.delete(APP_NAME)
+                _ray_started_here = False
+            else:  # this model unloaded: its replicas go, the other models' stay
+                serve.delete(self._app)
         except Exception:  # noqa: BLE001 - shutting down anyway
             log.warning("stopping the Ray Serve application failed", exc_info=True)

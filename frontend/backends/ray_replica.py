@@ -87,6 +87,8 @@ class EngineReplica:
         self.engine = load_engine(fields).start()
         context = serve.get_replica_context()
         self.replica = getattr(context.replica_id, "unique_id", None) or str(context.replica_tag)
+        # its Serve application: with several models, each model's replica set is one (ray_backend.app_name)
+        self.app = getattr(getattr(context.replica_id, "deployment_id", None), "app_name", None)
         self.pid = os.getpid()
         self.started = time.time()
         self.requests_total = 0  # requests this replica admitted
@@ -144,7 +146,7 @@ class EngineReplica:
             raise RuntimeError("the engine of this replica stopped for good")
 
     def _entry(self) -> dict:
-        return {"replica": self.replica, "pid": self.pid, "time": time.time(), "started": self.started,
+        return {"replica": self.replica, "app": self.app, "pid": self.pid, "time": time.time(), "started": self.started,
                 "alive": bool(self.engine.alive), "requests_total": self.requests_total, "step_delay_s": self.step_delay_s,
                 "engine_restarts": self.engine.num_restarts, "engine": stats_dict(self.engine.stats())}
 
