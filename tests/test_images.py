@@ -153,15 +153,19 @@ def test_encoder_cache_skips_a_repeated_picture_without_its_blocks(loaded, refer
         vision.cache = type(vision.cache)(kept)
 
 
-@pytest.mark.parametrize("budget", [128, 7], ids=["whole-prompt", "chunked-inside-an-image"])
-def test_llava_greedy_equals_generate(tiny_llava, budget):
-    """LLaVA (a CLIP tower and projector, one tile a picture) through the same split and ImageEncoder:
-    two pictures whose image tokens touch, beside a text request, answer as `generate` with the
-    processor's inputs; with 7 tokens a step the pictures' 32 tokens span several chunks."""
+@pytest.mark.parametrize("budget", [256, 7], ids=["whole-prompt", "chunked-inside-an-image"])
+@pytest.mark.parametrize("family", ["llava", "llava_next"])
+def test_llava_families_greedy_equals_generate(request, family, budget):
+    """LLaVA (a CLIP tower and projector, one tile a picture) and LLaVA-NeXT (anyres: a picture's
+    grid of tiles and its whole view, unpadded, rows ended by image_newline; so pictures of other
+    sizes get other token counts) through the same split and ImageEncoder: two pictures whose image
+    tokens touch, beside a text request, answer as `generate` with the processor's inputs; with 7
+    tokens a step the pictures' tokens span many chunks."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    processor = AutoProcessor.from_pretrained(tiny_llava)
-    model = AutoModelForImageTextToText.from_pretrained(tiny_llava, dtype=torch.float32).eval()
+    folder = request.getfixturevalue(f"tiny_{family}")
+    processor = AutoProcessor.from_pretrained(folder)
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
     pictures = [test_image(1), test_image(2, (30, 70))]
     text = processor.apply_chat_template(_messages("Compare them.", 2), add_generation_prompt=True)
     inputs = processor(text=text, images=pictures, return_tensors="pt")
@@ -170,11 +174,11 @@ def test_llava_greedy_equals_generate(tiny_llava, budget):
     plain = torch.tensor([processor.tokenizer.encode("the sun and the moon", add_special_tokens=False)])
     want_text = model.generate(input_ids=plain, max_new_tokens=MAX_NEW, do_sample=False)[0, plain.shape[1]:].tolist()
 
-    llava = load_model(str(tiny_llava))
-    assert llava.vision.family == "llava" and type(llava.model).__name__ == "LlamaForCausalLM"
-    llm = LLM(llava, EngineConfig(max_num_batched_tokens=budget))
+    loaded = load_model(str(folder))
+    assert loaded.vision.family == family and type(loaded.model).__name__ == "LlamaForCausalLM"
+    llm = LLM(loaded, EngineConfig(max_num_batched_tokens=budget))
     assert llm.core.attention_path == "paged"
-    ids, images = llava.vision.prepare(_messages("Compare them.", 2), pictures)
+    ids, images = loaded.vision.prepare(_messages("Compare them.", 2), pictures)
     assert ids == inputs["input_ids"][0].tolist() and images.count == 2
     assert images.spans[1].first == images.spans[0].last + 1  # the two pictures' tokens touch
     results = llm.generate([ids, plain[0].tolist()], _greedy(), images=[images, None])
@@ -238,6 +242,7 @@ def test_health_says_images_and_limits(vlm_server, tiny_server):
 
     images = httpx.get(f"{vlm_server.url}/health").json()["images"]
     assert images["family"] == "idefics3" and images["max_images"] == 4
+    assert images["families"] == ["idefics3", "llava", "llava_next", "smolvlm"]  # the families that load
     assert images["max_bytes"] == IMAGE_BYTES_LIMIT and images["allowed_media_domains"] == []
     assert httpx.get(f"{tiny_server.url}/health").json()["images"] is None
 

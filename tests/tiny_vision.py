@@ -91,6 +91,91 @@ def build_tiny_llava(out_dir: str | Path, seed: int = 0) -> Path:
     return out_dir
 
 
+def _tiny_llama_text(tokenizer):
+    import transformers as tf
+
+    from tests.tiny_models import CONTEXT, _special_ids
+
+    return tf.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CONTEXT,
+                          initializer_range=0.2, **_special_ids(tokenizer))
+
+
+def build_tiny_llava_next(out_dir: str | Path, seed: int = 0) -> Path:
+    """Write a tiny `LlavaNextForConditionalGeneration` (CLIP on 32x32 tiles, the projector, a Llama
+    text model, its `image_newline`) and its `LlavaNextProcessor` into `out_dir`: "anyres", a picture
+    resized to the best of the 32x64, 64x32 and 64x64 grids and cut into its 32x32 tiles after a
+    32x32 view of the whole, the tiles' features unpadded to the picture's aspect and ended row by
+    row with the newline."""
+    import torch
+    import transformers as tf
+
+    from tests.tiny_models import _special_ids, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    ids = _special_ids(tokenizer)
+    vision = tf.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                 image_size=TILE, patch_size=PATCH, projection_dim=32, initializer_range=0.2)
+    grid = [[TILE, 2 * TILE], [2 * TILE, TILE], [2 * TILE, 2 * TILE]]
+    config = tf.LlavaNextConfig(vision_config=vision, text_config=_tiny_llama_text(tokenizer), image_grid_pinpoints=grid,
+                                image_token_id=tokenizer.convert_tokens_to_ids("<image>"), tie_word_embeddings=False,
+                                **ids)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = tf.LlavaNextForConditionalGeneration(config).eval()
+        with torch.no_grad():  # initialised to zeros by default: random, so a wrong placement shows
+            model.model.image_newline.normal_(0, 0.5)
+    model.generation_config = tf.GenerationConfig(**ids)
+    images = tf.LlavaNextImageProcessorPil(size={"shortest_edge": TILE}, crop_size={"height": TILE, "width": TILE},
+                                           image_grid_pinpoints=grid)
+    processor = tf.LlavaNextProcessor(image_processor=images, tokenizer=tokenizer, patch_size=PATCH,
+                                      vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                                      chat_template=VLM_TEMPLATE)
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir)
+    processor.save_pretrained(out_dir)
+    return out_dir
+
+
+PIXTRAL_TEMPLATE = VLM_TEMPLATE.replace("<image>", "[IMG]")
+
+
+def build_tiny_mistral3(out_dir: str | Path, seed: int = 0) -> Path:
+    """Write a tiny `Mistral3ForConditionalGeneration` (a Pixtral encoder: 2-D rope over 8-pixel
+    patches of a picture kept at its aspect; the patch merger of 2x2 patches; a Mistral text model)
+    and its `PixtralProcessor` into `out_dir`: a picture resized to at most 64 pixels a side, its
+    [IMG] tokens in rows ended by [IMG_BREAK], the last by [IMG_END]."""
+    import torch
+    import transformers as tf
+
+    from tests.tiny_models import CONTEXT, _special_ids, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]})
+    ids = _special_ids(tokenizer)
+    text = tf.MistralConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CONTEXT,
+                            initializer_range=0.2, head_dim=16, **ids)
+    vision = tf.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                    head_dim=8, image_size=2 * TILE, patch_size=PATCH, initializer_range=0.2)
+    config = tf.Mistral3Config(vision_config=vision, text_config=text, spatial_merge_size=2,
+                               image_token_id=tokenizer.convert_tokens_to_ids("[IMG]"), tie_word_embeddings=False,
+                               **ids)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = tf.Mistral3ForConditionalGeneration(config).eval()
+    model.generation_config = tf.GenerationConfig(**ids)
+    images = tf.PixtralImageProcessorPil(size={"longest_edge": 2 * TILE}, patch_size={"height": PATCH, "width": PATCH})
+    processor = tf.PixtralProcessor(image_processor=images, tokenizer=tokenizer, patch_size=PATCH, spatial_merge_size=2,
+                                    image_token="[IMG]", image_break_token="[IMG_BREAK]", image_end_token="[IMG_END]",
+                                    chat_template=PIXTRAL_TEMPLATE)
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir)
+    processor.save_pretrained(out_dir)
+    return out_dir
+
+
 def test_image(seed: int = 0, size: tuple[int, int] = (50, 40)):
     """A random RGB picture of `size` (width, height)."""
     import numpy as np
@@ -118,3 +203,8 @@ if pytest is not None:
     def tiny_llava(tmp_path_factory) -> Path:
         """The folder of the tiny LLaVA model, built once per run."""
         return build_tiny_llava(tmp_path_factory.mktemp("tiny_llava") / "llava")
+
+    @pytest.fixture(scope="session")
+    def tiny_llava_next(tmp_path_factory) -> Path:
+        """The folder of the tiny LLaVA-NeXT model, built once per run."""
+        return build_tiny_llava_next(tmp_path_factory.mktemp("tiny_llava_next") / "llava_next")
