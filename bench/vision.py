@@ -227,8 +227,8 @@ def space_engine(folder: Path):
     lock = threading.Lock()  # the Space's queue: one event at a time
 
     def one(seed: int, question: str, tokens: int) -> dict:
+        started = time.perf_counter()  # a request waits its turn in the queue: its TTFT counts the wait
         with lock:
-            started = time.perf_counter()
             messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
             text = processor.apply_chat_template(messages, add_generation_prompt=True)
             inputs = processor(text=text, images=[picture(seed)], return_tensors="pt")

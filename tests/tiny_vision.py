@@ -5,7 +5,8 @@ SigLIP encoder, a pixel-shuffle connector, a Llama text model) saved with its `I
 the tiny tests' tokenizer with Idefics3's image tokens added, images split into 32x32 tiles of 4
 image tokens each, and a ChatML template whose image parts render as `<image>`. `test_image(seed)`:
 a small random RGB picture (PIL). `build_tiny_llava(out_dir)`: a LLaVA of the same text model, one
-tile a picture. As a pytest plugin it provides the session fixtures `tiny_vlm` and `tiny_llava`.
+tile a picture; `build_tiny_llava_next(out_dir)`: a LLaVA-NeXT (anyres tiles, image_newline). As a
+pytest plugin it provides the session fixtures `tiny_vlm`, `tiny_llava` and `tiny_llava_next`.
 """
 
 from __future__ import annotations
@@ -132,44 +133,6 @@ def build_tiny_llava_next(out_dir: str | Path, seed: int = 0) -> Path:
     processor = tf.LlavaNextProcessor(image_processor=images, tokenizer=tokenizer, patch_size=PATCH,
                                       vision_feature_select_strategy="default", num_additional_image_tokens=1,
                                       chat_template=VLM_TEMPLATE)
-    out_dir = Path(out_dir)
-    model.save_pretrained(out_dir)
-    processor.save_pretrained(out_dir)
-    return out_dir
-
-
-PIXTRAL_TEMPLATE = VLM_TEMPLATE.replace("<image>", "[IMG]")
-
-
-def build_tiny_mistral3(out_dir: str | Path, seed: int = 0) -> Path:
-    """Write a tiny `Mistral3ForConditionalGeneration` (a Pixtral encoder: 2-D rope over 8-pixel
-    patches of a picture kept at its aspect; the patch merger of 2x2 patches; a Mistral text model)
-    and its `PixtralProcessor` into `out_dir`: a picture resized to at most 64 pixels a side, its
-    [IMG] tokens in rows ended by [IMG_BREAK], the last by [IMG_END]."""
-    import torch
-    import transformers as tf
-
-    from tests.tiny_models import CONTEXT, _special_ids, build_tokenizer
-
-    tokenizer = build_tokenizer()
-    tokenizer.add_special_tokens({"additional_special_tokens": ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]})
-    ids = _special_ids(tokenizer)
-    text = tf.MistralConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CONTEXT,
-                            initializer_range=0.2, head_dim=16, **ids)
-    vision = tf.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                    head_dim=8, image_size=2 * TILE, patch_size=PATCH, initializer_range=0.2)
-    config = tf.Mistral3Config(vision_config=vision, text_config=text, spatial_merge_size=2,
-                               image_token_id=tokenizer.convert_tokens_to_ids("[IMG]"), tie_word_embeddings=False,
-                               **ids)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = tf.Mistral3ForConditionalGeneration(config).eval()
-    model.generation_config = tf.GenerationConfig(**ids)
-    images = tf.PixtralImageProcessorPil(size={"longest_edge": 2 * TILE}, patch_size={"height": PATCH, "width": PATCH})
-    processor = tf.PixtralProcessor(image_processor=images, tokenizer=tokenizer, patch_size=PATCH, spatial_merge_size=2,
-                                    image_token="[IMG]", image_break_token="[IMG_BREAK]", image_end_token="[IMG_END]",
-                                    chat_template=PIXTRAL_TEMPLATE)
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir)
     processor.save_pretrained(out_dir)
