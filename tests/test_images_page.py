@@ -64,6 +64,14 @@ def test_page_uploads_a_picture_and_answers_as_the_route_does(browser, vlm_serve
         user = visitor.page.locator("#rill-chatbot [data-testid='user']")
         assert user.locator("img").count() == 1  # the picture shows in the conversation
         assert QUESTION in user.last.inner_text()
+        shown = user.locator("img").first.get_attribute("src")
+        visitor.page.reload()  # the saved conversation keeps its picture
+        visitor.page.wait_for_selector("#rill-input textarea", timeout=WAIT_S * 1000)
+        until(lambda: user.locator("img").count() == 1 and QUESTION in user.last.inner_text(),
+              message="the picture and the question in the saved conversation after a reload")
+        until(lambda: user.locator("img").first.evaluate("img => img.complete && img.naturalWidth") == 50,
+              message="the saved picture to load (50 pixels wide)")
+        assert user.locator("img").first.get_attribute("src") == shown
         assert visitor.dialogs == [] and visitor.foreign_requests == []
     finally:
         visitor.close()
