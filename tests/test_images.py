@@ -153,14 +153,16 @@ def test_encoder_cache_skips_a_repeated_picture_without_its_blocks(loaded, refer
         vision.cache = type(vision.cache)(kept)
 
 
-@pytest.mark.parametrize("budget", [256, 7], ids=["whole-prompt", "chunked-inside-an-image"])
-@pytest.mark.parametrize("family", ["llava", "llava_next"])
-def test_llava_families_greedy_equals_generate(request, family, budget):
-    """LLaVA (a CLIP tower and projector, one tile a picture) and LLaVA-NeXT (anyres: a picture's
-    grid of tiles and its whole view, unpadded, rows ended by image_newline; so pictures of other
-    sizes get other token counts) through the same split and ImageEncoder: two pictures whose image
-    tokens touch, beside a text request, answer as `generate` with the processor's inputs; with 7
-    tokens a step the pictures' tokens span many chunks."""
+@pytest.mark.parametrize("budget", [256, 6], ids=["whole-prompt", "chunked-inside-an-image"])
+@pytest.mark.parametrize("family", ["llava", "llava_next", "gemma3"])
+def test_more_families_greedy_equals_generate(request, family, budget):
+    """LLaVA (a CLIP tower and projector, one tile a picture), LLaVA-NeXT (anyres: a picture's grid
+    of tiles and its whole view, unpadded, rows ended by image_newline; so pictures of other sizes
+    get other token counts) and Gemma 3 (a picture's tokens attend to each other both ways, on a
+    text model with a sliding window) through the same split and ImageEncoder: two pictures (LLaVA's
+    tokens touching) beside a text request answer as `generate` with the processor's inputs. With 6
+    tokens a step LLaVA's pictures span many chunks; Gemma 3's 4-token pictures, which such chunks
+    would cut (positions 9-12 and 19-22), are each computed in one chunk."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     folder = request.getfixturevalue(f"tiny_{family}")
@@ -170,19 +172,29 @@ def test_llava_families_greedy_equals_generate(request, family, budget):
     text = processor.apply_chat_template(_messages("Compare them.", 2), add_generation_prompt=True)
     inputs = processor(text=text, images=pictures, return_tensors="pt")
     n = inputs["input_ids"].shape[1]
-    want = model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)[0, n:].tolist()
+    out = model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False, output_logits=True,
+                         return_dict_in_generate=True)
+    want = out.sequences[0, n:].tolist()
+    # each token's logprob under generate: closer than the argmax alone (Gemma 3's image attention moves
+    # the logits after the pictures by a few thousandths, which no argmax here shows)
+    want_logprobs = [float(torch.log_softmax(step[0].float(), -1)[token]) for step, token in zip(out.logits, want)]
     plain = torch.tensor([processor.tokenizer.encode("the sun and the moon", add_special_tokens=False)])
     want_text = model.generate(input_ids=plain, max_new_tokens=MAX_NEW, do_sample=False)[0, plain.shape[1]:].tolist()
 
     loaded = load_model(str(folder))
-    assert loaded.vision.family == family and type(loaded.model).__name__ == "LlamaForCausalLM"
+    text_class = "Gemma3ForCausalLM" if family == "gemma3" else "LlamaForCausalLM"
+    assert loaded.vision.family == family and type(loaded.model).__name__ == text_class
     llm = LLM(loaded, EngineConfig(max_num_batched_tokens=budget))
     assert llm.core.attention_path == "paged"
     ids, images = loaded.vision.prepare(_messages("Compare them.", 2), pictures)
     assert ids == inputs["input_ids"][0].tolist() and images.count == 2
-    assert images.spans[1].first == images.spans[0].last + 1  # the two pictures' tokens touch
-    results = llm.generate([ids, plain[0].tolist()], _greedy(), images=[images, None])
+    if family == "gemma3":
+        assert [(span.first, span.last) for span in images.spans] == [(9, 12), (19, 22)]
+    else:
+        assert images.spans[1].first == images.spans[0].last + 1  # the two pictures' tokens touch
+    results = llm.generate([ids, plain[0].tolist()], _greedy(logprobs=0), images=[images, None])
     assert [r.token_ids for r in results] == [want, want_text]
+    assert [lp.logprob for lp in results[0].outputs[0].logprobs] == pytest.approx(want_logprobs, abs=1e-4)
 
 
 def test_text_only_model_refuses_images(tiny_model, loaded):
@@ -242,7 +254,7 @@ def test_health_says_images_and_limits(vlm_server, tiny_server):
 
     images = httpx.get(f"{vlm_server.url}/health").json()["images"]
     assert images["family"] == "idefics3" and images["max_images"] == 4
-    assert images["families"] == ["idefics3", "llava", "llava_next", "smolvlm"]  # the families that load
+    assert images["families"] == ["gemma3", "idefics3", "llava", "llava_next", "smolvlm"]  # the families that load
     assert images["max_bytes"] == IMAGE_BYTES_LIMIT and images["allowed_media_domains"] == []
     assert httpx.get(f"{tiny_server.url}/health").json()["images"] is None
 

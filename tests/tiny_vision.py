@@ -139,6 +139,46 @@ def build_tiny_llava_next(out_dir: str | Path, seed: int = 0) -> Path:
     return out_dir
 
 
+def build_tiny_gemma3(out_dir: str | Path, seed: int = 0) -> Path:
+    """Write a tiny `Gemma3ForConditionalGeneration` (SigLIP on 32x32 pictures, the pooling projector
+    down to 4 tokens a picture, a Gemma 3 text model with a sliding window of 48: the answers see both
+    test pictures, their last tokens not the prompt's start) and its
+    `Gemma3Processor` into `out_dir`: each picture as `<start_of_image>`, 4 `<image_soft_token>`s
+    (which attend to each other both ways) and `<end_of_image>`."""
+    import torch
+    import transformers as tf
+
+    from tests.tiny_models import CONTEXT, _special_ids, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    marks = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+    tokenizer.add_special_tokens({"additional_special_tokens": list(marks.values())})
+    tokenizer._set_model_specific_special_tokens(special_tokens=marks)  # the processor reads them by these names
+    ids = _special_ids(tokenizer)
+    token = tokenizer.convert_tokens_to_ids
+    text = tf.Gemma3TextConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=CONTEXT,
+                               sliding_window=48, query_pre_attn_scalar=16, initializer_range=0.2, **ids)
+    vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                   image_size=TILE, patch_size=PATCH)
+    config = tf.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                             boi_token_index=token(marks["boi_token"]), eoi_token_index=token(marks["eoi_token"]),
+                             image_token_index=token(marks["image_token"]), tie_word_embeddings=False, **ids)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = tf.Gemma3ForConditionalGeneration(config).eval()
+        with torch.no_grad():  # initialised to zeros (every image token the same): random, so they differ
+            model.model.multi_modal_projector.mm_input_projection_weight.normal_(0, 0.5)
+    model.generation_config = tf.GenerationConfig(**ids)
+    images = tf.Gemma3ImageProcessorPil(size={"height": TILE, "width": TILE})
+    processor = tf.Gemma3Processor(image_processor=images, tokenizer=tokenizer, image_seq_length=4,
+                                   chat_template=VLM_TEMPLATE.replace("<image>", marks["boi_token"]))
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir)
+    processor.save_pretrained(out_dir)
+    return out_dir
+
+
 def test_image(seed: int = 0, size: tuple[int, int] = (50, 40)):
     """A random RGB picture of `size` (width, height)."""
     import numpy as np
@@ -166,6 +206,11 @@ if pytest is not None:
     def tiny_llava(tmp_path_factory) -> Path:
         """The folder of the tiny LLaVA model, built once per run."""
         return build_tiny_llava(tmp_path_factory.mktemp("tiny_llava") / "llava")
+
+    @pytest.fixture(scope="session")
+    def tiny_gemma3(tmp_path_factory) -> Path:
+        """The folder of the tiny Gemma 3 model, built once per run."""
+        return build_tiny_gemma3(tmp_path_factory.mktemp("tiny_gemma3") / "gemma3")
 
     @pytest.fixture(scope="session")
     def tiny_llava_next(tmp_path_factory) -> Path:

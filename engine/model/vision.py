@@ -23,7 +23,11 @@ from engine.model.errors import ModelLoadError
 log = logging.getLogger("rill.engine")
 
 # model_type -> what the split needs: the attribute of the language model inside `composite.model`
-FAMILIES = {"idefics3": "text_model", "smolvlm": "text_model", "llava": "language_model", "llava_next": "language_model"}
+FAMILIES = {"idefics3": "text_model", "smolvlm": "text_model", "llava": "language_model", "llava_next": "language_model",
+            "gemma3": "language_model"}
+# families whose image tokens attend to each other both ways inside an image (Gemma 3): an image is
+# computed in one prefill chunk (the scheduler never cuts one) under a mask that opens its block
+WHOLE_IMAGE_FAMILIES = {"gemma3"}
 # model_type -> the token just before each image's last run of image tokens (Idefics3 splits an image
 # into tiles, one run each, its global view last); in a family without one every image has one tile
 # and the same number of tokens (LLaVA), whose runs may touch
@@ -54,6 +58,25 @@ class PromptImages:
     positions: torch.Tensor  # [image tokens] int64: the prompt positions the features replace, in order
     spans: tuple[ImageSpan, ...]  # each image, in prompt order
     sizes: torch.Tensor | None = None  # [images, 2] (height, width) each picture had (LLaVA-NeXT's unpadding)
+    whole: bool = False  # an image's tokens attend both ways (Gemma 3): each computed in one chunk
+
+    def chunk_tokens(self, start: int, num_tokens: int) -> int:
+        """The tokens a prefill chunk from `start` takes instead of `num_tokens` when images must stay
+        whole: it stops before an image it would cut, or, starting inside or at one, runs to its end
+        (past the step's budget if need be)."""
+        if not self.whole:
+            return num_tokens
+        end = start + num_tokens
+        for span in self.spans:
+            if span.first < end <= span.last:  # the chunk would end inside this image
+                return span.first - start if span.first > start else span.last + 1 - start
+        return num_tokens
+
+    def blocks_within(self, start: int, stop: int) -> tuple[tuple[int, int], ...]:
+        """[first, last] positions of the images inside positions [start, stop), when they attend both ways."""
+        if not self.whole:
+            return ()
+        return tuple((span.first, span.last) for span in self.spans if span.first >= start and span.last < stop)
 
     @property
     def count(self) -> int:
@@ -216,12 +239,13 @@ class ImageEncoder:
             tokens = list(proc._get_num_multimodal_tokens(image_sizes=sizes.tolist()).num_image_tokens)
             spans = counted_spans(out["input_ids"][0], self.image_token_id, tiles, tokens, pixels, sizes)
             return ids, PromptImages(pixels, None, positions, spans, sizes)
+        whole = self.family in WHOLE_IMAGE_FAMILIES
         pixels = out["pixel_values"]  # [1, tiles, 3, H, W] (Idefics3) or [images, 3, H, W] (LLaVA)
         pixels = pixels[0] if pixels.dim() == 5 else pixels  # [tiles, 3, H, W]
         mask = out.get("pixel_attention_mask")
         mask = mask[0].bool() if mask is not None else None
         spans = image_spans(out["input_ids"][0], self.image_token_id, self.marker_id, pixels, mask, len(images))
-        return ids, PromptImages(pixels, mask, positions, spans)
+        return ids, PromptImages(pixels, mask, positions, spans, whole=whole)
 
     def _tiles_of(self, size: list[int]) -> int:
         """LLaVA-NeXT: the tiles of a picture of `size` (height, width): its grid's and the whole view."""
@@ -249,7 +273,7 @@ class ImageEncoder:
                 pixels[row, :tiles.shape[0]] = tiles
                 masks[row, :tiles.shape[0]] = mask if mask is not None else True
             dev = self.composite.device
-            if self.family == "llava":  # one tile an image: [images, 3, H, W] -> a [tokens, hidden] per image
+            if self.family in ("llava", "gemma3"):  # one tile an image: [images, 3, H, W] -> [tokens, hidden] each
                 pooled = model.get_image_features(pixel_values=pixels[:, 0].to(dev), return_dict=True).pooler_output
             elif self.family == "llava_next":  # [images, tiles, ...] and their sizes -> a [tokens, hidden] per image
                 sizes = torch.stack([images[i][2] for i in members]).to(dev)
