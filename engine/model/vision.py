@@ -1,12 +1,14 @@
 """Vision-language checkpoints: the text half served as a causal LM, the vision half as an encoder.
 
 A composite model (`Idefics3ForConditionalGeneration`, SmolVLM's; `LlavaForConditionalGeneration`;
-`LlavaNextForConditionalGeneration`) is split at load: its language model and head become a plain
-`LlamaForCausalLM` sharing their modules, which the engine runs as
-any text model (paged KV cache, packed linears, the native decode step); the vision encoder and its
+`LlavaNextForConditionalGeneration`; `Gemma3ForConditionalGeneration`) is split at load: its language
+model and head become a plain causal LM (`LlamaForCausalLM`, `Gemma3ForCausalLM`) sharing their
+modules, which the engine runs as any text model (paged KV cache, packed linears, the native decode step); the vision encoder and its
 connector stay in the composite and run at prefill (`ImageEncoder.embed`, on the engine thread):
 their outputs replace the embeddings of the prompt's image tokens, as the model's own
 `inputs_merger` does. The processor makes a prompt's tokens and pixels exactly as for `generate`.
+Gemma 3's image tokens attend to each other both ways: the scheduler keeps each image in one
+prefill chunk (`PromptImages.chunk_tokens`) and the chunk's mask opens its block (engine/attention.py).
 """
 
 from __future__ import annotations
