@@ -197,6 +197,22 @@ def test_more_families_greedy_equals_generate(request, family, budget):
     assert [lp.logprob for lp in results[0].outputs[0].logprobs] == pytest.approx(want_logprobs, abs=1e-4)
 
 
+def test_whole_images_chunking_and_blocks(tiny_gemma3, loaded):
+    """Gemma 3's pictures (4 tokens at 9-12 and 19-22) are never cut: a chunk that would end inside one
+    stops before it, one starting at or inside one runs to its end (past the budget); the mask's blocks
+    are the images ending in the chunk, one begun before it (a prefix hit inside it) included. Other
+    families are chunked as text."""
+    gemma3 = load_model(str(tiny_gemma3)).vision
+    _, images = gemma3.prepare(_messages("Compare them.", 2), [test_image(1), test_image(2, (30, 70))])
+    assert [(span.first, span.last) for span in images.spans] == [(9, 12), (19, 22)] and images.whole
+    assert [images.chunk_tokens(start, n) for start, n in [(0, 6), (6, 6), (9, 2), (11, 1), (13, 6), (0, 9)]] == \
+        [6, 3, 4, 2, 6, 9]
+    assert images.blocks_within(9, 15) == ((9, 12),) and images.blocks_within(11, 13) == ((9, 12),)
+    assert images.blocks_within(0, 9) == () and images.blocks_within(9, 23) == ((9, 12), (19, 22))
+    _, other = loaded.vision.prepare(_messages("What is this?"), [test_image(1)])  # Idefics3: chunked as text
+    assert not other.whole and other.chunk_tokens(other.first, 2) == 2 and other.blocks_within(0, 100) == ()
+
+
 def test_text_only_model_refuses_images(tiny_model, loaded):
     """An image request to a text model is refused (never served without its image)."""
     from engine.request import InvalidRequest

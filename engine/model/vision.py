@@ -75,10 +75,12 @@ class PromptImages:
         return num_tokens
 
     def blocks_within(self, start: int, stop: int) -> tuple[tuple[int, int], ...]:
-        """[first, last] positions of the images inside positions [start, stop), when they attend both ways."""
+        """[first, last] positions of the images whose tokens end in positions [start, stop), when they
+        attend both ways: an image begun in cached blocks (a prefix hit inside it) is one too, its
+        cached tokens the keys its rest sees."""
         if not self.whole:
             return ()
-        return tuple((span.first, span.last) for span in self.spans if span.first >= start and span.last < stop)
+        return tuple((span.first, span.last) for span in self.spans if start <= span.last < stop)
 
     @property
     def count(self) -> int:
