@@ -78,6 +78,7 @@ class PrefillChunk:
     num_tokens: int
     start: int  # position of its first query token
     slots: torch.Tensor  # [start + num_tokens] cache slots of positions 0..end
+    image_blocks: tuple = ()  # [first, last] positions of images inside it whose tokens see each other both ways
 
 
 @dataclass(slots=True)
@@ -119,6 +120,8 @@ class StepMetadata:
             q_pos = torch.arange(chunk.start, chunk.start + chunk.num_tokens, device=device)[:, None]
             k_pos = torch.arange(chunk.start + chunk.num_tokens, device=device)[None, :]
             mask = k_pos <= q_pos
+            for first, last in chunk.image_blocks:  # Gemma 3: an image's tokens see the whole image
+                mask |= (q_pos >= first) & (q_pos <= last) & (k_pos >= first) & (k_pos <= last)
             if sliding_window:
                 mask &= k_pos > q_pos - sliding_window
             mask = mask.repeat(groups, 1)

@@ -77,6 +77,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            if seq.images is not None:  # an image that must stay whole is never cut (Gemma 3)
+                num_new = seq.images.chunk_tokens(seq.num_computed_tokens, num_new)
             draft = self._draft(seq, num_new, budget)
             num_new += len(draft)
             # Make room, preempting from the back; the sequence itself may be the victim.
@@ -114,6 +116,8 @@ class Scheduler:
                     held.append(seq)  # still counted as waiting by self.fair
                     continue
             num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            if seq.images is not None:
+                num_new = seq.images.chunk_tokens(seq.num_computed_tokens, num_new)
             if not self.allocator.allocate(seq.block_table, seq.num_computed_tokens + num_new):
                 self.allocator.free(seq.block_table)  # it waits holding nothing
                 seq.num_computed_tokens = 0

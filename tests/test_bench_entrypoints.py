@@ -31,7 +31,7 @@ LEFT_OUT: dict[str, str] = {}  # name -> why it is not run here (none today)
 RUN_HERE = {"__main__", "plot", "profile_summary", "sampler", "divergence", "structured", "speculative",
             "spec_bound", "verify_cost", "stop_strings", "memory_bound", "quant_kinds", "peak_rates", "model",
             "suite", "fair_share", "server_share", "weights", "scaleout", "sse_cost", "peers", "gpu_check",
-            "qlinear_ab", "models_switch", "avx512_check", "compile_check"}
+            "qlinear_ab", "models_switch", "avx512_check", "compile_check", "vision"}
 TINY_SHAPE = "hidden=64,layers=2,ffn=128,heads=4,kv_heads=2,context=1024"
 
 
@@ -366,3 +366,36 @@ def test_peers_status_and_large_on_rill_alone(results, capsys):
     assert "error" not in rill and rill["ready_s"] > 0
     level, = rill["runs"]["decode"]["levels"]
     assert (level["concurrency"], level["completed"], level["errors"]) == (1, level["requests"], 0)
+
+
+def test_vision_on_the_shared_vlm_server(server_with, tiny_vlm, results, monkeypatch, capsys):
+    """bench.vision against the tiny Idefics3 server tests/test_images.py starts (the same flags: one
+    server), its pictures small enough for that server's byte limit, beside the usual Space's engine;
+    and the checkpoint it writes at bench time, on the tiny shape."""
+    import httpx
+
+    from bench import vision
+    from tests.test_images import IMAGE_BYTES_LIMIT
+
+    monkeypatch.setattr(vision, "RESULTS", results)
+    server = server_with("--max-image-bytes", str(IMAGE_BYTES_LIMIT), model=tiny_vlm)
+    misses = lambda: httpx.get(f"{server.url}/health").json()["images"]["encoder_cache"]["misses"]  # noqa: E731
+    before = misses()
+    assert vision.main(["--url", server.url, "--model", str(tiny_vlm), "--picture", "64x48", "--tokens", "2",
+                        "--clients", "1,2"]) == 0
+    text = capsys.readouterr().out
+    assert misses() - before == 5  # pictures never seen: the warm-up, the first, one at 1 client, two at 2
+    rows = {row[0]: row for row in table_rows(text)[1:]}
+    assert set(rows) == {"rill /v1/chat/completions", "the usual Space (generate, one at a time)"}, text
+    assert re.search(r"^repeated picture: [\d.]+x the first TTFT \(target <= 0.3x\)$", text, re.M), text
+    doc = json.loads((results / f"vision-{tiny_vlm.name}.json").read_text())
+    assert doc["rill"]["family"] == "idefics3" and doc["image_tokens"] == 20  # 2x2 tiles and the global view
+    for name in ("rill", "space"):
+        levels = doc[name]["levels"]
+        assert [(level["clients"], level["requests"]) for level in levels] == [(1, 1), (2, 2)]
+        assert doc[name]["ttft_new_s"] > 0 and all(level["requests_per_s"] > 0 for level in levels)
+
+    folder = vision.write_checkpoint("tiny", results / "tiny-smolvlm")
+    assert vision.image_tokens(folder) == 4  # one 32-pixel tile of 16 patches, shuffled by 2
+    config = json.loads((folder / "config.json").read_text())
+    assert config["model_type"] == "idefics3" and config["text_config"]["hidden_size"] == 64

@@ -153,32 +153,64 @@ def test_encoder_cache_skips_a_repeated_picture_without_its_blocks(loaded, refer
         vision.cache = type(vision.cache)(kept)
 
 
-@pytest.mark.parametrize("budget", [128, 7], ids=["whole-prompt", "chunked-inside-an-image"])
-def test_llava_greedy_equals_generate(tiny_llava, budget):
-    """LLaVA (a CLIP tower and projector, one tile a picture) through the same split and ImageEncoder:
-    two pictures whose image tokens touch, beside a text request, answer as `generate` with the
-    processor's inputs; with 7 tokens a step the pictures' 32 tokens span several chunks."""
+@pytest.mark.parametrize("budget", [256, 6], ids=["whole-prompt", "chunked-inside-an-image"])
+@pytest.mark.parametrize("family", ["llava", "llava_next", "gemma3"])
+def test_more_families_greedy_equals_generate(request, family, budget):
+    """LLaVA (a CLIP tower and projector, one tile a picture), LLaVA-NeXT (anyres: a picture's grid
+    of tiles and its whole view, unpadded, rows ended by image_newline; so pictures of other sizes
+    get other token counts) and Gemma 3 (a picture's tokens attend to each other both ways, on a
+    text model with a sliding window) through the same split and ImageEncoder: two pictures (LLaVA's
+    tokens touching) beside a text request answer as `generate` with the processor's inputs. With 6
+    tokens a step LLaVA's pictures span many chunks; Gemma 3's 4-token pictures, which such chunks
+    would cut (positions 9-12 and 19-22), are each computed in one chunk."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    processor = AutoProcessor.from_pretrained(tiny_llava)
-    model = AutoModelForImageTextToText.from_pretrained(tiny_llava, dtype=torch.float32).eval()
+    folder = request.getfixturevalue(f"tiny_{family}")
+    processor = AutoProcessor.from_pretrained(folder)
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
     pictures = [test_image(1), test_image(2, (30, 70))]
     text = processor.apply_chat_template(_messages("Compare them.", 2), add_generation_prompt=True)
     inputs = processor(text=text, images=pictures, return_tensors="pt")
     n = inputs["input_ids"].shape[1]
-    want = model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)[0, n:].tolist()
+    out = model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False, output_logits=True,
+                         return_dict_in_generate=True)
+    want = out.sequences[0, n:].tolist()
+    # each token's logprob under generate: closer than the argmax alone (Gemma 3's image attention moves
+    # the logits after the pictures by a few thousandths, which no argmax here shows)
+    want_logprobs = [float(torch.log_softmax(step[0].float(), -1)[token]) for step, token in zip(out.logits, want)]
     plain = torch.tensor([processor.tokenizer.encode("the sun and the moon", add_special_tokens=False)])
     want_text = model.generate(input_ids=plain, max_new_tokens=MAX_NEW, do_sample=False)[0, plain.shape[1]:].tolist()
 
-    llava = load_model(str(tiny_llava))
-    assert llava.vision.family == "llava" and type(llava.model).__name__ == "LlamaForCausalLM"
-    llm = LLM(llava, EngineConfig(max_num_batched_tokens=budget))
+    loaded = load_model(str(folder))
+    text_class = "Gemma3ForCausalLM" if family == "gemma3" else "LlamaForCausalLM"
+    assert loaded.vision.family == family and type(loaded.model).__name__ == text_class
+    llm = LLM(loaded, EngineConfig(max_num_batched_tokens=budget))
     assert llm.core.attention_path == "paged"
-    ids, images = llava.vision.prepare(_messages("Compare them.", 2), pictures)
+    ids, images = loaded.vision.prepare(_messages("Compare them.", 2), pictures)
     assert ids == inputs["input_ids"][0].tolist() and images.count == 2
-    assert images.spans[1].first == images.spans[0].last + 1  # the two pictures' tokens touch
-    results = llm.generate([ids, plain[0].tolist()], _greedy(), images=[images, None])
+    if family == "gemma3":
+        assert [(span.first, span.last) for span in images.spans] == [(9, 12), (19, 22)]
+    else:
+        assert images.spans[1].first == images.spans[0].last + 1  # the two pictures' tokens touch
+    results = llm.generate([ids, plain[0].tolist()], _greedy(logprobs=0), images=[images, None])
     assert [r.token_ids for r in results] == [want, want_text]
+    assert [lp.logprob for lp in results[0].outputs[0].logprobs] == pytest.approx(want_logprobs, abs=1e-4)
+
+
+def test_whole_images_chunking_and_blocks(tiny_gemma3, loaded):
+    """Gemma 3's pictures (4 tokens at 9-12 and 19-22) are never cut: a chunk that would end inside one
+    stops before it, one starting at or inside one runs to its end (past the budget); the mask's blocks
+    are the images ending in the chunk, one begun before it (a prefix hit inside it) included. Other
+    families are chunked as text."""
+    gemma3 = load_model(str(tiny_gemma3)).vision
+    _, images = gemma3.prepare(_messages("Compare them.", 2), [test_image(1), test_image(2, (30, 70))])
+    assert [(span.first, span.last) for span in images.spans] == [(9, 12), (19, 22)] and images.whole
+    assert [images.chunk_tokens(start, n) for start, n in [(0, 6), (6, 6), (9, 2), (11, 1), (13, 6), (0, 9)]] == \
+        [6, 3, 4, 2, 6, 9]
+    assert images.blocks_within(9, 15) == ((9, 12),) and images.blocks_within(11, 13) == ((9, 12),)
+    assert images.blocks_within(0, 9) == () and images.blocks_within(9, 23) == ((9, 12), (19, 22))
+    _, other = loaded.vision.prepare(_messages("What is this?"), [test_image(1)])  # Idefics3: chunked as text
+    assert not other.whole and other.chunk_tokens(other.first, 2) == 2 and other.blocks_within(0, 100) == ()
 
 
 def test_text_only_model_refuses_images(tiny_model, loaded):
@@ -238,6 +270,7 @@ def test_health_says_images_and_limits(vlm_server, tiny_server):
 
     images = httpx.get(f"{vlm_server.url}/health").json()["images"]
     assert images["family"] == "idefics3" and images["max_images"] == 4
+    assert images["families"] == ["gemma3", "idefics3", "llava", "llava_next", "smolvlm"]  # the families that load
     assert images["max_bytes"] == IMAGE_BYTES_LIMIT and images["allowed_media_domains"] == []
     assert httpx.get(f"{tiny_server.url}/health").json()["images"] is None
 

@@ -64,6 +64,14 @@ def test_page_uploads_a_picture_and_answers_as_the_route_does(browser, vlm_serve
         user = visitor.page.locator("#rill-chatbot [data-testid='user']")
         assert user.locator("img").count() == 1  # the picture shows in the conversation
         assert QUESTION in user.last.inner_text()
+        shown = user.locator("img").first.get_attribute("src")
+        visitor.page.reload()  # the saved conversation keeps its picture
+        visitor.page.wait_for_selector("#rill-input textarea", timeout=WAIT_S * 1000)
+        until(lambda: user.locator("img").count() == 1 and QUESTION in user.last.inner_text(),
+              message="the picture and the question in the saved conversation after a reload")
+        until(lambda: user.locator("img").first.evaluate("img => img.complete && img.naturalWidth") == 50,
+              message="the saved picture to load (50 pixels wide)")
+        assert user.locator("img").first.get_attribute("src") == shown
         assert visitor.dialogs == [] and visitor.foreign_requests == []
     finally:
         visitor.close()
@@ -137,3 +145,45 @@ def test_editing_a_message_keeps_its_pictures(tmp_path):
     new = edited(history, SimpleNamespace(index=0, value="And the colour?"))[0]
     assert to_engine_messages(new, escaped=True, images=True) == [
         {"role": "user", "content": [{"type": "image_file", "path": upload}, {"type": "text", "text": "And the colour?"}]}]
+
+
+def test_an_export_keeps_the_conversations_pictures(tmp_path):
+    """The Export button's JSON carries each uploaded picture as an image_url part with its bytes (a
+    data: URL, so the export can be sent to /v1/chat/completions); a picture gone from the server is
+    named as gone; a path outside Gradio's upload folder (the store comes from the browser) is never
+    read: that export has the text alone."""
+    import base64
+    import secrets
+    from pathlib import Path
+
+    from gradio.utils import get_upload_folder
+
+    from ui.conversations import _export_file
+
+    folder = Path(get_upload_folder()) / f"rill-test-{secrets.token_hex(6)}"
+    folder.mkdir(parents=True)
+    png = _png(test_image(9))
+    (folder / "picture.png").write_bytes(png)
+    outside = tmp_path / "secret.png"
+    outside.write_bytes(png)
+
+    def export(path) -> list[dict]:
+        messages = [{"role": "user", "content": {"path": str(path), "mime_type": "image/png"}},
+                    {"role": "user", "content": QUESTION}, {"role": "assistant", "content": "A picture."}]
+        item = {"id": "0123456789ab", "title": "pictures", "messages": messages}
+        return json.loads(Path(_export_file(item)).read_text())["messages"]
+
+    try:
+        first = export(folder / "picture.png")
+        assert first[0]["content"][0] == {"type": "image_url", "image_url": {
+            "url": "data:image/png;base64," + base64.b64encode(png).decode()}}
+        assert [m["content"] for m in first[1:]] == [QUESTION, "A picture."]
+        (folder / "picture.png").unlink()
+        assert export(folder / "picture.png")[0]["content"][0] == {"type": "text",
+                                                                    "text": "[an image no longer on the server]"}
+        hostile = export(outside)
+        assert [m["content"] for m in hostile] == [QUESTION, "A picture."]  # no image read from outside
+    finally:
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)

@@ -9,6 +9,7 @@ store and gives back a new one.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
@@ -160,12 +161,33 @@ def drop_exports(request: gr.Request = None) -> None:
     EXPORTS.drop(getattr(request, "session_hash", None))
 
 
-def _export_file(item: dict, request=None) -> str | None:
-    """The conversation as a JSON file (plain text messages) for the Export button; None when empty."""
+IMAGE_TYPES = {b"\x89PNG": "image/png", b"\xff\xd8\xff": "image/jpeg", b"GIF8": "image/gif", b"RIFF": "image/webp"}
+
+
+def _image_url_part(part: dict) -> dict:
+    """An uploaded picture of the conversation as an `image_url` part with its bytes in a data: URL (the
+    export can be sent to /v1/chat/completions as it is); a picture no longer on the server (uploads
+    are kept an hour) as a text part saying so."""
     try:
-        messages = to_engine_messages(item["messages"], escaped=True)
-    except ChatError:
-        messages = []
+        data = Path(part["path"]).read_bytes()
+    except OSError:
+        return {"type": "text", "text": "[an image no longer on the server]"}
+    media = next((kind for magic, kind in IMAGE_TYPES.items() if data.startswith(magic)), "application/octet-stream")
+    return {"type": "image_url", "image_url": {"url": f"data:{media};base64,{base64.b64encode(data).decode()}"}}
+
+
+def _export_file(item: dict, request=None) -> str | None:
+    """The conversation as a JSON file for the Export button (its uploaded pictures as data: URLs, see
+    `_image_url_part`); None when empty."""
+    try:
+        messages = to_engine_messages(item["messages"], escaped=True, images=True)
+    except ChatError:  # a file outside the upload folder (the store comes from the browser): text only
+        try:
+            messages = to_engine_messages(item["messages"], escaped=True)
+        except ChatError:
+            messages = []
+    messages = [{**m, "content": [_image_url_part(p) if p.get("type") == "image_file" else p for p in m["content"]]}
+                if isinstance(m["content"], list) else m for m in messages]
     if not messages:
         return None
     return EXPORTS.write(getattr(request, "session_hash", None), item["title"], messages)

@@ -1,11 +1,14 @@
 """Vision-language checkpoints: the text half served as a causal LM, the vision half as an encoder.
 
-A composite model (`Idefics3ForConditionalGeneration`, SmolVLM's; `LlavaForConditionalGeneration`) is split at load: its language
-model and head become a plain `LlamaForCausalLM` sharing their modules, which the engine runs as
-any text model (paged KV cache, packed linears, the native decode step); the vision encoder and its
+A composite model (`Idefics3ForConditionalGeneration`, SmolVLM's; `LlavaForConditionalGeneration`;
+`LlavaNextForConditionalGeneration`; `Gemma3ForConditionalGeneration`) is split at load: its language
+model and head become a plain causal LM (`LlamaForCausalLM`, `Gemma3ForCausalLM`) sharing their
+modules, which the engine runs as any text model (paged KV cache, packed linears, the native decode step); the vision encoder and its
 connector stay in the composite and run at prefill (`ImageEncoder.embed`, on the engine thread):
 their outputs replace the embeddings of the prompt's image tokens, as the model's own
 `inputs_merger` does. The processor makes a prompt's tokens and pixels exactly as for `generate`.
+Gemma 3's image tokens attend to each other both ways: the scheduler keeps each image in one
+prefill chunk (`PromptImages.chunk_tokens`) and the chunk's mask opens its block (engine/attention.py).
 """
 
 from __future__ import annotations
@@ -22,7 +25,11 @@ from engine.model.errors import ModelLoadError
 log = logging.getLogger("rill.engine")
 
 # model_type -> what the split needs: the attribute of the language model inside `composite.model`
-FAMILIES = {"idefics3": "text_model", "smolvlm": "text_model", "llava": "language_model"}
+FAMILIES = {"idefics3": "text_model", "smolvlm": "text_model", "llava": "language_model", "llava_next": "language_model",
+            "gemma3": "language_model"}
+# families whose image tokens attend to each other both ways inside an image (Gemma 3): an image is
+# computed in one prefill chunk (the scheduler never cuts one) under a mask that opens its block
+WHOLE_IMAGE_FAMILIES = {"gemma3"}
 # model_type -> the token just before each image's last run of image tokens (Idefics3 splits an image
 # into tiles, one run each, its global view last); in a family without one every image has one tile
 # and the same number of tokens (LLaVA), whose runs may touch
@@ -52,6 +59,28 @@ class PromptImages:
     pixel_attention_mask: torch.Tensor | None  # [tiles, H, W] bool: the real (unpadded) pixels
     positions: torch.Tensor  # [image tokens] int64: the prompt positions the features replace, in order
     spans: tuple[ImageSpan, ...]  # each image, in prompt order
+    sizes: torch.Tensor | None = None  # [images, 2] (height, width) each picture had (LLaVA-NeXT's unpadding)
+    whole: bool = False  # an image's tokens attend both ways (Gemma 3): each computed in one chunk
+
+    def chunk_tokens(self, start: int, num_tokens: int) -> int:
+        """The tokens a prefill chunk from `start` takes instead of `num_tokens` when images must stay
+        whole: it stops before an image it would cut, or, starting inside or at one, runs to its end
+        (past the step's budget if need be)."""
+        if not self.whole:
+            return num_tokens
+        end = start + num_tokens
+        for span in self.spans:
+            if span.first < end <= span.last:  # the chunk would end inside this image
+                return span.first - start if span.first > start else span.last + 1 - start
+        return num_tokens
+
+    def blocks_within(self, start: int, stop: int) -> tuple[tuple[int, int], ...]:
+        """[first, last] positions of the images whose tokens end in positions [start, stop), when they
+        attend both ways: an image begun in cached blocks (a prefix hit inside it) is one too, its
+        cached tokens the keys its rest sees."""
+        if not self.whole:
+            return ()
+        return tuple((span.first, span.last) for span in self.spans if start <= span.last < stop)
 
     @property
     def count(self) -> int:
@@ -70,6 +99,23 @@ class PromptImages:
     @property
     def last(self) -> int:
         return int(self.positions[-1])
+
+
+def counted_spans(input_ids: torch.Tensor, image_token_id: int, tiles: list[int], tokens: list[int],
+                  pixels: torch.Tensor, sizes: torch.Tensor) -> tuple[ImageSpan, ...]:
+    """Each image's span when the processor says how many tiles (`tiles`) and image tokens (`tokens`)
+    each has (LLaVA-NeXT: both depend on the picture's size, and pictures' tokens may touch)."""
+    positions = (input_ids == image_token_id).nonzero().flatten().tolist()
+    if sum(tokens) != len(positions) or sum(tiles) != pixels.shape[0]:
+        raise RuntimeError(f"the processor's prompt has {len(positions)} image tokens and {pixels.shape[0]} tiles; "
+                           f"its images need {sum(tokens)} and {sum(tiles)}")
+    spans, token, tile = [], 0, 0
+    for i, (n_tiles, n_tokens) in enumerate(zip(tiles, tokens)):
+        h = hashlib.blake2b(pixel_digest(pixels[tile:tile + n_tiles], None), digest_size=16)
+        h.update(sizes[i].numpy().tobytes())  # the unpadding depends on the picture's size too
+        spans.append(ImageSpan(positions[token], positions[token + n_tokens - 1], (tile, tile + n_tiles), h.digest()))
+        token, tile = token + n_tokens, tile + n_tiles
+    return tuple(spans)
 
 
 def image_spans(input_ids: torch.Tensor, image_token_id: int, marker_id: int | None, pixels: torch.Tensor,
@@ -171,7 +217,7 @@ class ImageEncoder:
     def describe(self) -> dict:
         """What /health says of the vision half."""
         cache = self.cache
-        return {"family": self.family, "image_token": self.processor.image_token,
+        return {"family": self.family, "families": sorted(FAMILIES), "image_token": self.processor.image_token,
                 "encoder": "transformers' modules (float32, on the engine thread at prefill)",
                 "encoder_cache": {"max_bytes": cache.max_bytes, "bytes": cache.bytes, "images": len(cache.entries),
                                   "hits": cache.hits, "misses": cache.misses}}
@@ -189,35 +235,54 @@ class ImageEncoder:
         ids = out["input_ids"][0].tolist()
         if not images:
             return ids, None
+        positions = (out["input_ids"][0] == self.image_token_id).nonzero().flatten()
+        if self.family == "llava_next":  # [images, most tiles, 3, H, W], each picture's own tile count
+            sizes = out["image_sizes"]  # [images, 2]: each picture's (height, width)
+            tiles = [self._tiles_of(size) for size in sizes.tolist()]
+            pixels = torch.cat([out["pixel_values"][i, :n] for i, n in enumerate(tiles)])  # [tiles, 3, H, W]
+            tokens = list(proc._get_num_multimodal_tokens(image_sizes=sizes.tolist()).num_image_tokens)
+            spans = counted_spans(out["input_ids"][0], self.image_token_id, tiles, tokens, pixels, sizes)
+            return ids, PromptImages(pixels, None, positions, spans, sizes)
+        whole = self.family in WHOLE_IMAGE_FAMILIES
         pixels = out["pixel_values"]  # [1, tiles, 3, H, W] (Idefics3) or [images, 3, H, W] (LLaVA)
         pixels = pixels[0] if pixels.dim() == 5 else pixels  # [tiles, 3, H, W]
         mask = out.get("pixel_attention_mask")
         mask = mask[0].bool() if mask is not None else None
-        positions = (out["input_ids"][0] == self.image_token_id).nonzero().flatten()
         spans = image_spans(out["input_ids"][0], self.image_token_id, self.marker_id, pixels, mask, len(images))
-        return ids, PromptImages(pixels, mask, positions, spans)
+        return ids, PromptImages(pixels, mask, positions, spans, whole=whole)
+
+    def _tiles_of(self, size: list[int]) -> int:
+        """LLaVA-NeXT: the tiles of a picture of `size` (height, width): its grid's and the whole view."""
+        from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
+
+        config = self.composite.config
+        return image_size_to_num_patches(size, config.image_grid_pinpoints, config.vision_config.image_size)
 
     @torch.inference_mode()
-    def features(self, images: list[tuple[torch.Tensor, torch.Tensor | None]]) -> list[torch.Tensor]:
-        """[image tokens, hidden] per image ((its tiles [tiles, 3, H, W], their mask or None)): the vision
-        tower and connector once over the images whose tiles have one shape (padded with the all-zero
-        tiles `get_image_features` drops)."""
+    def features(self, images: list[tuple]) -> list[torch.Tensor]:
+        """[image tokens, hidden] per image ((its tiles [tiles, 3, H, W], their mask or None, its size
+        [2] or None)): the vision tower and connector once over the images whose tiles have one shape
+        (padded with all-zero tiles, which `get_image_features` drops)."""
         model = self.composite.model
         out: dict[int, torch.Tensor] = {}
         groups: dict[tuple, list[int]] = {}
-        for i, (pixels, _) in enumerate(images):
+        for i, (pixels, *_) in enumerate(images):
             groups.setdefault(tuple(pixels.shape[1:]), []).append(i)
         for members in groups.values():
             most = max(images[i][0].shape[0] for i in members)
             pixels = torch.zeros(len(members), most, *images[members[0]][0].shape[1:])
             masks = torch.zeros(len(members), most, *pixels.shape[-2:], dtype=torch.bool)
             for row, i in enumerate(members):
-                tiles, mask = images[i]
+                tiles, mask, _ = images[i]
                 pixels[row, :tiles.shape[0]] = tiles
                 masks[row, :tiles.shape[0]] = mask if mask is not None else True
             dev = self.composite.device
-            if self.family == "llava":  # one tile an image: [images, 3, H, W] -> a [tokens, hidden] per image
+            if self.family in ("llava", "gemma3"):  # one tile an image: [images, 3, H, W] -> [tokens, hidden] each
                 pooled = model.get_image_features(pixel_values=pixels[:, 0].to(dev), return_dict=True).pooler_output
+            elif self.family == "llava_next":  # [images, tiles, ...] and their sizes -> a [tokens, hidden] per image
+                sizes = torch.stack([images[i][2] for i in members]).to(dev)
+                pooled = model.get_image_features(pixel_values=pixels.to(dev), image_sizes=sizes,
+                                                  return_dict=True).pooler_output
             else:  # [images, tiles, ...] with the real pixels' mask -> [images, tiles, tokens, hidden]
                 pooled = model.get_image_features(pixels.to(dev), masks.to(dev), return_dict=True).pooler_output
             for row, i in enumerate(members):
@@ -233,7 +298,7 @@ class ImageEncoder:
         missing: dict[tuple, tuple] = {}  # key -> (tiles, mask) of an image not in the cache
         for seq in seqs:
             images = seq.images
-            for span in images.spans:
+            for index, span in enumerate(images.spans):
                 key = (seq.params.cache_salt, span.digest)
                 if key in found or key in missing:
                     continue
@@ -243,7 +308,8 @@ class ImageEncoder:
                 else:
                     start, stop = span.tiles
                     mask = images.pixel_attention_mask
-                    missing[key] = (images.pixel_values[start:stop], mask[start:stop] if mask is not None else None)
+                    missing[key] = (images.pixel_values[start:stop], mask[start:stop] if mask is not None else None,
+                                    images.sizes[index] if images.sizes is not None else None)
         if missing:
             for key, feats in zip(missing, self.features(list(missing.values()))):
                 found[key] = feats

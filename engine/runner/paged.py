@@ -78,6 +78,7 @@ class FlatBatch:
     decode_rows: list[int]  # [decodes] its plan row
     decode_lens: list[int]  # [decodes] its context, its own token included
     prefills: list[tuple[int, int, int, int]]  # (token offset, tokens, start, row) of each prompt chunk
+    image_blocks: dict[int, tuple]  # row -> [first, last] of the images its chunk attends both ways (Gemma 3)
     sample_rows: list[int]  # [sampling chunks] the flat index of each sampling chunk's last token
     tables: torch.Tensor  # [rows * width] int64: block i of row r at r * width + i (0-padded)
     width: int  # blocks in the longest block table
@@ -101,7 +102,7 @@ class FlatBatch:
 
 def flatten(plan: list[ScheduledChunk], block_size: int) -> FlatBatch:
     """The plan's chunks as a `FlatBatch`."""
-    batch = FlatBatch([], torch.empty(0), [], [], [], [], [], [], torch.empty(0), 0, block_size)
+    batch = FlatBatch([], torch.empty(0), [], [], [], [], [], {}, [], torch.empty(0), 0, block_size)
     positions: list[int] = []
     for row, chunk in enumerate(plan):
         start, n = chunk.start, chunk.num_tokens
@@ -115,6 +116,8 @@ def flatten(plan: list[ScheduledChunk], block_size: int) -> FlatBatch:
             batch.decode_lens.append(start + 1)
         else:
             batch.prefills.append((offset, n, start, row))
+            if chunk.seq.images is not None and chunk.seq.images.whole:
+                batch.image_blocks[row] = chunk.seq.images.blocks_within(start, start + n)
         if chunk.samples:  # a draft's chunk: a row for each of its positions too
             batch.sample_rows.extend(range(offset + n - 1 - len(chunk.draft), offset + n))
     batch.positions = torch.tensor(positions, dtype=torch.long)
@@ -197,7 +200,8 @@ class PagedRunner:
         chunks = []
         for offset, n, start, row in batch.prefills:
             ctx = torch.arange(start + n)
-            chunks.append(PrefillChunk(offset, n, start, batch.slots(torch.full_like(ctx, row), ctx).to(self.device)))
+            chunks.append(PrefillChunk(offset, n, start, batch.slots(torch.full_like(ctx, row), ctx).to(self.device),
+                                       batch.image_blocks.get(row, ())))
         return chunks
 
     def _native_step(self, plan: list[ScheduledChunk], batch: FlatBatch, slot_mapping: torch.Tensor,
