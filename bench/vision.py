@@ -318,5 +318,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nwritten: {out}")
     return 0
 
+
 if __name__ == "__main__":
     raise SystemExit(main())
